@@ -1,0 +1,45 @@
+"""The prefix cache core: block hashing, the block pool, the KV cache manager, events and counters.
+
+Pure Python + numpy; imports no torch, so routers and the planner can use it without a model.
+"""
+
+from kvprefix.cache.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
+from kvprefix.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, EventPublisher, KVCacheEvent
+from kvprefix.cache.hashing import (
+    COLLISION_SAFE_ALGOS,
+    HASH_ALGOS,
+    BlockExtras,
+    BlockHash,
+    BlockHasher,
+    ExecutionContext,
+    LoraKey,
+    MultiModalItem,
+    prompt_embeds_block_digests,
+)
+from kvprefix.cache.manager import KVCacheManager, cdiv
+from kvprefix.cache.request import CacheRequest
+from kvprefix.cache.stats import PrefixCacheStats
+
+__all__ = [
+    "AllBlocksCleared",
+    "BlockExtras",
+    "BlockHash",
+    "BlockHasher",
+    "BlockPool",
+    "BlockRemoved",
+    "BlockStored",
+    "CacheRequest",
+    "COLLISION_SAFE_ALGOS",
+    "EventPublisher",
+    "ExecutionContext",
+    "FreeBlockQueue",
+    "HASH_ALGOS",
+    "KVCacheBlock",
+    "KVCacheEvent",
+    "KVCacheManager",
+    "LoraKey",
+    "MultiModalItem",
+    "PrefixCacheStats",
+    "cdiv",
+    "prompt_embeds_block_digests",
+]

@@ -1,0 +1,180 @@
+"""A fixed pool of KV blocks: ref counts, an LRU queue of free blocks, and the hash -> cached block map."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Sequence
+
+from kvprefix.cache.events import AllBlocksCleared, BlockRemoved, EventPublisher
+from kvprefix.cache.stats import PrefixCacheStats
+
+
+class KVCacheBlock:
+    """One block of KV slots. ``block_hash`` is set while the block is registered in the prefix cache."""
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: Hashable | None = None
+        self.prev_free: KVCacheBlock | None = None
+        self.next_free: KVCacheBlock | None = None
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, hash={self.block_hash!r})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks, threaded through the blocks themselves.
+
+    Front = next to be taken (least recently released). Every operation is O(1); removing a block from the
+    middle is how a cache hit on a free block takes it back.
+    """
+
+    def __init__(self, blocks: Iterable[KVCacheBlock]):
+        self._head = KVCacheBlock(-1)  # sentinels keep every link operation branch-free
+        self._tail = KVCacheBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def popleft(self) -> KVCacheBlock:
+        block = self._head.next_free
+        if block is self._tail:
+            raise IndexError("no free blocks")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVCacheBlock) -> None:
+        prev, nxt = block.prev_free, block.next_free
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        last = self._tail.prev_free
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self.num_free_blocks += 1
+
+    def appendleft(self, block: KVCacheBlock) -> None:
+        first = self._head.next_free
+        first.prev_free = block
+        block.next_free = first
+        block.prev_free = self._head
+        self._head.next_free = block
+        self.num_free_blocks += 1
+
+    def __iter__(self):
+        block = self._head.next_free
+        while block is not self._tail:
+            yield block
+            block = block.next_free
+
+
+class BlockPool:
+    """Owns every block. Free blocks that still hold a cached hash are eviction candidates in LRU order."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached_blocks: dict[Hashable, KVCacheBlock] = {}
+        self.events = EventPublisher()
+        self.stats = PrefixCacheStats()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks referenced by at least one request."""
+        return self.num_blocks - self.free_queue.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    def get_cached_block(self, block_hash: Hashable) -> KVCacheBlock | None:
+        return self.cached_blocks.get(block_hash)
+
+    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Takes a reference on cache-hit blocks; a free one leaves the eviction queue."""
+        remove = self.free_queue.remove
+        for block in blocks:
+            if block.ref_cnt == 0:
+                remove(block)
+            block.ref_cnt += 1
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Takes ``num_blocks`` from the front of the free queue, evicting their cached hashes."""
+        if num_blocks > self.free_queue.num_free_blocks:
+            raise ValueError(f"asked for {num_blocks} blocks, only {self.free_queue.num_free_blocks} free")
+        popleft = self.free_queue.popleft
+        out = []
+        evicted = []
+        for _ in range(num_blocks):
+            block = popleft()
+            if block.block_hash is not None:
+                evicted.append(self._evict(block))
+            block.ref_cnt = 1
+            out.append(block)
+        if evicted:
+            self.stats.evictions += len(evicted)
+            if self.events.active:
+                self.events.publish(BlockRemoved(evicted))
+        return out
+
+    def _evict(self, block: KVCacheBlock) -> Hashable:
+        block_hash = block.block_hash
+        block.block_hash = None
+        # A duplicate block (same content computed twice) is never in the map; only drop our own entry.
+        if self.cached_blocks.get(block_hash) is block:
+            del self.cached_blocks[block_hash]
+        return block_hash
+
+    def register(self, block: KVCacheBlock, block_hash: Hashable) -> bool:
+        """Makes a full block hit under ``block_hash``. False if another block already serves that hash."""
+        if block_hash in self.cached_blocks:
+            return False
+        block.block_hash = block_hash
+        self.cached_blocks[block_hash] = block
+        return True
+
+    def free(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drops one reference from each block, in the order given; unreferenced blocks become free.
+
+        A cached block joins the back of the queue (evicted last); a block with no hash is worth nothing and
+        goes to the front, so it is reused before any cached block.
+        """
+        queue = self.free_queue
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"double free of block {block.block_id}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.block_hash is None:
+                    queue.appendleft(block)
+                else:
+                    queue.append(block)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached hash. Refuses (returns False, changes nothing) while any block is referenced."""
+        if self.num_used_blocks:
+            return False
+        for block in self.cached_blocks.values():
+            block.block_hash = None
+        self.cached_blocks.clear()
+        self.stats.resets += 1
+        if self.events.active:
+            self.events.publish(AllBlocksCleared())
+        return True

@@ -1,0 +1,236 @@
+"""Parent-chained block hashes: h_i = H(h_{i-1}, tokens of block i, extra keys of block i).
+
+The byte encoding is specified in docs/hashing.md and pinned by golden values in tests/cache/test_hashing.py.
+It depends only on its inputs: no Python ``hash()``, no pickle, no per-process seed, so a router in another
+process (or on another machine) computes the same hashes as the engine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import sys
+from array import array
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import cbor2
+import xxhash
+
+BlockHash = bytes
+
+HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+# xxh3-128 is fast but not collision resistant: a crafted prompt could alias another tenant's block.
+COLLISION_SAFE_ALGOS = ("sha256", "sha256_cbor")
+
+_ROOT_DOMAIN = b"kvprefix/root/v1"
+_TOKEN_TAG = b"T"
+_EXTRA_TAG = b"X"
+_LORA_TAG = b"L"
+_MM_TAG = b"M"
+_EMBEDS_TAG = b"E"
+_MAX_TOKEN_ID = 2**32 - 1
+
+
+def _u32(n: int) -> bytes:
+    return struct.pack("<I", n)
+
+
+def _field(data: bytes) -> bytes:
+    """Length-prefixed bytes, so that concatenated fields can never be re-split differently."""
+    return _u32(len(data)) + data
+
+
+@dataclass(frozen=True)
+class ExecutionContext:
+    """Everything outside the tokens that changes the KV a block holds.
+
+    Any change here changes the root hash and so makes every block miss. ``salt`` isolates tenants.
+    """
+
+    model: str = ""
+    revision: str = ""
+    tokenizer: str = ""
+    chat_template: str = ""
+    kv_dtype: str = ""
+    salt: str = ""
+
+    def fields(self) -> tuple[tuple[str, str], ...]:
+        return (
+            ("model", self.model),
+            ("revision", self.revision),
+            ("tokenizer", self.tokenizer),
+            ("chat_template", self.chat_template),
+            ("kv_dtype", self.kv_dtype),
+            ("salt", self.salt),
+        )
+
+
+@dataclass(frozen=True)
+class LoraKey:
+    """A LoRA adapter, by name and version (a checksum), so a reloaded adapter under the same name misses."""
+
+    name: str
+    version: str
+
+
+@dataclass(frozen=True)
+class MultiModalItem:
+    """A multimodal input occupying prompt positions [offset, offset + length), identified by its content hash."""
+
+    content_hash: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class BlockExtras:
+    """Per-request inputs, other than token ids, that make a block's KV different."""
+
+    lora: LoraKey | None = None
+    mm_items: tuple[MultiModalItem, ...] = ()
+    # One digest per prompt token block, for prompts given as embeddings (see prompt_embeds_block_digests).
+    prompt_embeds_digests: tuple[bytes, ...] = ()
+
+    def is_empty(self) -> bool:
+        return self.lora is None and not self.mm_items and not self.prompt_embeds_digests
+
+    def keys_for_block(self, block_index: int, block_size: int) -> list[tuple]:
+        """The typed extra keys of one block, in the canonical order: lora, multimodal items, embeddings."""
+        keys: list[tuple] = []
+        if self.lora is not None:
+            keys.append(("lora", self.lora.name, self.lora.version))
+        start, end = block_index * block_size, (block_index + 1) * block_size
+        for item in self.mm_items:
+            if item.offset < end and item.offset + item.length > start:
+                keys.append(("mm", item.content_hash, item.offset - start))
+        if block_index < len(self.prompt_embeds_digests):
+            keys.append(("embeds", self.prompt_embeds_digests[block_index]))
+        return keys
+
+
+def prompt_embeds_block_digests(embeds, block_size: int) -> tuple[bytes, ...]:
+    """SHA-256 of each full block of a prompt-embeddings array (numpy, shape [tokens, hidden])."""
+    import numpy as np
+
+    arr = np.ascontiguousarray(embeds)
+    header = _field(str(arr.dtype).encode()) + _u32(arr.shape[1] if arr.ndim > 1 else 1)
+    return tuple(
+        hashlib.sha256(header + arr[i : i + block_size].tobytes()).digest()
+        for i in range(0, (len(arr) // block_size) * block_size, block_size)
+    )
+
+
+def _encode_extra_keys(keys: list[tuple]) -> bytes:
+    out = [_EXTRA_TAG, _u32(len(keys))]
+    for key in keys:
+        kind = key[0]
+        if kind == "lora":
+            out += [_LORA_TAG, _field(key[1].encode()), _field(key[2].encode())]
+        elif kind == "mm":
+            out += [_MM_TAG, _field(key[1].encode()), struct.pack("<q", key[2])]
+        elif kind == "embeds":
+            out += [_EMBEDS_TAG, _field(key[1])]
+        else:
+            raise ValueError(f"unknown extra key kind {kind!r}")
+    return b"".join(out)
+
+
+def _token_bytes(token_ids: Sequence[int]) -> bytes:
+    """Token ids as little-endian uint32, the same bytes on every machine."""
+    try:
+        arr = array("I", token_ids)
+    except OverflowError:
+        bad = next(t for t in token_ids if not 0 <= t <= _MAX_TOKEN_ID)
+        raise ValueError(f"token id {bad} is outside [0, 2**32)") from None
+    if arr.itemsize != 4:  # pragma: no cover - no mainstream platform has a non-32-bit C unsigned int
+        arr = array("L", token_ids)
+    if sys.byteorder == "big":  # pragma: no cover
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def _digest_fn(algo: str) -> Callable[[bytes], bytes]:
+    if algo.startswith("sha256"):
+        return lambda data: hashlib.sha256(data).digest()
+    return xxhash.xxh3_128_digest
+
+
+class BlockHasher:
+    """Hashes full token blocks for one execution context with one algorithm.
+
+    ``root`` is h_{-1}. ``hash_blocks`` hashes the full blocks of a token list, continuing a chain from any parent.
+    """
+
+    def __init__(self, block_size: int, algo: str = "sha256", context: ExecutionContext | None = None):
+        if algo not in HASH_ALGOS:
+            raise ValueError(f"unknown prefix_caching_hash_algo {algo!r}; choose one of {', '.join(HASH_ALGOS)}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.algo = algo
+        self.context = context or ExecutionContext()
+        self._cbor = algo.endswith("_cbor")
+        self._digest = _digest_fn(algo)
+        self._token_header = _TOKEN_TAG + _u32(block_size)
+        self.root = self._root_hash()
+
+    def _root_hash(self) -> BlockHash:
+        if self._cbor:
+            payload = cbor2.dumps(
+                [_ROOT_DOMAIN.decode(), self.algo, dict(self.context.fields())], canonical=True
+            )
+        else:
+            parts = [_field(_ROOT_DOMAIN), _field(self.algo.encode())]
+            for name, value in self.context.fields():
+                parts += [_field(name.encode()), _field(value.encode())]
+            payload = b"".join(parts)
+        return self._digest(payload)
+
+    def with_salt(self, salt: str) -> BlockHasher:
+        ctx = self.context
+        return BlockHasher(
+            self.block_size,
+            self.algo,
+            ExecutionContext(ctx.model, ctx.revision, ctx.tokenizer, ctx.chat_template, ctx.kv_dtype, salt),
+        )
+
+    def hash_blocks(
+        self,
+        token_ids: Sequence[int],
+        parent: BlockHash | None = None,
+        first_block_index: int = 0,
+        extras: BlockExtras | None = None,
+    ) -> list[BlockHash]:
+        """Hashes of the full blocks of ``token_ids`` (a partial tail gets none).
+
+        ``parent`` is the hash of the block before ``token_ids[0]`` (None: the root) and ``first_block_index`` its
+        position in the request, which locates the per-block extra keys.
+        """
+        bs = self.block_size
+        num_full = len(token_ids) // bs
+        if num_full == 0:
+            return []
+        prev = self.root if parent is None else parent
+        with_extras = extras is not None and not extras.is_empty()
+        out: list[BlockHash] = []
+        if self._cbor:
+            for i in range(num_full):
+                keys = extras.keys_for_block(first_block_index + i, bs) if with_extras else []
+                payload = cbor2.dumps([prev, list(token_ids[i * bs : (i + 1) * bs]), keys], canonical=True)
+                prev = self._digest(payload)
+                out.append(prev)
+            return out
+        data = _token_bytes(token_ids[: num_full * bs])
+        header, digest, step = self._token_header, self._digest, 4 * bs
+        if not with_extras:
+            # Hot path: one concatenation and one digest per block.
+            for off in range(0, num_full * step, step):
+                prev = digest(prev + header + data[off : off + step])
+                out.append(prev)
+            return out
+        for i in range(num_full):
+            tail = _encode_extra_keys(extras.keys_for_block(first_block_index + i, bs))
+            prev = digest(prev + header + data[i * step : (i + 1) * step] + tail)
+            out.append(prev)
+        return out

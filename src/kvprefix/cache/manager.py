@@ -1,0 +1,168 @@
+"""KV cache manager: what a scheduler calls to look up, allocate, register and free a request's blocks."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvprefix.cache.block_pool import BlockPool, KVCacheBlock
+from kvprefix.cache.events import BlockStored
+from kvprefix.cache.request import CacheRequest
+from kvprefix.cache.stats import PrefixCacheStats
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Maps requests to block tables over one ``BlockPool``.
+
+    Call order per request: ``get_computed_blocks`` (no side effects) -> ``allocate_slots`` (claims hit blocks and
+    new blocks atomically, or returns None and changes nothing) -> compute -> ``cache_blocks`` after the step
+    (registers blocks that became full) -> ... -> ``free`` (tail first).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many leading blocks of each request are registered (or were found cached).
+        self._num_cached_blocks: dict[str, int] = {}
+
+    @property
+    def stats(self) -> PrefixCacheStats:
+        return self.pool.stats
+
+    @property
+    def events(self):
+        return self.pool.events
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def get_computed_blocks(self, request: CacheRequest) -> tuple[list[KVCacheBlock], int]:
+        """Longest run of cached blocks from the start of the request, and the tokens they cover.
+
+        Stops at the first miss and leaves at least the last token to compute (its logits are needed).
+        Changes nothing: the blocks are claimed only by ``allocate_slots``.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        get = self.pool.cached_blocks.get
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = get(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(
+        self,
+        request: CacheRequest,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock] = (),
+    ) -> list[KVCacheBlock] | None:
+        """Makes room for ``num_new_tokens`` more tokens after the computed ones (including new hit blocks).
+
+        On admission pass the hits from ``get_computed_blocks``. Returns the newly allocated blocks, or None
+        when the pool cannot satisfy the request, in which case nothing changed (the caller may preempt).
+        """
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        rid = request.request_id
+        req_blocks = self.req_to_blocks.get(rid)
+        admitting = req_blocks is None
+        num_hit_tokens = len(new_computed_blocks) * self.block_size
+        num_computed = request.num_computed_tokens + num_hit_tokens
+        num_required = cdiv(num_computed + num_new_tokens, self.block_size)
+        num_held = 0 if admitting else len(req_blocks)
+        num_new_blocks = max(0, num_required - num_held - len(new_computed_blocks))
+        # Hit blocks that sit in the free queue are about to leave it: they cannot also be handed out as new.
+        num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks > self.pool.num_free_blocks - num_free_hits:
+            return None
+
+        if admitting:
+            req_blocks = self.req_to_blocks[rid] = []
+            self._num_cached_blocks[rid] = 0
+            stats = self.pool.stats
+            stats.requests += 1
+            stats.queries += request.num_tokens
+            stats.hits += num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+        if new_computed_blocks:
+            self.pool.touch(new_computed_blocks)
+            req_blocks.extend(new_computed_blocks)
+            self._num_cached_blocks[rid] = len(req_blocks)
+            request.num_computed_tokens = num_computed
+        new_blocks = self.pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
+        req_blocks.extend(new_blocks)
+        return new_blocks
+
+    def cache_blocks(self, request: CacheRequest, num_computed_tokens: int) -> None:
+        """Registers the request's blocks that are full within its first ``num_computed_tokens`` tokens."""
+        if not self.enable_prefix_caching:
+            return
+        rid = request.request_id
+        req_blocks = self.req_to_blocks[rid]
+        start = self._num_cached_blocks[rid]
+        end = min(num_computed_tokens // self.block_size, len(request.block_hashes), len(req_blocks))
+        if end <= start:
+            return
+        pool = self.pool
+        stored_blocks, stored_hashes = [], []
+        for i in range(start, end):
+            block = req_blocks[i]
+            block_hash = request.block_hashes[i]
+            if block.block_hash is None and pool.register(block, block_hash):
+                stored_blocks.append(i)
+                stored_hashes.append(block_hash)
+        self._num_cached_blocks[rid] = end
+        if stored_hashes and pool.events.active:
+            self._publish_stored(request, stored_blocks, stored_hashes)
+
+    def _publish_stored(self, request: CacheRequest, indices: list[int], hashes: list) -> None:
+        bs = self.block_size
+        # One event per run of consecutive block indices, so each event has a single parent.
+        run_start = 0
+        for k in range(1, len(indices) + 1):
+            if k == len(indices) or indices[k] != indices[k - 1] + 1:
+                first = indices[run_start]
+                tokens = request.token_ids[first * bs : (indices[k - 1] + 1) * bs] if request.token_ids else None
+                extras = request.extras
+                extra_keys = (
+                    [extras.keys_for_block(i, bs) for i in indices[run_start:k]]
+                    if extras is not None and not extras.is_empty()
+                    else None
+                )
+                self.pool.events.publish(
+                    BlockStored(
+                        block_hashes=hashes[run_start:k],
+                        parent_block_hash=request.block_hashes[first - 1] if first else None,
+                        token_ids=tokens,
+                        block_size=bs,
+                        extra_keys=extra_keys,
+                    )
+                )
+                run_start = k
+
+    def free(self, request: CacheRequest) -> None:
+        """Releases the request's blocks tail first, so the head of a shared prefix stays cached longest."""
+        rid = request.request_id
+        blocks = self.req_to_blocks.pop(rid, None)
+        self._num_cached_blocks.pop(rid, None)
+        if blocks:
+            self.pool.free(reversed(blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()

@@ -1,0 +1,21 @@
+"""Prefix-cache counters. Counters only grow; rates are derived from them (hits / queries), never stored."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up at admission (re-admissions after preemption count again)
+    hits: int = 0  # of those, tokens served from cached blocks
+    requests: int = 0  # admissions
+    evictions: int = 0  # cached blocks whose hash was dropped to reuse the block
+    resets: int = 0  # successful reset_prefix_cache calls
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+    def snapshot(self) -> PrefixCacheStats:
+        return PrefixCacheStats(**{f.name: getattr(self, f.name) for f in fields(self)})

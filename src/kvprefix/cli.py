@@ -1,0 +1,33 @@
+"""The one `kvprefix` command. Each subcommand lives next to the code it drives, in a light `cli` module that
+imports heavy parts (torch, the server) only when that subcommand runs."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> module with `add_arguments(parser)` and `run(args) -> int`, plus a one-line help.
+SUBCOMMANDS = {
+    "simulate": ("kvprefix.sim.cli", "replay a trace (or the seed example) on the real cache code"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvprefix", description="prefix-caching LLM engine, server and planner")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        module = importlib.import_module(module_name)
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args._run(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
