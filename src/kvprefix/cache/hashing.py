@@ -177,9 +177,7 @@ class BlockHasher:
 
     def _root_hash(self) -> BlockHash:
         if self._cbor:
-            payload = cbor2.dumps(
-                [_ROOT_DOMAIN.decode(), self.algo, dict(self.context.fields())], canonical=True
-            )
+            payload = cbor2.dumps([_ROOT_DOMAIN.decode(), self.algo, dict(self.context.fields())], canonical=True)
         else:
             parts = [_field(_ROOT_DOMAIN), _field(self.algo.encode())]
             for name, value in self.context.fields():
@@ -230,7 +228,9 @@ class BlockHasher:
                 out.append(prev)
             return out
         for i in range(num_full):
-            tail = _encode_extra_keys(extras.keys_for_block(first_block_index + i, bs))
+            keys = extras.keys_for_block(first_block_index + i, bs)
+            # A block without extra keys hashes exactly as if the request had no extras at all.
+            tail = _encode_extra_keys(keys) if keys else b""
             prev = digest(prev + header + data[i * step : (i + 1) * step] + tail)
             out.append(prev)
         return out

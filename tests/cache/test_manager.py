@@ -1,0 +1,342 @@
+"""Behaviour of the block pool and the KV cache manager, one rule per test."""
+
+import pytest
+
+from kvprefix.cache import (
+    AllBlocksCleared,
+    BlockHasher,
+    BlockRemoved,
+    BlockStored,
+    CacheRequest,
+    FreeBlockQueue,
+    KVCacheBlock,
+    KVCacheManager,
+)
+
+BS = 4
+
+
+def make(manager_blocks=16, caching=True):
+    return KVCacheManager(manager_blocks, BS, enable_prefix_caching=caching), BlockHasher(BS)
+
+
+def admit_and_run(manager, request):
+    """Admits a request, computes its whole prompt and registers its full blocks (one scheduler step)."""
+    hits, n = manager.get_computed_blocks(request)
+    new = manager.allocate_slots(request, request.num_tokens - n, hits)
+    assert new is not None
+    request.num_computed_tokens = request.num_tokens
+    manager.cache_blocks(request, request.num_computed_tokens)
+    return n
+
+
+def state(manager):
+    pool = manager.pool
+    return (
+        [(b.ref_cnt, b.block_hash) for b in pool.blocks],
+        [b.block_id for b in pool.free_queue],
+        dict(pool.cached_blocks),
+        {k: list(v) for k, v in manager.req_to_blocks.items()},
+        manager.stats.snapshot(),
+    )
+
+
+def test_free_queue_is_o1_linked_lru():
+    blocks = [KVCacheBlock(i) for i in range(5)]
+    q = FreeBlockQueue(blocks)
+    q.remove(blocks[2])
+    q.append(blocks[2])
+    assert [b.block_id for b in q] == [0, 1, 3, 4, 2]
+    assert q.popleft().block_id == 0
+    q.remove(blocks[4])
+    q.appendleft(blocks[4])
+    assert [b.block_id for b in q] == [4, 1, 3, 2]
+    assert q.num_free_blocks == 4
+    for _ in range(4):
+        q.popleft()
+    with pytest.raises(IndexError):
+        q.popleft()
+
+
+def test_second_request_hits_shared_full_blocks():
+    manager, hasher = make()
+    prefix = list(range(10))  # 2 full blocks + 2 tokens
+    a = CacheRequest("a", prefix + [50, 51], hasher)
+    assert admit_and_run(manager, a) == 0
+    manager.free(a)
+    b = CacheRequest("b", prefix + [60, 61, 62], hasher)
+    hits, n = manager.get_computed_blocks(b)
+    assert n == 8 and [blk.block_hash for blk in hits] == b.block_hashes[:2]
+    assert admit_and_run(manager, b) == 8
+    assert b.num_cached_tokens == 8
+
+
+def test_partial_block_never_hits():
+    manager, hasher = make()
+    a = CacheRequest("a", [1, 2, 3], hasher)
+    admit_and_run(manager, a)
+    manager.free(a)
+    b = CacheRequest("b", [1, 2, 3, 9, 9], hasher)
+    assert manager.get_computed_blocks(b) == ([], 0)
+
+
+def test_block_aligned_prompt_still_computes_its_last_token():
+    manager, hasher = make()
+    tokens = list(range(8))
+    a = CacheRequest("a", tokens, hasher)
+    admit_and_run(manager, a)
+    manager.free(a)
+    b = CacheRequest("b", tokens, hasher)
+    _, n = manager.get_computed_blocks(b)
+    assert n == 4  # the second block holds the last token, whose logits are needed
+    assert admit_and_run(manager, b) == 4
+
+
+def test_different_salt_never_shares_same_salt_does():
+    manager, hasher = make()
+    tokens = list(range(12))
+    a = CacheRequest("a", tokens, hasher.with_salt("tenant-a"))
+    admit_and_run(manager, a)
+    manager.free(a)
+    other = CacheRequest("b", tokens, hasher.with_salt("tenant-b"))
+    same = CacheRequest("c", tokens, hasher.with_salt("tenant-a"))
+    unsalted = CacheRequest("d", tokens, hasher)
+    assert manager.get_computed_blocks(other)[1] == 0
+    assert manager.get_computed_blocks(unsalted)[1] == 0
+    assert manager.get_computed_blocks(same)[1] == 8
+
+
+def test_lookup_has_no_side_effects():
+    manager, hasher = make()
+    a = CacheRequest("a", list(range(12)), hasher)
+    admit_and_run(manager, a)
+    manager.free(a)
+    before = state(manager)
+    manager.get_computed_blocks(CacheRequest("b", list(range(12)), hasher))
+    assert state(manager) == before
+
+
+def test_failed_allocation_changes_nothing():
+    manager, hasher = make(manager_blocks=4)
+    a = CacheRequest("a", list(range(8)), hasher)
+    admit_and_run(manager, a)
+    manager.free(a)
+    big = CacheRequest("big", list(range(8)) + list(range(100, 120)), hasher)  # 7 blocks, 2 hit: needs 5 more
+    before = state(manager)
+    hits, n = manager.get_computed_blocks(big)
+    assert n == 8
+    assert manager.allocate_slots(big, big.num_tokens - n, hits) is None
+    assert state(manager) == before
+    assert big.num_computed_tokens == 0 and big.num_cached_tokens == -1
+
+
+def test_allocation_never_evicts_the_hit_blocks_it_reuses():
+    manager, hasher = make(manager_blocks=4)
+    a = CacheRequest("a", list(range(9)), hasher)  # 3 blocks, 2 registered
+    admit_and_run(manager, a)
+    manager.free(a)
+    # 2 hit blocks (free, cached) + 2 new blocks: exactly the pool. The two new ones must not be the hit ones.
+    b = CacheRequest("b", list(range(8)) + [70] * 8, hasher)
+    hits, n = manager.get_computed_blocks(b)
+    new = manager.allocate_slots(b, b.num_tokens - n, hits)
+    assert new is not None and len(new) == 2
+    ids = manager.get_block_ids("b")
+    assert len(set(ids)) == 4
+    assert [blk.block_hash for blk in hits] == b.block_hashes[:2]
+    # Asking for one block more than is free without the hits fails.
+    c = CacheRequest("c", [5] * 4, hasher)
+    assert manager.allocate_slots(c, 4) is None
+
+
+def test_lru_eviction_takes_least_recently_released_first():
+    manager, hasher = make(manager_blocks=4)
+    reqs = [CacheRequest(f"r{i}", [i] * BS + [99], hasher) for i in range(3)]  # 1 full block + 1 partial each
+    for r in reqs:
+        admit_and_run(manager, r)
+        manager.free(r)
+    hashes = [r.block_hashes[0] for r in reqs]
+    evicted = []
+    manager.events.subscribe(lambda e: evicted.extend(e.block_hashes) if isinstance(e, BlockRemoved) else None)
+    # The free partial block (no hash, worthless) goes first, then cached blocks in release order.
+    assert manager.allocate_slots(CacheRequest("f", [7] * 8, hasher), 8) is not None
+    assert evicted == hashes[:1]
+    assert manager.allocate_slots(CacheRequest("g", [8] * 4, hasher), 4) is not None
+    assert evicted == hashes[:2]
+    assert manager.pool.get_cached_block(hashes[2]) is not None
+    assert manager.stats.evictions == 2
+
+
+def test_hit_moves_block_out_of_eviction_order():
+    manager, hasher = make(manager_blocks=3)
+    a = CacheRequest("a", [1] * BS + [2], hasher)
+    b = CacheRequest("b", [3] * BS + [4], hasher)
+    for r in (a, b):
+        admit_and_run(manager, r)
+        manager.free(r)
+    # Reuse a's block: it is referenced now, so allocating 2 fresh blocks must evict b's, not a's.
+    a2 = CacheRequest("a2", [1] * BS + [5], hasher)
+    assert admit_and_run(manager, a2) == BS
+    other = CacheRequest("o", [9] * 8, hasher)
+    assert manager.allocate_slots(other, 1) is not None
+    assert manager.pool.get_cached_block(a.block_hashes[0]) is not None
+
+
+def test_free_releases_tail_first():
+    manager, hasher = make(manager_blocks=8)
+    r = CacheRequest("r", list(range(16)), hasher)  # 4 full blocks
+    admit_and_run(manager, r)
+    ids = manager.get_block_ids("r")
+    manager.free(r)
+    order = [b.block_id for b in manager.pool.free_queue]
+    assert order[-4:] == ids[::-1]  # head of the prefix is released last, so it is evicted last
+
+
+def test_evicted_and_reused_block_carries_no_stale_hash():
+    manager, hasher = make(manager_blocks=2)
+    a = CacheRequest("a", [1] * 8, hasher)
+    admit_and_run(manager, a)
+    manager.free(a)
+    b = CacheRequest("b", [2] * 8, hasher)
+    hits, n = manager.get_computed_blocks(b)
+    assert n == 0
+    manager.allocate_slots(b, 8)
+    assert all(blk.block_hash is None for blk in manager.req_to_blocks["b"])
+    assert manager.pool.get_cached_block(a.block_hashes[0]) is None
+    assert manager.stats.evictions == 2
+    # b's blocks are not cached until computed; then they hold b's hashes only.
+    b.num_computed_tokens = 8
+    manager.cache_blocks(b, 8)
+    assert [blk.block_hash for blk in manager.req_to_blocks["b"]] == b.block_hashes
+
+
+def test_same_content_computed_twice_keeps_one_cached_copy():
+    manager, hasher = make(manager_blocks=8)
+    tokens = [4] * 9
+    a, b = CacheRequest("a", tokens, hasher), CacheRequest("b", tokens, hasher)
+    # Both admitted before either registered (same scheduler step): both compute the same blocks.
+    for r in (a, b):
+        hits, n = manager.get_computed_blocks(r)
+        assert n == 0
+        manager.allocate_slots(r, r.num_tokens, hits)
+    for r in (a, b):
+        r.num_computed_tokens = r.num_tokens
+        manager.cache_blocks(r, r.num_tokens)
+    h = a.block_hashes
+    assert manager.pool.get_cached_block(h[0]) in manager.req_to_blocks["a"]
+    dup_blocks = manager.req_to_blocks["b"][:2]
+    assert all(blk.block_hash is None for blk in dup_blocks)
+    manager.free(a)
+    manager.free(b)
+    # Reusing the duplicate blocks must not drop the cached original.
+    filler = CacheRequest("f", [9] * 4, hasher)
+    manager.allocate_slots(filler, 4)
+    assert manager.pool.get_cached_block(h[0]) is not None
+    assert manager.pool.num_free_blocks == 7
+
+
+def test_reset_refuses_while_blocks_are_held_and_emits_clear_after():
+    manager, hasher = make()
+    events = []
+    manager.events.subscribe(events.append)
+    r = CacheRequest("r", list(range(9)), hasher)
+    admit_and_run(manager, r)
+    assert manager.reset_prefix_cache() is False
+    assert not any(isinstance(e, AllBlocksCleared) for e in events)
+    assert manager.pool.get_cached_block(r.block_hashes[0]) is not None
+    manager.free(r)
+    assert manager.reset_prefix_cache() is True
+    assert isinstance(events[-1], AllBlocksCleared)
+    assert manager.pool.cached_blocks == {}
+    assert manager.get_computed_blocks(CacheRequest("s", list(range(9)), hasher)) == ([], 0)
+
+
+def test_events_match_what_happened():
+    manager, hasher = make(manager_blocks=3)
+    events = []
+    unsubscribe = manager.events.subscribe(events.append)
+    a = CacheRequest("a", list(range(9)), hasher)
+    admit_and_run(manager, a)
+    assert events == [
+        BlockStored(
+            block_hashes=a.block_hashes[:2],
+            parent_block_hash=None,
+            token_ids=list(range(8)),
+            block_size=BS,
+            extra_keys=None,
+        )
+    ]
+    # Generated tokens that complete the third block are registered too, with the second block as parent.
+    a.append_token_ids([100, 101, 102])
+    manager.allocate_slots(a, 3)
+    a.num_computed_tokens = a.num_tokens
+    manager.cache_blocks(a, a.num_computed_tokens)
+    assert events[1] == BlockStored([a.block_hashes[2]], a.block_hashes[1], [8, 100, 101, 102], BS, None)
+    manager.free(a)
+    b = CacheRequest("b", [50] * 4, hasher)
+    manager.allocate_slots(b, 4)
+    # All three blocks are cached; tail-first release makes the third block the least recently released.
+    assert events[2] == BlockRemoved([a.block_hashes[2]])
+    unsubscribe()
+    manager.free(b)
+    manager.reset_prefix_cache()
+    assert len(events) == 3
+
+
+def test_counters_are_in_tokens():
+    manager, hasher = make()
+    a = CacheRequest("a", list(range(10)), hasher)
+    admit_and_run(manager, a)
+    manager.free(a)
+    b = CacheRequest("b", list(range(10)) + [77], hasher)
+    admit_and_run(manager, b)
+    s = manager.stats
+    assert (s.queries, s.hits, s.requests) == (10 + 11, 8, 2)
+    assert s.hit_rate == pytest.approx(8 / 21)
+
+
+def test_generated_tokens_register_blocks_for_multi_turn():
+    manager, hasher = make()
+    turn1 = CacheRequest("t1", [1, 2, 3], hasher)
+    admit_and_run(manager, turn1)
+    turn1.append_token_ids([4, 5, 6, 7, 8])  # the reply completes block 0 and block 1
+    manager.allocate_slots(turn1, 5)
+    turn1.num_computed_tokens = turn1.num_tokens
+    manager.cache_blocks(turn1, turn1.num_computed_tokens)
+    manager.free(turn1)
+    turn2 = CacheRequest("t2", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], hasher)
+    assert manager.get_computed_blocks(turn2)[1] == 8
+
+
+def test_caching_off_means_no_lookup_no_registration_same_allocation():
+    on, hasher = make(caching=True)
+    off, _ = make(caching=False)
+    for manager in (on, off):
+        a = CacheRequest("a", list(range(9)), hasher)
+        admit_and_run(manager, a)
+        assert len(manager.get_block_ids("a")) == 3
+        manager.free(a)
+    assert off.pool.cached_blocks == {}
+    assert off.get_computed_blocks(CacheRequest("b", list(range(9)), hasher)) == ([], 0)
+    assert on.get_computed_blocks(CacheRequest("b", list(range(9)), hasher))[1] == 8
+
+
+def test_trace_requests_use_given_hashes():
+    manager = KVCacheManager(8, 16)
+    a = CacheRequest.from_block_hashes("a", [11, 12], num_tokens=40, block_size=16)
+    admit_and_run(manager, a)
+    manager.free(a)
+    b = CacheRequest.from_block_hashes("b", [11, 13], num_tokens=33, block_size=16)
+    assert manager.get_computed_blocks(b)[1] == 16
+    with pytest.raises(ValueError, match="3 block hashes for 40 tokens"):
+        CacheRequest.from_block_hashes("c", [1, 2, 3], num_tokens=40, block_size=16)
+
+
+def test_double_free_is_an_error_not_a_negative_ref_count():
+    manager, hasher = make()
+    a = CacheRequest("a", [1] * 5, hasher)
+    admit_and_run(manager, a)
+    blocks = list(manager.req_to_blocks["a"])
+    manager.free(a)
+    with pytest.raises(RuntimeError, match="double free"):
+        manager.pool.free(blocks[:1])
+    assert all(b.ref_cnt == 0 for b in manager.pool.blocks)
