@@ -137,9 +137,8 @@ class BlockPool:
     def _evict(self, block: KVCacheBlock) -> Hashable:
         block_hash = block.block_hash
         block.block_hash = None
-        # A duplicate block (same content computed twice) is never in the map; only drop our own entry.
-        if self.cached_blocks.get(block_hash) is block:
-            del self.cached_blocks[block_hash]
+        # register() guarantees a block holds a hash only while the map points at it (duplicates hold none).
+        del self.cached_blocks[block_hash]
         return block_hash
 
     def register(self, block: KVCacheBlock, block_hash: Hashable) -> bool:
