@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
 
-from kvprefix.cache.events import AllBlocksCleared, BlockRemoved, EventPublisher
+from kvprefix.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, EventPublisher
+from kvprefix.cache.request import CacheRequest
 from kvprefix.cache.stats import PrefixCacheStats
 
 
@@ -80,10 +81,11 @@ class FreeBlockQueue:
 class BlockPool:
     """Owns every block. Free blocks that still hold a cached hash are eviction candidates in LRU order."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
+        self.block_size = block_size
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
@@ -137,17 +139,49 @@ class BlockPool:
     def _evict(self, block: KVCacheBlock) -> Hashable:
         block_hash = block.block_hash
         block.block_hash = None
-        # register() guarantees a block holds a hash only while the map points at it (duplicates hold none).
+        # cache_full_blocks() gives a block a hash only while the map points at it (duplicates hold none).
         del self.cached_blocks[block_hash]
         return block_hash
 
-    def register(self, block: KVCacheBlock, block_hash: Hashable) -> bool:
-        """Makes a full block hit under ``block_hash``. False if another block already serves that hash."""
-        if block_hash in self.cached_blocks:
-            return False
-        block.block_hash = block_hash
-        self.cached_blocks[block_hash] = block
-        return True
+    def cache_full_blocks(
+        self, request: CacheRequest, blocks: Sequence[KVCacheBlock], num_cached_blocks: int, num_full_blocks: int
+    ) -> None:
+        """Registers ``blocks[num_cached_blocks:num_full_blocks]`` under the request's block hashes.
+
+        A block whose hash another block already serves (two requests computed the same content in one step) is
+        left unregistered: it is freed as a plain block, and the hash keeps pointing at the first copy.
+        """
+        cached = self.cached_blocks
+        stored: list[int] = []
+        for i in range(num_cached_blocks, num_full_blocks):
+            block = blocks[i]
+            block_hash = request.block_hashes[i]
+            if block.block_hash is None and block_hash not in cached:
+                block.block_hash = block_hash
+                cached[block_hash] = block
+                stored.append(i)
+        if stored and self.events.active:
+            self._publish_stored(request, stored)
+
+    def _publish_stored(self, request: CacheRequest, indices: list[int]) -> None:
+        """One BlockStored per run of consecutive block indices, so each event has a single parent."""
+        bs = self.block_size
+        extras = request.extras if request.extras is not None and not request.extras.is_empty() else None
+        run_start = 0
+        for k in range(1, len(indices) + 1):
+            if k < len(indices) and indices[k] == indices[k - 1] + 1:
+                continue
+            first, last = indices[run_start], indices[k - 1]
+            self.events.publish(
+                BlockStored(
+                    block_hashes=request.block_hashes[first : last + 1],
+                    parent_block_hash=request.block_hashes[first - 1] if first else None,
+                    token_ids=request.token_ids[first * bs : (last + 1) * bs] if request.token_ids else None,
+                    block_size=bs,
+                    extra_keys=[extras.keys_for_block(i, bs) for i in range(first, last + 1)] if extras else None,
+                )
+            )
+            run_start = k
 
     def free(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drops one reference from each block, in the order given; unreferenced blocks become free.

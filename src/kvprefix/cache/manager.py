@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvprefix.cache.block_pool import BlockPool, KVCacheBlock
-from kvprefix.cache.events import BlockStored
 from kvprefix.cache.request import CacheRequest
 from kvprefix.cache.stats import PrefixCacheStats
 
@@ -27,7 +26,7 @@ class KVCacheManager:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.pool = BlockPool(num_blocks, block_size, enable_caching=enable_prefix_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are registered (or were found cached).
         self._num_cached_blocks: dict[str, int] = {}
@@ -114,44 +113,9 @@ class KVCacheManager:
         req_blocks = self.req_to_blocks[rid]
         start = self._num_cached_blocks[rid]
         end = min(num_computed_tokens // self.block_size, len(request.block_hashes), len(req_blocks))
-        if end <= start:
-            return
-        pool = self.pool
-        stored_blocks, stored_hashes = [], []
-        for i in range(start, end):
-            block = req_blocks[i]
-            block_hash = request.block_hashes[i]
-            if block.block_hash is None and pool.register(block, block_hash):
-                stored_blocks.append(i)
-                stored_hashes.append(block_hash)
-        self._num_cached_blocks[rid] = end
-        if stored_hashes and pool.events.active:
-            self._publish_stored(request, stored_blocks, stored_hashes)
-
-    def _publish_stored(self, request: CacheRequest, indices: list[int], hashes: list) -> None:
-        bs = self.block_size
-        # One event per run of consecutive block indices, so each event has a single parent.
-        run_start = 0
-        for k in range(1, len(indices) + 1):
-            if k == len(indices) or indices[k] != indices[k - 1] + 1:
-                first = indices[run_start]
-                tokens = request.token_ids[first * bs : (indices[k - 1] + 1) * bs] if request.token_ids else None
-                extras = request.extras
-                extra_keys = (
-                    [extras.keys_for_block(i, bs) for i in indices[run_start:k]]
-                    if extras is not None and not extras.is_empty()
-                    else None
-                )
-                self.pool.events.publish(
-                    BlockStored(
-                        block_hashes=hashes[run_start:k],
-                        parent_block_hash=request.block_hashes[first - 1] if first else None,
-                        token_ids=tokens,
-                        block_size=bs,
-                        extra_keys=extra_keys,
-                    )
-                )
-                run_start = k
+        if end > start:
+            self.pool.cache_full_blocks(request, req_blocks, start, end)
+            self._num_cached_blocks[rid] = end
 
     def free(self, request: CacheRequest) -> None:
         """Releases the request's blocks tail first, so the head of a shared prefix stays cached longest."""
