@@ -1,0 +1,115 @@
+"""The planner's request record and what every trace reader shares: errors that name the line, block-size
+coarsening of chained ids, and the checks a row must pass."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Hashable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class TraceError(ValueError):
+    """A trace the planner cannot use; the message names the file and the 1-based line (None: the whole file)."""
+
+    def __init__(self, path: str | Path, line: int | None, message: str):
+        super().__init__(f"{path}:{line}: {message}" if line else f"{path}: {message}")
+        self.path = str(path)
+        self.line = line
+
+
+@dataclass(slots=True)
+class TraceRequest:
+    """One request of a trace, as the cache sees it.
+
+    ``block_hashes`` are the keys of the prompt's *full* blocks (kvprefix never caches a partial block);
+    ``num_blocks`` counts every prompt block, the partial tail included (the block-weighted denominator).
+    """
+
+    timestamp: float  # seconds since the trace started
+    input_length: int
+    output_length: int
+    block_hashes: list[Hashable]
+    num_blocks: int
+    session: Hashable | None = None
+    extra: dict = field(default_factory=dict)  # fields kept from the row (turn, group, tenant, ...)
+
+
+@dataclass
+class Trace:
+    name: str
+    block_size: int
+    requests: list[TraceRequest]
+
+    @property
+    def num_block_refs(self) -> int:
+        return sum(r.num_blocks for r in self.requests)
+
+
+def coarsening_factor(path: str | Path, source_block_size: int, block_size: int, line: int | None = None) -> int:
+    """m such that block_size = m x source_block_size; chained ids coarsen exactly only then."""
+    if block_size % source_block_size:
+        raise TraceError(
+            path,
+            line,
+            f"cannot convert {source_block_size}-token blocks to {block_size}-token blocks exactly: "
+            f"chained ids only coarsen to a multiple of {source_block_size} "
+            f"(e.g. --block-size {source_block_size * max(1, block_size // source_block_size)})",
+        )
+    return block_size // source_block_size
+
+
+def coarsen(ids: Sequence[Hashable], factor: int, num_full_blocks: int) -> list[Hashable]:
+    """Full-block ids at ``factor`` x the block size.
+
+    A chained id stands for the whole prefix up to the end of its block, so the id of every factor-th block
+    names the coarse block that ends there. The coarse tail (partial) block is not cached, so it needs no id.
+    """
+    if factor == 1:
+        return list(ids[:num_full_blocks])
+    return list(ids[factor - 1 :: factor][:num_full_blocks])
+
+
+def require(row: dict, key: str, path: str | Path, line: int, kind: type | tuple = int, minimum: float | None = 0):
+    """``row[key]``, checked for presence, type and lower bound."""
+    if key not in row:
+        raise TraceError(path, line, f"missing field {key!r}")
+    value = row[key]
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise TraceError(path, line, f"field {key!r} must be {_kind_name(kind)}, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise TraceError(path, line, f"field {key!r} must be >= {minimum}, got {value!r}")
+    return value
+
+
+def _kind_name(kind: type | tuple) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join({int: "an integer", float: "a number", str: "a string", list: "a list"}[k] for k in kinds)
+
+
+class TimestampCheck:
+    """Rows must arrive in time order: replay relies on it and a shuffled log would silently change hit rates."""
+
+    def __init__(self, path: str | Path):
+        self.path = path
+        self.last = float("-inf")
+
+    def __call__(self, timestamp: float, line: int) -> None:
+        if timestamp < self.last:
+            raise TraceError(self.path, line, f"timestamp {timestamp} is earlier than the previous row's ({self.last})")
+        self.last = timestamp
+
+
+def iter_rows(path: str | Path) -> Iterator[tuple[int, dict]]:
+    """(line number, JSON object) for each non-blank line of a JSONL file."""
+    with open(path, encoding="utf-8") as f:
+        for line_no, text in enumerate(f, start=1):
+            if not text.strip():
+                continue
+            try:
+                row = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise TraceError(path, line_no, f"not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise TraceError(path, line_no, f"expected a JSON object, got {type(row).__name__}")
+            yield line_no, row
