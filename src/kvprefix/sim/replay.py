@@ -1,0 +1,201 @@
+"""Replays a trace on real ``KVCacheManager``s, one per replica, routed by a ``kvprefix.router`` policy.
+
+Two modes:
+- ``order``: only the order of requests matters; each request is admitted, its prompt blocks registered and
+  released at once (what published simulations such as Mooncake's Figure 9 do).
+- ``timed``: requests arrive at their timestamps and hold their blocks (prompt + output) while they run:
+  prefill takes uncached tokens / ``prefill_tps``, decode ``output_length / decode_tps``. Blocks are registered
+  when prefill ends. A request that does not fit waits (FIFO per replica); one that could never fit is rejected.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import sys
+import time
+from collections import deque
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+from kvprefix.cache import CacheRequest, KVCacheManager, cdiv
+from kvprefix.router.policies import POLICIES, make_policy
+from kvprefix.sim.trace import Trace, TraceRequest
+
+MODES = ("order", "timed")
+SHARED = "shared"  # not a routing policy: one pool of replicas x capacity, the upper bound for any router
+ROUTINGS = (*POLICIES, SHARED)
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    capacity_blocks: int | None  # per replica; None = unbounded (nothing is ever evicted)
+    replicas: int = 1
+    routing: str = "round-robin"
+    mode: str = "order"
+    prefill_tps: float = 10_000.0  # prompt tokens per second per replica (durations and the TTFT estimate)
+    decode_tps: float = 50.0  # output tokens per second per request
+    load_cap: float = 1.25
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.capacity_blocks is not None and self.capacity_blocks < 1:
+            raise ValueError(f"capacity must be at least one block, got {self.capacity_blocks} blocks")
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"unknown routing {self.routing!r}; choose one of {', '.join(ROUTINGS)}")
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        if self.prefill_tps <= 0 or self.decode_tps <= 0:
+            raise ValueError("prefill and decode throughput must be > 0 tokens/s")
+
+
+@dataclass
+class ReplayRecords:
+    """Per-request outcome, indexed like the trace; replica -1 means rejected (could never fit)."""
+
+    replica: list[int]
+    cached_blocks: list[int]
+    wait_s: list[float]
+    evictions: list[int]  # per replica
+    pool_blocks: list[int]  # per replica
+    elapsed_s: float
+
+
+class _ManagersView:
+    """``ReplicaView`` over the replay's managers, for the routing policy."""
+
+    def __init__(self, managers: list[KVCacheManager]):
+        self.managers = managers
+        self.num_replicas = len(managers)
+        self.loads = [0] * len(managers)
+
+    def cached_prefix_blocks(self, replica: int, block_hashes: Sequence[Hashable]) -> int:
+        cached = self.managers[replica].pool.cached_blocks
+        n = 0
+        for h in block_hashes:
+            if h not in cached:
+                break
+            n += 1
+        return n
+
+    def load(self, replica: int) -> float:
+        return self.loads[replica]
+
+
+def unbounded_capacity_blocks(trace: Trace) -> int:
+    """Enough blocks that nothing is evicted even if every request ran at once."""
+    bs = trace.block_size
+    return sum(cdiv(r.input_length + r.output_length, bs) for r in trace.requests)
+
+
+def replay(trace: Trace, config: ReplayConfig, progress: bool = False) -> ReplayRecords:
+    bs = trace.block_size
+    per_replica = config.capacity_blocks or unbounded_capacity_blocks(trace)
+    if config.routing == SHARED:
+        managers = [KVCacheManager(per_replica * config.replicas, bs)]
+    else:
+        managers = [KVCacheManager(per_replica, bs) for _ in range(config.replicas)]
+    policy = None if len(managers) == 1 else make_policy(config.routing, config.seed, config.load_cap)
+    n = len(trace.requests)
+    rec = ReplayRecords([-1] * n, [0] * n, [0.0] * n, [], [m.pool.num_blocks for m in managers], 0.0)
+    bar = _progress_bar(n, trace.name, progress)
+    start = time.perf_counter()
+    run = _replay_order if config.mode == "order" else _replay_timed
+    run(trace.requests, bs, managers, policy, config, rec, bar)
+    rec.elapsed_s = time.perf_counter() - start
+    rec.evictions = [m.stats.evictions for m in managers]
+    if bar is not None:
+        bar.update(n - bar.n)
+        bar.close()
+    return rec
+
+
+def _progress_bar(total: int, name: str, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=name, unit="req", file=sys.stderr, mininterval=0.5, leave=False)
+
+
+_BAR_STEP = 1024  # update the bar every so many requests: tqdm per request would cost more than the replay
+
+
+def _replay_order(reqs: list[TraceRequest], bs: int, managers: list[KVCacheManager], policy, config, rec, bar) -> None:
+    view = _ManagersView(managers)
+    loads = view.loads  # in order mode nothing is in flight: load = requests routed so far
+    rec_replica, rec_blocks = rec.replica, rec.cached_blocks
+    for i, r in enumerate(reqs):
+        rep = 0 if policy is None else policy.choose(r, view)
+        mgr = managers[rep]
+        req = CacheRequest.from_block_hashes(str(i), r.block_hashes, r.input_length, bs)
+        hits, num_hit_tokens = mgr.get_computed_blocks(req)
+        if mgr.allocate_slots(req, r.input_length - num_hit_tokens, hits) is None:
+            continue  # larger than the whole pool: rejected
+        mgr.cache_blocks(req, r.input_length)
+        mgr.free(req)
+        loads[rep] += 1
+        rec_replica[i] = rep
+        rec_blocks[i] = len(hits)
+        if bar is not None and (i + 1) % _BAR_STEP == 0:
+            bar.update(_BAR_STEP)
+
+
+_PREFILL_DONE, _FINISH = 0, 1
+
+
+def _replay_timed(
+    reqs: list[TraceRequest], bs: int, managers: list[KVCacheManager], policy, config: ReplayConfig, rec, bar
+) -> None:
+    view = _ManagersView(managers)
+    loads = view.loads  # requests running or waiting on each replica
+    queues: list[deque[int]] = [deque() for _ in managers]
+    events: list[tuple[float, int, int, int, CacheRequest]] = []  # (time, seq, kind, replica, request)
+    seq = 0
+
+    def admit(rep: int, i: int, now: float) -> bool:
+        nonlocal seq
+        r = reqs[i]
+        mgr = managers[rep]
+        req = CacheRequest.from_block_hashes(str(i), r.block_hashes, r.input_length, bs)
+        hits, num_hit_tokens = mgr.get_computed_blocks(req)
+        if mgr.allocate_slots(req, r.input_length - num_hit_tokens + r.output_length, hits) is None:
+            return False
+        rec.replica[i] = rep
+        rec.cached_blocks[i] = len(hits)
+        rec.wait_s[i] = now - r.timestamp
+        prefill_end = now + (r.input_length - num_hit_tokens) / config.prefill_tps
+        heapq.heappush(events, (prefill_end, seq, _PREFILL_DONE, rep, req))
+        heapq.heappush(events, (prefill_end + r.output_length / config.decode_tps, seq + 1, _FINISH, rep, req))
+        seq += 2
+        return True
+
+    def drain(rep: int, now: float) -> None:
+        queue = queues[rep]
+        while queue and admit(rep, queue[0], now):
+            queue.popleft()
+
+    def run_events(until: float) -> None:
+        while events and events[0][0] <= until:
+            now, _, kind, rep, req = heapq.heappop(events)
+            mgr = managers[rep]
+            if kind == _PREFILL_DONE:
+                mgr.cache_blocks(req, req.num_tokens)
+            else:
+                mgr.free(req)
+                loads[rep] -= 1
+                drain(rep, now)
+
+    for i, r in enumerate(reqs):
+        run_events(r.timestamp)
+        rep = 0 if policy is None else policy.choose(r, view)
+        if cdiv(r.input_length + r.output_length, bs) > managers[rep].pool.num_blocks:
+            continue  # could never fit, even alone: rejected
+        loads[rep] += 1
+        if queues[rep] or not admit(rep, i, r.timestamp):
+            queues[rep].append(i)
+        if bar is not None and (i + 1) % _BAR_STEP == 0:
+            bar.update(_BAR_STEP)
+    run_events(math.inf)
