@@ -1,0 +1,96 @@
+"""load_model: a checkpoint directory (or hub id when online) -> CausalLM with weights from *.safetensors."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors import safe_open
+
+from kvprefix.model.config import ModelConfig
+from kvprefix.model.llama import CausalLM
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Checkpoint tensors that are derived, not learned (older transformers saved them).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """Accepts a torch dtype or its name ("bfloat16", "torch.float16", ...)."""
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; accepted: {list(DTYPES)}")
+    return DTYPES[name]
+
+
+def resolve_model_path(model: str) -> str:
+    """A local directory as is; otherwise a Hugging Face hub id, downloaded (safetensors and tokenizer files only)."""
+    if os.path.isdir(model):
+        return model
+    if os.path.exists(model) or model.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"model path {model!r} is not a directory; a checkpoint directory is expected")
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+    try:
+        return snapshot_download(model, allow_patterns=patterns)
+    except Exception as e:  # offline, unknown id, gated repo: say what was tried
+        raise FileNotFoundError(
+            f"model {model!r} is neither a local directory nor a downloadable Hugging Face hub id ({e})"
+        ) from e
+
+
+def safetensors_files(path: str) -> list[str]:
+    """The weight files of a checkpoint: per the shard index if present, else every *.safetensors."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        missing = [n for n in names if not os.path.isfile(os.path.join(path, n))]
+        if missing:
+            raise FileNotFoundError(f"shards listed in {index!r} are missing: {missing}")
+    else:
+        names = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+    if not names:
+        raise FileNotFoundError(f"no *.safetensors weights in {path!r} (only safetensors checkpoints are supported)")
+    return [os.path.join(path, n) for n in names]
+
+
+def load_model(model: str, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu") -> CausalLM:
+    """Builds the decoder for `model` (directory or hub id) and loads its weights, in eval mode on `device`."""
+    path = resolve_model_path(model)
+    config = ModelConfig.from_path(path)
+    dtype = resolve_dtype(dtype)
+    # Built on the meta device so no memory is spent on an initialization that the weights overwrite.
+    with torch.device("meta"):
+        net = CausalLM(config, dtype)
+    net.to_empty(device=device)
+    net.tie_weights()
+    params = dict(net.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    for file in safetensors_files(path):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if name not in params:
+                    raise ValueError(f"unexpected tensor {name!r} in {file!r} for a {config.model_type} model")
+                tensor = f.get_tensor(name)
+                if tensor.shape != params[name].shape:
+                    raise ValueError(
+                        f"tensor {name!r} in {file!r} has shape {tuple(tensor.shape)}, "
+                        f"config.json implies {tuple(params[name].shape)}"
+                    )
+                with torch.no_grad():
+                    params[name].copy_(tensor)
+                loaded.add(name)
+    if config.tie_word_embeddings:
+        loaded.add("lm_head.weight")  # shares the embedding's storage
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint {path!r} lacks weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    net.name_or_path = path
+    return net.eval()

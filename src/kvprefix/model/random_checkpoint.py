@@ -1,0 +1,73 @@
+"""Random-weight checkpoints in real Hugging Face format (transformers' own classes write them)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import transformers
+
+from kvprefix.model.builtin_tokenizer import END_OF_TEXT, IM_END, build_tokenizer
+
+_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
+_TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+)
+
+
+def write_random_checkpoint(
+    path: str,
+    arch: str = "llama",
+    seed: int = 0,
+    *,
+    tokenizer_vocab_size: int = 512,
+    dtype: torch.dtype = torch.float32,
+    max_shard_size: str | int | None = None,
+    **config: Any,
+) -> str:
+    """Writes config.json, generation_config.json, *.safetensors and tokenizer files to `path`; returns `path`.
+
+    `config` overrides fields of the transformers config (hidden_size, num_hidden_layers, head_dim, rope_scaling,
+    tie_word_embeddings, ...); the defaults are a tiny 2-layer model. The same arguments give the same bytes.
+    `max_shard_size` splits the weights into shards with a model.safetensors.index.json.
+    """
+    if arch not in _CLASSES:
+        raise ValueError(f"unsupported arch {arch!r}; accepted: {sorted(_CLASSES)}")
+    config_cls, model_cls = (getattr(transformers, name) for name in _CLASSES[arch])
+    tokenizer = build_tokenizer(tokenizer_vocab_size)
+    eos_ids = [tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids(END_OF_TEXT)]
+    fields = {**_TINY, "vocab_size": len(tokenizer), **config}
+    # transformers' default init (std 0.02) leaves attention nearly uniform, so RoPE or masking bugs would hardly
+    # move the logits; std 1/sqrt(hidden) gives attention scores of order 1.
+    fields.setdefault("initializer_range", fields["hidden_size"] ** -0.5)
+    hf_config = config_cls(eos_token_id=eos_ids[0], pad_token_id=eos_ids[1], bos_token_id=None, **fields)
+    torch.manual_seed(seed)
+    model = model_cls(hf_config)
+    _perturb_vectors(model)
+    model.generation_config.eos_token_id = eos_ids
+    model.to(dtype)
+    os.makedirs(path, exist_ok=True)
+    shard = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(path, **shard)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@torch.no_grad()
+def _perturb_vectors(model: torch.nn.Module) -> None:
+    # transformers initializes norm weights to 1 and biases to 0; randomize them so that tests can tell a
+    # missing norm or bias from a loaded one.
+    for param in model.parameters():
+        if param.ndim == 1:
+            param.add_(torch.randn_like(param) * 0.1)

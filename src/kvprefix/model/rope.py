@@ -1,0 +1,58 @@
+"""Rotary position embedding: inverse frequencies per rope type, and applying cos/sin to q and k."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvprefix.model.config import ModelConfig
+
+
+def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+    """float32 [head_dim // 2] on CPU, computed exactly as transformers does so logits match bit for bit."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
+    params = config.rope_parameters
+    if config.rope_type == "linear":
+        return inv_freq / params["factor"]
+    if config.rope_type == "llama3":
+        return _llama3_scaling(inv_freq, params)
+    return inv_freq
+
+
+def _llama3_scaling(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
+    # Llama 3.1: long wavelengths are divided by `factor`, short ones kept, the band between interpolated.
+    factor = params["factor"]
+    low, high = params["low_freq_factor"], params["high_freq_factor"]
+    old_context = params["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_context / low, old_context / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(torch.nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        # A plain attribute, not a buffer: the model is built on the meta device and this must stay real.
+        self._inv_freq = inverse_frequencies(config)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape [T, head_dim] for int64 positions [T], computed once per forward for all layers."""
+        if self._inv_freq.device != positions.device:
+            self._inv_freq = self._inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * self._inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; cos, sin: [T, head_dim]."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

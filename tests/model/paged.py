@@ -1,0 +1,55 @@
+"""A minimal driver for the model over the paged KV cache: what the engine's runner does, without a scheduler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvprefix.model import AttentionMetadata, CausalLM, KVCache
+
+
+@dataclass
+class Chunk:
+    """The next `num_new` tokens of `token_ids`, after `num_computed` already in the cache at `block_ids`."""
+
+    token_ids: list[int]
+    num_computed: int
+    num_new: int
+    block_ids: list[int]
+
+
+def run_batch(model: CausalLM, kv_caches: KVCache, block_size: int, chunks: list[Chunk]) -> torch.Tensor:
+    """One forward over the chunks flattened into a batch; float32 logits [len(chunks), vocab]."""
+    input_ids, positions, slots, starts, seq_lens = [], [], [], [0], []
+    for c in chunks:
+        span = range(c.num_computed, c.num_computed + c.num_new)
+        input_ids += [c.token_ids[p] for p in span]
+        positions += list(span)
+        slots += [c.block_ids[p // block_size] * block_size + p % block_size for p in span]
+        starts.append(starts[-1] + c.num_new)
+        seq_lens.append(c.num_computed + c.num_new)
+    width = max(len(c.block_ids) for c in chunks)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        query_start_loc=torch.tensor(starts),
+        seq_lens=seq_lens,
+        block_tables=torch.tensor([c.block_ids + [0] * (width - len(c.block_ids)) for c in chunks]),
+        logits_indices=torch.tensor(starts[1:]) - 1,
+    )
+    hidden = model(torch.tensor(input_ids), torch.tensor(positions), meta, kv_caches)
+    return model.compute_logits(hidden[meta.logits_indices])
+
+
+def greedy_generate(
+    model: CausalLM, kv_caches: KVCache, block_size: int, prompt: list[int], max_new_tokens: int, block_ids: list[int]
+) -> list[int]:
+    """Prefill the whole prompt, then decode one token at a time; `block_ids` must cover prompt + output."""
+    tokens = list(prompt)
+    logits = run_batch(model, kv_caches, block_size, [Chunk(tokens, 0, len(tokens), block_ids)])
+    for _ in range(max_new_tokens):
+        tokens.append(int(logits[0].argmax()))
+        if len(tokens) == len(prompt) + max_new_tokens:
+            break
+        logits = run_batch(model, kv_caches, block_size, [Chunk(tokens, len(tokens) - 1, 1, block_ids)])
+    return tokens[len(prompt) :]
