@@ -1,12 +1,132 @@
-"""`kvprefix simulate`."""
+"""`kvprefix simulate`: replay a trace (or the seed example) on the real cache code.
+
+This module stays light (argparse only); the replay machinery is imported inside ``run``.
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
+import sys
+
+from kvprefix.sim.formats import FORMATS
+from kvprefix.sim.replay import MODES, ROUTINGS
+
+_EVICTIONS = ("lru",)  # the pool's free-block queue; see docs/planner.md for adding another
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _sizes(text: str) -> list[float]:
+    """Comma-separated sizes like 1e5,3e6; 'inf' or 'unbounded' for no limit."""
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if part in ("inf", "unbounded"):
+            out.append(math.inf)
+            continue
+        try:
+            value = float(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected sizes like 1e6,3e6 or 'unbounded', got {part!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"sizes must be > 0, got {part!r}")
+        out.append(value)
+    return out
+
+
+def _int_list(text: str) -> list[int]:
+    return [_positive_int(p.strip()) for p in text.split(",")]
+
+
+def _routing_list(text: str) -> list[str]:
+    names = [p.strip() for p in text.split(",")]
+    for name in names:
+        if name not in ROUTINGS:
+            raise argparse.ArgumentTypeError(f"unknown routing {name!r}; choose from {', '.join(ROUTINGS)}")
+    return names
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "trace", nargs="?", help="trace file (JSONL): Mooncake rows, a kvprefix request log, or OpenAI request bodies"
+    )
     parser.add_argument("--example", choices=["seed"], help="run a built-in example instead of a trace")
+    t = parser.add_argument_group("trace")
+    t.add_argument("--format", choices=FORMATS, default="auto", help="trace format (default: from the first row)")
+    t.add_argument(
+        "--trace-block-size",
+        type=_positive_int,
+        help="block size the trace's ids were made with "
+        "(Mooncake: from a '_bs16' file name, else 512; request log: required)",
+    )
+    t.add_argument(
+        "--block-size",
+        type=_positive_int,
+        help="block size to replay at; must be a multiple of the "
+        "trace's (default: the trace's own; 16 for OpenAI bodies)",
+    )
+    t.add_argument("--tokenizer", help="local Hugging Face tokenizer directory (OpenAI request bodies)")
+    c = parser.add_argument_group("cache and fleet (comma-separated lists make a sweep)")
+    size = c.add_mutually_exclusive_group()
+    size.add_argument(
+        "--capacity", type=_sizes, help="KV capacity per replica in tokens, e.g. 1e6,3e6,1e7 (default: unbounded)"
+    )
+    size.add_argument("--capacity-blocks", type=_sizes, help="KV capacity per replica in blocks")
+    c.add_argument("--replicas", type=_int_list, default=[1], help="number of replicas (default 1)")
+    c.add_argument(
+        "--routing",
+        type=_routing_list,
+        default=["round-robin"],
+        help=f"{', '.join(ROUTINGS)} (default round-robin; 'shared' = one pool of replicas x capacity)",
+    )
+    c.add_argument(
+        "--load-cap",
+        type=float,
+        default=1.25,
+        help="prefix-affinity: skip replicas above this x the mean load (default 1.25)",
+    )
+    c.add_argument("--seed", type=int, default=0, help="seed of the random routing (default 0)")
+    c.add_argument("--eviction", choices=_EVICTIONS, default="lru", help="eviction policy (default lru)")
+    m = parser.add_argument_group("timing")
+    m.add_argument(
+        "--mode",
+        choices=MODES,
+        default="timed",
+        help="timed: requests hold blocks "
+        "while they run (default); order: only request order matters (as published simulations)",
+    )
+    m.add_argument(
+        "--prefill-tps",
+        type=_positive_float,
+        default=10_000.0,
+        help="prefill throughput per replica, tokens/s, for durations and the TTFT estimate (default 10000)",
+    )
+    m.add_argument(
+        "--decode-tps", type=_positive_float, default=50.0, help="decode speed per request, tokens/s (default 50)"
+    )
+    o = parser.add_argument_group("output")
+    o.add_argument("--json", help="write the summaries as JSON to this path")
+    o.add_argument("--plot", help="write a PNG of hit rate vs capacity, one line per routing, to this path")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -15,5 +135,49 @@ def run(args: argparse.Namespace) -> int:
 
         print("\n".join(seed_report()))
         return 0
-    print("give --example seed (trace replay arrives with the planner)")
+    if not args.trace:
+        return _fail("give a trace file, or --example seed")
+    try:
+        return _simulate(args)
+    except (ValueError, OSError) as e:  # TraceError is a ValueError: bad input, not a bug
+        return _fail(str(e))
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from kvprefix.sim.formats import load_trace
+    from kvprefix.sim.replay import ReplayConfig
+    from kvprefix.sim.report import format_table, plot_hit_rate, write_json
+    from kvprefix.sim.sweep import sweep
+
+    trace = load_trace(args.trace, args.format, args.block_size, args.trace_block_size, args.tokenizer)
+    if not trace.requests:
+        return _fail(f"{args.trace}: the trace has no requests")
+    bs = trace.block_size
+    if args.capacity_blocks:
+        capacities = [None if math.isinf(c) else int(c) for c in args.capacity_blocks]
+    elif args.capacity:
+        capacities = [None if math.isinf(c) else int(c) // bs for c in args.capacity]
+    else:
+        capacities = [None]
+    if 0 in capacities:
+        return _fail(f"a capacity is smaller than one {bs}-token block")
+    base = ReplayConfig(
+        capacity_blocks=None,
+        mode=args.mode,
+        prefill_tps=args.prefill_tps,
+        decode_tps=args.decode_tps,
+        load_cap=args.load_cap,
+        seed=args.seed,
+    )
+    summaries = sweep(trace, capacities, args.replicas, args.routing, base, progress=not args.no_progress)
+    print(format_table(summaries))
+    if args.json:
+        write_json(summaries, args.json)
+    if args.plot:
+        plot_hit_rate(summaries, args.plot)
+    return 0
+
+
+def _fail(message: str) -> int:
+    print(f"kvprefix simulate: error: {message}", file=sys.stderr)
     return 2

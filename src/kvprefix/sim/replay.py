@@ -47,6 +47,8 @@ class ReplayConfig:
             raise ValueError(f"unknown routing {self.routing!r}; choose one of {', '.join(ROUTINGS)}")
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        if self.load_cap < 1.0:
+            raise ValueError(f"load_cap must be >= 1.0, got {self.load_cap}")
         if self.prefill_tps <= 0 or self.decode_tps <= 0:
             raise ValueError("prefill and decode throughput must be > 0 tokens/s")
 
