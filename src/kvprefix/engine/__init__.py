@@ -1,0 +1,38 @@
+"""The inference engine: requests, scheduler, model runner, sampler, and the LLM / AsyncLLM APIs.
+
+The torch-free parts (SamplingParams, outputs, EngineArgs) import eagerly; LLM, AsyncLLM and LLMEngine load torch
+and the model code only when first used, so light modules (the CLI, the server's argument parsing) stay fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from kvprefix.engine.args import EngineArgs
+from kvprefix.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvprefix.engine.sampling_params import SamplingParams
+
+_LAZY = {
+    "LLM": "kvprefix.engine.llm",
+    "AsyncLLM": "kvprefix.engine.async_llm",
+    "LLMEngine": "kvprefix.engine.llm_engine",
+}
+
+__all__ = [
+    "AsyncLLM",
+    "CompletionOutput",
+    "EngineArgs",
+    "LLM",
+    "LLMEngine",
+    "Logprob",
+    "RequestMetrics",
+    "RequestOutput",
+    "SamplingParams",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'kvprefix.engine' has no attribute {name!r}")

@@ -1,0 +1,27 @@
+"""EngineArgs: every engine setting, with vLLM's names. Pure Python, so the server's CLI can build one cheaply."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineArgs:
+    """``model`` None is the built-in default model (random weights: meaningless text). ``dtype`` "auto" is
+    bfloat16 on CUDA and float32 on CPU. The KV cache holds ``num_gpu_blocks`` blocks if given, else as many as fit
+    in ``kv_cache_memory`` bytes, else (CUDA) ``gpu_memory_utilization`` of the free memory or (CPU) 2 GiB.
+    ``max_model_len`` None is the model's ``max_position_embeddings``."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str | None = None  # None: cuda when available, else cpu
+    seed: int = 0
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    num_gpu_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9

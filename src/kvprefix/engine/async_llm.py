@@ -1,0 +1,189 @@
+"""AsyncLLM: the engine for servers. One background thread runs engine steps (torch releases the GIL while it
+computes, so the event loop stays responsive); each request gets an async stream of cumulative RequestOutputs.
+
+Only the engine thread touches the engine's state: requests are added, aborted and the cache reset through a
+command queue that the thread drains between steps. A stream that is closed early (client disconnect, task
+cancelled, ``break``) aborts its request, so its blocks are always freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from kvprefix.engine.args import EngineArgs
+from kvprefix.engine.llm_engine import LLMEngine, PromptType
+from kvprefix.engine.outputs import RequestOutput
+from kvprefix.engine.sampling_params import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (shut down, or a step failed); no request can be served any more."""
+
+
+class _Stream:
+    """Where one request's outputs go: an asyncio queue on the loop of the task that called generate()."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Thread-safe; a closed loop means nobody is listening any more."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            pass
+
+
+class AsyncLLM:
+    def __init__(self, args: EngineArgs | None = None, **kwargs: Any):
+        self.engine = LLMEngine(args or EngineArgs(**kwargs))
+        self.tokenizer = self.engine.tokenizer
+        self.model_name = self.engine.model_name
+        self.model_config = self.engine.model_config
+        self.max_model_len = self.engine.max_model_len
+        self.uses_default_model = self.engine.uses_default_model
+        self._streams: dict[str, _Stream] = {}
+        self._commands: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run_loop, name="kvprefix-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def errored(self) -> bool:
+        return self._error is not None
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    # ---- public API -----------------------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None,
+        request_id: str,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Streams the request's cumulative outputs until one has ``finished``. Raises ValueError for an invalid
+        request, EngineDeadError if the engine stops. Closing the stream early aborts the request."""
+        arrival = time.monotonic()
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stream = self._streams[request_id] = _Stream(asyncio.get_running_loop())
+        try:
+            await self._call(lambda: self.engine.add_request(request_id, prompt, sampling_params, cache_salt, arrival))
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                # Outputs are cumulative: when the consumer is behind, only the newest one matters.
+                while not stream.queue.empty() and not isinstance(item, BaseException):
+                    item = stream.queue.get_nowait()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._submit(lambda: self.engine.abort_request(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        """Stops the request and frees its blocks (done when this returns); its stream ends with finish_reason
+        "abort". Unknown or finished ids are ignored."""
+        await self._call(lambda: self._abort_and_deliver(request_id))
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block; False (nothing changed) while requests hold blocks."""
+        return await self._call(self.engine.reset_prefix_cache)
+
+    def get_metrics(self) -> dict[str, int | float]:
+        """Counters and gauges; see LLMEngine.get_metrics. Read without stopping the engine."""
+        return self.engine.get_metrics()
+
+    async def shutdown(self) -> None:
+        """Aborts every request (their streams end with finish_reason "abort") and stops the engine thread."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        await asyncio.to_thread(self._thread.join)
+
+    # ---- engine thread --------------------------------------------------------------------------------------
+
+    def _submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._wake:
+            if self._error is not None or not self._thread.is_alive() or self._stopping:
+                future.set_exception(
+                    EngineDeadError("the engine is not running")
+                    if self._error is None
+                    else EngineDeadError(f"the engine failed: {self._error!r}")
+                )
+                return future
+            self._commands.append((fn, future))
+            self._wake.notify()
+        return future
+
+    async def _call(self, fn: Callable[[], Any]) -> Any:
+        return await asyncio.wrap_future(self._submit(fn))
+
+    def _abort_and_deliver(self, request_id: str) -> None:
+        out = self.engine.abort_request(request_id)
+        stream = self._streams.get(request_id)
+        if out is not None and stream is not None:
+            stream.put(out)
+
+    def _run_loop(self) -> None:
+        engine = self.engine
+        while True:
+            with self._wake:
+                while not self._commands and not self._stopping and not engine.has_unfinished_requests():
+                    self._wake.wait()
+                commands, self._commands = self._commands, []
+                stopping = self._stopping
+            for fn, future in commands:
+                try:
+                    future.set_result(fn())
+                except BaseException as e:  # a bad request fails its caller, not the engine
+                    future.set_exception(e)
+            if stopping:
+                for out in engine.abort_all():
+                    if (stream := self._streams.get(out.request_id)) is not None:
+                        stream.put(out)
+                return
+            if not engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = engine.step()
+            except BaseException as e:
+                self._fail(e)
+                return
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream.put(out)
+
+    def _fail(self, error: BaseException) -> None:
+        """A failed step leaves the engine in an unknown state: fail every stream and refuse new work."""
+        with self._wake:
+            self._error = error
+            pending, self._commands = self._commands, []
+        dead = EngineDeadError(f"the engine failed: {error!r}")
+        dead.__cause__ = error
+        for _, future in pending:
+            future.set_exception(dead)
+        for stream in list(self._streams.values()):
+            stream.put(dead)

@@ -1,0 +1,114 @@
+"""LLM: vLLM's offline API. Code written for ``vllm.LLM`` runs with ``from kvprefix import LLM, SamplingParams``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from kvprefix.engine.args import EngineArgs
+from kvprefix.engine.llm_engine import LLMEngine, PromptType
+from kvprefix.engine.outputs import RequestOutput
+from kvprefix.engine.sampling_params import SamplingParams
+from kvprefix.model import Tokenizer
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """``LLM(model=None, enable_prefix_caching=True, block_size=16, prefix_caching_hash_algo="sha256", ...)``;
+    every keyword is an ``EngineArgs`` field. ``model=None`` is the built-in default model: random weights,
+    meaningless text; pass a checkpoint directory or hub id for real text."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any):
+        try:
+            args = EngineArgs(model=model, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"{e}; accepted keywords: {', '.join(EngineArgs.__dataclass_fields__)}") from None
+        self.llm_engine = LLMEngine(args)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Runs every prompt to completion (batched) and returns their outputs in the order given."""
+        prompts = _as_prompt_list(prompts)
+        return self._run(prompts, sampling_params, use_tqdm, cache_salt)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        add_generation_prompt: bool = True,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} dicts) or a list of them, rendered with the model's chat
+        template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.llm_engine.tokenizer
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        return self._run(prompts, sampling_params, use_tqdm, cache_salt)
+
+    def _run(self, prompts, sampling_params, use_tqdm: bool, cache_salt: str | None) -> list[RequestOutput]:
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} sampling_params for {len(prompts)} prompts; give one or one each"
+                )
+        engine = self.llm_engine
+        ids = [str(next(self._ids)) for _ in prompts]
+        try:
+            for request_id, prompt, params in zip(ids, prompts, params_list, strict=True):
+                engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
+            finals: dict[str, RequestOutput] = {}
+            bar = _progress(len(ids)) if use_tqdm else None
+            while len(finals) < len(ids):
+                for out in engine.step():
+                    if out.finished:
+                        finals[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+            if bar is not None:
+                bar.close()
+        except BaseException:
+            for request_id in ids:  # leave no request (and no block) behind
+                engine.abort_request(request_id)
+            raise
+        return [finals[i] for i in ids]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.llm_engine.reset_prefix_cache()
+
+    def get_metrics(self) -> dict[str, int | float]:
+        return self.llm_engine.get_metrics()
+
+
+def _as_prompt_list(prompts) -> list[PromptType]:
+    """A single prompt (text, token ids, or dict) becomes a list of one."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]
+    return list(prompts)
+
+
+def _progress(total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="Processed prompts")

@@ -1,0 +1,278 @@
+"""LLMEngine: the synchronous core that LLM and AsyncLLM drive. Owns the model runner, the scheduler, the KV cache
+manager and the block hashers; turns prompts into requests and engine steps into RequestOutputs."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from typing import Any
+
+import torch
+
+from kvprefix.cache import BlockHasher, ExecutionContext, KVCacheManager
+from kvprefix.engine.args import EngineArgs
+from kvprefix.engine.model_runner import ModelRunner, num_kv_blocks
+from kvprefix.engine.outputs import RequestMetrics, RequestOutput
+from kvprefix.engine.request import Request
+from kvprefix.engine.sampler import Sampler
+from kvprefix.engine.sampling_params import SamplingParams
+from kvprefix.engine.scheduler import Scheduler
+from kvprefix.model import ModelConfig, Tokenizer, default_model_path, load_model
+from kvprefix.model.default_model import DEFAULT_MODEL_NAME, NOTICE
+from kvprefix.model.loader import resolve_dtype, resolve_model_path
+
+# A prompt: text, token ids, or a dict with "prompt_token_ids" or "prompt" (vLLM's input forms).
+PromptType = str | list[int] | dict[str, Any]
+
+DEFAULT_MODEL_NOTICE = NOTICE
+
+
+@dataclasses.dataclass
+class _UserRequest:
+    """A request as the caller sees it: one prompt, ``n`` samples."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: list[Request]
+    metrics: RequestMetrics
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[s.completion() for s in self.samples],
+            finished=all(s.finished for s in self.samples),
+            num_cached_tokens=max(0, self.samples[0].num_cached_tokens),
+            metrics=dataclasses.replace(self.metrics),
+        )
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs):
+        self.args = args
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype_name = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+        dtype = resolve_dtype(dtype_name)
+        self.model_name = args.model or DEFAULT_MODEL_NAME
+        self.uses_default_model = args.model is None
+        path = default_model_path() if args.model is None else resolve_model_path(args.model)
+        self.model_config = ModelConfig.from_path(path)
+        self.tokenizer = Tokenizer(path)
+        self.max_model_len = min(args.max_model_len or 2**62, self.model_config.max_position_embeddings)
+        # Everything besides the tokens that changes a block's KV goes into the root of the hash chain.
+        template = self.tokenizer.hf.chat_template or ""
+        context = ExecutionContext(
+            model=self.model_name,
+            tokenizer=self.model_name,
+            chat_template=hashlib.sha256(str(template).encode()).hexdigest()[:16] if template else "",
+            kv_dtype=str(dtype).removeprefix("torch."),
+        )
+        self.hasher = BlockHasher(args.block_size, args.prefix_caching_hash_algo, context)
+        self._hashers: dict[str, BlockHasher] = {"": self.hasher}
+        num_blocks = num_kv_blocks(
+            self.model_config,
+            args.block_size,
+            dtype,
+            device,
+            args.num_gpu_blocks,
+            args.kv_cache_memory,
+            args.gpu_memory_utilization,
+        )
+        self.manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        self.scheduler = Scheduler(self.manager, args.max_num_seqs, args.max_num_batched_tokens)
+        model = load_model(path, dtype, device)
+        self.runner = ModelRunner.create(model, num_blocks, self.manager, dtype, device)
+        self.sampler = Sampler(args.seed, device, self.tokenizer.decode)
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | self.tokenizer.eos_token_ids
+        self._requests: dict[str, _UserRequest] = {}
+        self._user_request_of: dict[str, _UserRequest] = {}  # sample id -> its user request
+        self._counters = dict(prompt_tokens=0, generation_tokens=0, requests_finished=0, requests_aborted=0)
+
+    # ---- requests -------------------------------------------------------------------------------------------
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids) for any accepted prompt form."""
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if isinstance(prompt.get("prompt"), str):
+                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+            raise ValueError(f"a prompt dict needs 'prompt_token_ids' or 'prompt', got keys {sorted(prompt)}")
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queues a request. Raises ValueError for a reused id, a bad prompt, or one that cannot fit."""
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = params or SamplingParams()
+        text, ids = self.tokenize_prompt(prompt)
+        self._check_prompt(request_id, ids)
+        capacity = self.manager.pool.num_blocks * self.manager.block_size
+        room = min(self.max_model_len, capacity) - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        hasher = self._hasher_for(cache_salt)
+        samples: list[Request] = []
+        for i in range(params.n):
+            sample_params = params
+            if params.n > 1:
+                seed = None if params.seed is None else params.seed + i  # distinct but reproducible samples
+                sample_params = dataclasses.replace(params, n=1, seed=seed)
+            samples.append(
+                Request(
+                    request_id if params.n == 1 else f"{i}_{request_id}",
+                    ids,
+                    sample_params,
+                    hasher,
+                    max_tokens=max_tokens,
+                    eos_token_ids=self.eos_token_ids,
+                    tokenizer=self.tokenizer,
+                    index=i,
+                    leader=samples[0] if i and self.manager.enable_prefix_caching else None,
+                )
+            )
+        metrics = RequestMetrics(arrival_time if arrival_time is not None else time.monotonic())
+        user_request = _UserRequest(request_id, text, ids, samples, metrics)
+        self._requests[request_id] = user_request
+        for s in samples:
+            self._user_request_of[s.request_id] = user_request
+            self.scheduler.add(s)
+        self._counters["prompt_tokens"] += len(ids)
+
+    def _check_prompt(self, request_id: str, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError(f"request {request_id!r} has an empty prompt")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"request {request_id!r}: token id {bad} is outside the vocabulary [0, {vocab})")
+        capacity = self.manager.pool.num_blocks * self.manager.block_size
+        limit = min(self.max_model_len, capacity)
+        if len(ids) >= limit:
+            what = "max_model_len" if limit == self.max_model_len else "the KV cache capacity in tokens"
+            raise ValueError(
+                f"request {request_id!r}: a prompt of {len(ids)} tokens leaves no room to generate; {what} is {limit}"
+            )
+
+    def _hasher_for(self, cache_salt: str | None) -> BlockHasher:
+        """Requests with a salt hash under their own root, so they only ever hit blocks of the same salt."""
+        salt = cache_salt or ""
+        hasher = self._hashers.get(salt)
+        if hasher is None:
+            hasher = self._hashers[salt] = self.hasher.with_salt(salt)
+        return hasher
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stops a request and frees its blocks; returns its final output (finish_reason "abort"), or None if it
+        is unknown or already finished."""
+        user_request = self._requests.pop(request_id, None)
+        if user_request is None:
+            return None
+        for s in user_request.samples:
+            if not s.finished:
+                s.abort()
+                self.scheduler.finish(s)
+        user_request.metrics.finished_time = time.monotonic()
+        self._forget(user_request)
+        self._counters["requests_aborted"] += 1
+        return user_request.output()
+
+    def abort_all(self) -> list[RequestOutput]:
+        return [out for request_id in list(self._requests) if (out := self.abort_request(request_id)) is not None]
+
+    def _forget(self, user_request: _UserRequest) -> None:
+        for s in user_request.samples:
+            self._user_request_of.pop(s.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    # ---- stepping -------------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one batch; returns the outputs of requests that produced a token or finished in it."""
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        now = time.monotonic()
+        for s in sched.scheduled:
+            metrics = self._user_request_of[s.request.request_id].metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+        sample_rows = [
+            i
+            for i, s in enumerate(sched.scheduled)
+            if s.request.num_computed_tokens + s.num_new_tokens == s.request.num_tokens
+        ]
+        logits = self.runner.execute(sched, sample_rows)
+        self.scheduler.update_after_step(sched)
+        if not sample_rows:
+            return []
+        requests = [sched.scheduled[i].request for i in sample_rows]
+        tokens, logprobs = self.sampler(logits, requests)
+        now = time.monotonic()
+        changed: dict[str, _UserRequest] = {}
+        for req, token, lp in zip(requests, tokens, logprobs, strict=True):
+            req.append_output(token, lp)
+            if req.finished:
+                self.scheduler.finish(req)
+            user_request = self._user_request_of[req.request_id]
+            changed[user_request.request_id] = user_request
+        self._counters["generation_tokens"] += len(tokens)
+        outputs = []
+        for user_request in changed.values():
+            metrics = user_request.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            if all(s.finished for s in user_request.samples):
+                metrics.finished_time = now
+                del self._requests[user_request.request_id]
+                self._forget(user_request)
+                self._counters["requests_finished"] += 1
+            outputs.append(user_request.output())
+        return outputs
+
+    # ---- cache and metrics ----------------------------------------------------------------------------------
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block; refused (False) while any request holds blocks."""
+        return self.manager.reset_prefix_cache()
+
+    def get_metrics(self) -> dict[str, int | float]:
+        """Counters since start (prefix_cache_* in tokens; queries count re-admissions after preemption again)
+        and gauges (num_requests_*, kv_cache_usage, num_free_blocks)."""
+        stats = self.manager.stats
+        pool = self.manager.pool
+        return {
+            "prefix_cache_queries": stats.queries,
+            "prefix_cache_hits": stats.hits,
+            "prefix_cache_hit_rate": stats.hit_rate,
+            "prefix_cache_admissions": stats.requests,
+            "prefix_cache_evictions": stats.evictions,
+            "prefix_cache_resets": stats.resets,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prompt_tokens": self._counters["prompt_tokens"],
+            "prompt_tokens_computed": self.scheduler.num_prompt_tokens_computed,
+            "generation_tokens": self._counters["generation_tokens"],
+            "requests_finished": self._counters["requests_finished"],
+            "requests_aborted": self._counters["requests_aborted"],
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting),
+            "kv_cache_usage": pool.usage,
+            "num_blocks": pool.num_blocks,
+            "num_free_blocks": pool.num_free_blocks,
+            "block_size": self.manager.block_size,
+        }

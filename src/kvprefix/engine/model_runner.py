@@ -1,0 +1,94 @@
+"""Runs one scheduled batch through the model: builds the paged-attention metadata, runs the forward pass, and
+returns the logits of the sequences whose last token was computed (those that sample a token this step)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvprefix.cache import KVCacheManager
+from kvprefix.engine.scheduler import SchedulerOutput
+from kvprefix.model import AttentionMetadata, ModelConfig, allocate_kv_cache, kv_cache_bytes_per_block
+
+# Default KV budget on CPU (vLLM's CPU backend uses 4 GiB); on CUDA a fraction of free memory is used instead.
+CPU_KV_CACHE_BYTES = 2 << 30
+
+
+def num_kv_blocks(
+    config: ModelConfig,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    num_blocks: int | None,
+    kv_cache_memory: int | None,
+    gpu_memory_utilization: float,
+) -> int:
+    """How many KV blocks to allocate: ``num_blocks`` if given, else a memory budget divided by a block's bytes."""
+    if num_blocks is not None:
+        if num_blocks < 1:
+            raise ValueError(f"num_gpu_blocks must be >= 1, got {num_blocks}")
+        return num_blocks
+    per_block = kv_cache_bytes_per_block(config, block_size, dtype)
+    if kv_cache_memory is None:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            kv_cache_memory = int(free * gpu_memory_utilization)
+        else:
+            kv_cache_memory = CPU_KV_CACHE_BYTES
+    blocks = kv_cache_memory // per_block
+    if blocks < 1:
+        raise ValueError(f"kv_cache_memory={kv_cache_memory} bytes is less than one KV block ({per_block} bytes)")
+    return blocks
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv_caches: list, manager: KVCacheManager, device: torch.device):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.manager = manager
+        self.block_size = manager.block_size
+        self.device = device
+
+    @classmethod
+    def create(cls, model: torch.nn.Module, num_blocks: int, manager: KVCacheManager, dtype, device) -> ModelRunner:
+        kv = allocate_kv_cache(model.config, num_blocks, manager.block_size, dtype, device)
+        return cls(model, kv, manager, device)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, sample_rows: list[int]) -> torch.Tensor | None:
+        """Computes every scheduled token; returns float32 logits [len(sample_rows), vocab] for those rows."""
+        bs = self.block_size
+        token_chunks, position_chunks, slot_chunks, tables, seq_lens = [], [], [], [], []
+        starts = [0]
+        for s in sched.scheduled:
+            req = s.request
+            start = req.num_computed_tokens
+            end = start + s.num_new_tokens
+            table = np.asarray(self.manager.get_block_ids(req.request_id), dtype=np.int64)
+            positions = np.arange(start, end, dtype=np.int64)
+            token_chunks.append(req.token_ids[start:end])
+            position_chunks.append(positions)
+            slot_chunks.append(table[positions // bs] * bs + positions % bs)
+            tables.append(table)
+            seq_lens.append(end)
+            starts.append(starts[-1] + s.num_new_tokens)
+        block_tables = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int64)
+        for i, t in enumerate(tables):
+            block_tables[i, : len(t)] = t
+        dev = self.device
+        query_start_loc = torch.tensor(starts, dtype=torch.long)
+        input_ids = torch.tensor([t for chunk in token_chunks for t in chunk], dtype=torch.long, device=dev)
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slot_chunks)).to(dev),
+            query_start_loc=query_start_loc.to(dev),
+            seq_lens=seq_lens,
+            block_tables=torch.from_numpy(block_tables).to(dev),
+            logits_indices=(query_start_loc[1:] - 1).to(dev),
+        )
+        positions = torch.from_numpy(np.concatenate(position_chunks)).to(dev)
+        hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        if not sample_rows:
+            return None
+        # Only rows that sample need logits: the vocabulary projection is the costliest matmul of a decode.
+        rows = meta.logits_indices[torch.tensor(sample_rows, dtype=torch.long, device=dev)]
+        return self.model.compute_logits(hidden[rows]).float()

@@ -1,0 +1,65 @@
+"""What a request returns, shaped like vLLM's ``RequestOutput`` / ``CompletionOutput``. Pure Python."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int  # 1 = the most likely token
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """One of a request's ``n`` samples. Cumulative: ``text`` and ``token_ids`` hold everything generated so far.
+
+    ``finish_reason`` is "stop" (EOS, a stop token or a stop string), "length" (max_tokens or the context limit)
+    or "abort"; ``stop_reason`` is the stop string or stop token id that ended it (None for EOS).
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Times in seconds of ``time.monotonic()``; None until the event happened."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token: arrival to the first sampled token (of any of the n samples)."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def latency(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request after an engine step. ``num_cached_tokens``: prompt tokens served from the prefix
+    cache at admission (for n > 1, those of the first sample)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))

@@ -1,0 +1,81 @@
+"""How to sample a completion, with vLLM's names and ranges. Pure Python, so the server can validate without torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Below this temperature sampling is greedy (vLLM uses the same cut-off).
+GREEDY_TEMPERATURE = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """Sampling settings for one prompt. Invalid values raise ``ValueError`` naming the field and the accepted range.
+
+    ``top_k`` 0 or -1 disables top-k; ``max_tokens`` None means up to the model's context length; ``logprobs`` k
+    returns the k most likely tokens at each step (plus the sampled one), from the model's raw distribution.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    max_tokens: int | None = 16
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    # Normalized forms, filled in by __post_init__.
+    stop_strings: tuple[str, ...] = field(init=False, repr=False)
+    stop_token_set: frozenset[int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        _check_int("n", self.n, minimum=1)
+        _check_number("temperature", self.temperature, "a number >= 0", lambda v: v >= 0)
+        _check_number("top_p", self.top_p, "a number in (0, 1]", lambda v: 0 < v <= 1)
+        if self.top_k is None or self.top_k == -1:
+            self.top_k = 0
+        _check_int("top_k", self.top_k, minimum=0, accepted="0 or -1 (disabled) or an integer >= 1")
+        _check_number("min_p", self.min_p, "a number in [0, 1]", lambda v: 0 <= v <= 1)
+        if self.seed is not None:
+            _check_int("seed", self.seed, minimum=None, accepted="an integer or None")
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_number(name, getattr(self, name), "a number in [-2, 2]", lambda v: -2 <= v <= 2)
+        _check_number("repetition_penalty", self.repetition_penalty, "a number > 0", lambda v: v > 0)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, minimum=1, accepted="an integer >= 1 or None")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, minimum=0, accepted="an integer >= 0 or None")
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        for s in stops:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must be a non-empty string or a list of them, got {s!r}")
+        self.stop_strings = tuple(stops)
+        for t in self.stop_token_ids or []:
+            _check_int("stop_token_ids", t, minimum=0, accepted="a list of token ids >= 0")
+        self.stop_token_set = frozenset(self.stop_token_ids or ())
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+def _check_int(name: str, value, minimum: int | None, accepted: str | None = None) -> None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and (minimum is None or value >= minimum)
+    if not ok:
+        raise ValueError(f"{name} must be {accepted or f'an integer >= {minimum}'}, got {value!r}")
+
+
+def _check_number(name: str, value, accepted: str, in_range) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or not in_range(value):
+        raise ValueError(f"{name} must be {accepted}, got {value!r}")
