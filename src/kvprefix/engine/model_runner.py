@@ -10,8 +10,8 @@ from kvprefix.cache import KVCacheManager
 from kvprefix.engine.scheduler import SchedulerOutput
 from kvprefix.model import AttentionMetadata, ModelConfig, allocate_kv_cache, kv_cache_bytes_per_block
 
-# Default KV budget on CPU (vLLM's CPU backend uses 4 GiB); on CUDA a fraction of free memory is used instead.
-CPU_KV_CACHE_BYTES = 2 << 30
+# Default KV budget on CPU (enough for ~250k tokens of the default model); on CUDA a fraction of free memory is used instead.
+CPU_KV_CACHE_BYTES = 1 << 30
 
 
 def num_kv_blocks(
