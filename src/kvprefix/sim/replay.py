@@ -3,9 +3,11 @@
 Two modes:
 - ``order``: only the order of requests matters; each request is admitted, its prompt blocks registered and
   released at once (what published simulations such as Mooncake's Figure 9 do).
-- ``timed``: requests arrive at their timestamps and hold their blocks (prompt + output) while they run:
-  prefill takes uncached tokens / ``prefill_tps``, decode ``output_length / decode_tps``. Blocks are registered
-  when prefill ends. A request that does not fit waits (FIFO per replica); one that could never fit is rejected.
+- ``timed``: requests arrive at their timestamps and hold their blocks (prompt + output) while they run. Each
+  replica prefills one request at a time (FIFO), taking uncached tokens / ``prefill_tps``; then the request
+  decodes alongside the others for ``output_length / decode_tps``. The cache lookup happens when prefill starts
+  and blocks are registered when it ends. A request waits while its blocks do not fit; one that could never
+  fit, even alone, is rejected.
 """
 
 from __future__ import annotations
@@ -104,8 +106,12 @@ def replay(trace: Trace, config: ReplayConfig, progress: bool = False) -> Replay
     rec = ReplayRecords([-1] * n, [0] * n, [0.0] * n, [], [m.pool.num_blocks for m in managers], 0.0)
     bar = _progress_bar(n, trace.name, progress)
     start = time.perf_counter()
-    run = _replay_order if config.mode == "order" else _replay_timed
-    run(trace.requests, bs, managers, policy, config, rec, bar)
+    if config.mode == "order":
+        _replay_order(trace.requests, bs, managers, policy, rec, bar)
+    else:
+        # The shared pool stands for all replicas' memory *and* compute: it prefills replicas x as fast.
+        prefill_tps = config.prefill_tps * (config.replicas if config.routing == SHARED else 1)
+        _replay_timed(trace.requests, bs, managers, policy, prefill_tps, config.decode_tps, rec, bar)
     rec.elapsed_s = time.perf_counter() - start
     rec.evictions = [m.stats.evictions for m in managers]
     if bar is not None:
@@ -125,7 +131,7 @@ def _progress_bar(total: int, name: str, enabled: bool):
 _BAR_STEP = 1024  # update the bar every so many requests: tqdm per request would cost more than the replay
 
 
-def _replay_order(reqs: list[TraceRequest], bs: int, managers: list[KVCacheManager], policy, config, rec, bar) -> None:
+def _replay_order(reqs: list[TraceRequest], bs: int, managers: list[KVCacheManager], policy, rec, bar) -> None:
     view = _ManagersView(managers)
     loads = view.loads  # in order mode nothing is in flight: load = requests routed so far
     rec_replica, rec_blocks = rec.replica, rec.cached_blocks
@@ -149,35 +155,46 @@ _PREFILL_DONE, _FINISH = 0, 1
 
 
 def _replay_timed(
-    reqs: list[TraceRequest], bs: int, managers: list[KVCacheManager], policy, config: ReplayConfig, rec, bar
+    reqs: list[TraceRequest],
+    bs: int,
+    managers: list[KVCacheManager],
+    policy,
+    prefill_tps: float,
+    decode_tps: float,
+    rec: ReplayRecords,
+    bar,
 ) -> None:
     view = _ManagersView(managers)
-    loads = view.loads  # requests running or waiting on each replica
+    loads = view.loads  # requests waiting, prefilling or decoding on each replica
     queues: list[deque[int]] = [deque() for _ in managers]
+    prefilling = [False] * len(managers)
     events: list[tuple[float, int, int, int, CacheRequest]] = []  # (time, seq, kind, replica, request)
     seq = 0
 
-    def admit(rep: int, i: int, now: float) -> bool:
+    def push(when: float, kind: int, rep: int, req: CacheRequest) -> None:
         nonlocal seq
+        heapq.heappush(events, (when, seq, kind, rep, req))
+        seq += 1
+
+    def start_next(rep: int, now: float) -> None:
+        """Admits the replica's first waiting request into prefill if the prefill unit is idle and blocks fit.
+        The lookup happens here, so a request queued behind one with the same prefix hits it."""
+        queue = queues[rep]
+        if prefilling[rep] or not queue:
+            return
+        i = queue[0]
         r = reqs[i]
         mgr = managers[rep]
         req = CacheRequest.from_block_hashes(str(i), r.block_hashes, r.input_length, bs)
         hits, num_hit_tokens = mgr.get_computed_blocks(req)
         if mgr.allocate_slots(req, r.input_length - num_hit_tokens + r.output_length, hits) is None:
-            return False
+            return  # waits for a running request to finish and release blocks
+        queue.popleft()
+        prefilling[rep] = True
         rec.replica[i] = rep
         rec.cached_blocks[i] = len(hits)
         rec.wait_s[i] = now - r.timestamp
-        prefill_end = now + (r.input_length - num_hit_tokens) / config.prefill_tps
-        heapq.heappush(events, (prefill_end, seq, _PREFILL_DONE, rep, req))
-        heapq.heappush(events, (prefill_end + r.output_length / config.decode_tps, seq + 1, _FINISH, rep, req))
-        seq += 2
-        return True
-
-    def drain(rep: int, now: float) -> None:
-        queue = queues[rep]
-        while queue and admit(rep, queue[0], now):
-            queue.popleft()
+        push(now + (r.input_length - num_hit_tokens) / prefill_tps, _PREFILL_DONE, rep, req)
 
     def run_events(until: float) -> None:
         while events and events[0][0] <= until:
@@ -185,10 +202,12 @@ def _replay_timed(
             mgr = managers[rep]
             if kind == _PREFILL_DONE:
                 mgr.cache_blocks(req, req.num_tokens)
+                prefilling[rep] = False
+                push(now + reqs[int(req.request_id)].output_length / decode_tps, _FINISH, rep, req)
             else:
                 mgr.free(req)
                 loads[rep] -= 1
-                drain(rep, now)
+            start_next(rep, now)
 
     for i, r in enumerate(reqs):
         run_events(r.timestamp)
@@ -196,8 +215,8 @@ def _replay_timed(
         if cdiv(r.input_length + r.output_length, bs) > managers[rep].pool.num_blocks:
             continue  # could never fit, even alone: rejected
         loads[rep] += 1
-        if queues[rep] or not admit(rep, i, r.timestamp):
-            queues[rep].append(i)
+        queues[rep].append(i)
+        start_next(rep, r.timestamp)
         if bar is not None and (i + 1) % _BAR_STEP == 0:
             bar.update(_BAR_STEP)
     run_events(math.inf)

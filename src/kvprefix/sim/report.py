@@ -20,6 +20,7 @@ _COLUMNS = (
     ("load_imbalance", "imbalance", "{:.2f}"),
     ("ttft_gain", "TTFT gain", "{:.1%}"),
     ("waited", "waited", "{:,}"),
+    ("mean_wait_s", "wait(s)", "{:.2f}"),
     ("rejected", "rejected", "{:,}"),
 )
 
