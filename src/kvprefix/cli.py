@@ -10,6 +10,7 @@ import sys
 # name -> module with `add_arguments(parser)` and `run(args) -> int`, plus a one-line help.
 SUBCOMMANDS = {
     "simulate": ("kvprefix.sim.cli", "replay a trace (or the seed example) on the real cache code"),
+    "serve": ("kvprefix.server.cli", "OpenAI-compatible server with prefix caching (default: 127.0.0.1:8000)"),
     "lab": ("kvprefix.engine.lab", "the prefix cache on a real engine: shared system prompt, caching on vs off"),
 }
 

@@ -1,0 +1,81 @@
+"""Admission control: a bounded number of pending engine requests (overload is a fast 503, never a hang), and
+a gate that an admin reset closes to drain the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+from kvprefix.server.errors import APIError
+
+
+class Ticket:
+    """Held slots; ``release`` is idempotent, since a stream may end on several paths (done, cancelled, never
+    started)."""
+
+    def __init__(self, admission: Admission, k: int):
+        self._admission: Admission | None = admission
+        self._k = k
+
+    def release(self) -> None:
+        if self._admission is not None:
+            self._admission.pending -= self._k
+            self._admission.running -= self._k
+            self._admission = None
+
+
+class Admission:
+    def __init__(self, max_pending: int, on_reject: Callable[[str], None] = lambda reason: None):
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {max_pending}")
+        self.max_pending = max_pending
+        self.pending = 0  # engine requests admitted by the server: waiting at the gate or submitted
+        self.running = 0  # of those, submitted to the engine
+        self.closing = False
+        self._closers = 0
+        self._open = asyncio.Event()
+        self._open.set()
+        self._on_reject = on_reject
+
+    async def acquire(self, k: int) -> Ticket:
+        """Claims ``k`` engine-request slots (one per prompt), waiting while an admin drain holds the gate.
+
+        Raises 503 at once when the server is full or shutting down."""
+        if self.closing:
+            self._on_reject("shutting_down")
+            raise APIError(503, "server is shutting down", type="server_error", code="shutting_down")
+        if self.pending + k > self.max_pending:
+            self._on_reject("overloaded")
+            raise APIError(
+                503,
+                f"server overloaded: {self.pending} requests pending (limit {self.max_pending}); retry later",
+                type="server_error",
+                code="overloaded",
+                headers={"Retry-After": "1"},
+            )
+        self.pending += k
+        try:
+            await self._open.wait()
+        except BaseException:
+            self.pending -= k
+            raise
+        self.running += k
+        return Ticket(self, k)
+
+    @asynccontextmanager
+    async def drained(self, timeout: float) -> AsyncIterator[bool]:
+        """Holds new requests at the gate and waits up to ``timeout`` s for running ones to finish; yields whether
+        the engine became idle. Requests held at the gate proceed when the block exits."""
+        self._closers += 1
+        self._open.clear()
+        try:
+            deadline = time.monotonic() + timeout
+            while self.running and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            yield self.running == 0
+        finally:
+            self._closers -= 1
+            if self._closers == 0:
+                self._open.set()

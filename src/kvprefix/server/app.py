@@ -1,0 +1,211 @@
+"""The FastAPI application: routes, body parsing, auth, admin endpoints, start-up log and shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Query, Request
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+
+from kvprefix.server.admission import Admission
+from kvprefix.server.cache_detail import CacheTracker
+from kvprefix.server.errors import APIError, bad_request, from_validation_error, install_error_handlers
+from kvprefix.server.metrics import ServerMetrics
+from kvprefix.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvprefix.server.request_log import RequestLog
+from kvprefix.server.serving import ModelInfo, Serving
+from kvprefix.server.tenancy import Auth, Caller
+
+log = logging.getLogger("kvprefix.server")
+
+MAX_BODY_BYTES = 16 * 2**20
+
+
+@dataclass
+class ServerConfig:
+    """Server settings that are not engine settings."""
+
+    served_model_name: str | None = None
+    auth: Auth | None = None
+    max_pending: int = 256
+    request_log: str | None = None
+    request_log_prompts: bool = False
+    cache_detail: bool = True  # whether the opt-in per-request diagnosis may be asked for at all
+
+
+async def _parse(raw: Request, model: type[BaseModel]) -> Any:
+    """Reads and validates a JSON body, turning every way it can be wrong into a 400 that says what is wrong."""
+    body = await raw.body()
+    if len(body) > MAX_BODY_BYTES:
+        raise APIError(413, f"request body is {len(body)} bytes; the limit is {MAX_BODY_BYTES}")
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise bad_request(f"request body is not valid UTF-8 (invalid byte at offset {exc.start})") from None
+    if not text.strip():
+        raise bad_request("request body is empty; send a JSON object")
+    try:
+        return model.model_validate_json(text)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+def _model_info(engine, name: str) -> ModelInfo:
+    inner = engine.engine
+    capacity = inner.manager.pool.num_blocks * inner.manager.block_size
+    return ModelInfo(
+        name=name,
+        max_model_len=min(engine.max_model_len, capacity),
+        vocab_size=engine.model_config.vocab_size,
+        block_size=inner.manager.block_size,
+        hash_algo=inner.hasher.algo,
+        enable_prefix_caching=inner.manager.enable_prefix_caching,
+    )
+
+
+def _log_startup(engine, info: ModelInfo, config: ServerConfig) -> None:
+    inner = engine.engine
+    pool = inner.manager.pool
+    log.info("serving model %s (max_model_len %d tokens)", info.name, info.max_model_len)
+    if engine.uses_default_model:
+        log.warning("the built-in default model has RANDOM weights: its text is meaningless; use --model for a real "
+                    "checkpoint")
+    log.info(
+        "prefix cache: %s, block size %d tokens (the minimum shareable prefix; only full blocks are cached), "
+        "%d blocks = %d tokens of KV, hash %s",
+        "on" if info.enable_prefix_caching else "OFF", info.block_size, pool.num_blocks,
+        pool.num_blocks * info.block_size, info.hash_algo,
+    )
+    auth = config.auth
+    log.info("tenancy: %s; request log: %s; max pending requests %d",
+             f"{auth.num_tenants} tenant(s), cache salted per tenant" if auth and auth.enabled
+             else "off (one shared cache namespace)",
+             config.request_log or "off", config.max_pending)
+
+
+def _openapi(app: FastAPI) -> dict:
+    """The generated schema, plus the request bodies that we parse ourselves (for clients and fuzzers)."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for path, model in (("/v1/completions", CompletionRequest), ("/v1/chat/completions", ChatCompletionRequest)):
+        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(body.pop("$defs", {}))
+        components[model.__name__] = body
+        schema["paths"][path]["post"]["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
+        }
+    app.openapi_schema = schema
+    return schema
+
+
+def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
+    """An app serving ``engine`` (an AsyncLLM). Shutting the app down shuts the engine down."""
+    config = config or ServerConfig()
+    auth = config.auth or Auth()
+    name = config.served_model_name or engine.model_name
+    info = _model_info(engine, name)
+    metrics = ServerMetrics(name, engine.get_metrics)
+    admission = Admission(config.max_pending, on_reject=lambda reason: metrics.rejected.labels(name, reason).inc())
+    tracker = CacheTracker(engine.engine.hasher, enabled=info.enable_prefix_caching)
+    request_log = RequestLog(config.request_log, config.request_log_prompts) if config.request_log else None
+    serving = Serving(engine, info, admission, metrics, tracker, request_log)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        unsubscribe = engine.engine.manager.events.subscribe(tracker.on_event)
+        _log_startup(engine, info, config)
+        try:
+            yield
+        finally:
+            admission.closing = True
+            unsubscribe()
+            await engine.shutdown()
+            if request_log is not None:
+                request_log.close()
+
+    app = FastAPI(title="kvprefix", version="0.1.0", lifespan=lifespan)
+    app.openapi = lambda: _openapi(app)
+    install_error_handlers(app)
+    app.state.serving = serving
+
+    def caller(raw: Request, client_salt: str | None) -> Caller:
+        return Caller(auth.tenant(raw.headers.get("authorization")), client_salt)
+
+    def check_detail(req: CompletionRequest | ChatCompletionRequest) -> None:
+        if req.cache_detail and not config.cache_detail:
+            raise bad_request("'cache_detail' is disabled on this server", param="cache_detail")
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.errored or not engine.is_running:
+            return APIError(503, "the engine is not running", type="server_error").response()
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models(raw: Request) -> dict:
+        auth.tenant(raw.headers.get("authorization"))
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "kvprefix",
+                                            "max_model_len": info.max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics_endpoint(raw: Request) -> Response:
+        if auth.has_admin_key:
+            auth.check_admin(raw.headers.get("authorization"))
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request):
+        req = await _parse(raw, CompletionRequest)
+        check_detail(req)
+        return await serving.completions(req, caller(raw, req.cache_salt), raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw: Request):
+        req = await _parse(raw, ChatCompletionRequest)
+        check_detail(req)
+        return await serving.chat(req, caller(raw, req.cache_salt), raw)
+
+    async def reset(raw: Request, wait: bool, timeout: float) -> JSONResponse:
+        auth.check_admin(raw.headers.get("authorization"))
+        start = time.monotonic()
+        ok = await engine.reset_prefix_cache()
+        if not ok and wait:
+            async with admission.drained(timeout) as idle:
+                # The engine frees a request's blocks just before its last output; retry briefly to be safe.
+                while idle:
+                    ok = await engine.reset_prefix_cache()
+                    if ok or time.monotonic() - start >= timeout:
+                        break
+                    await asyncio.sleep(0.02)
+        waited = round(time.monotonic() - start, 3)
+        if ok:
+            return JSONResponse({"success": True, "waited_s": waited})
+        running = admission.running
+        hint = f"still running after waiting {timeout:g} s" if wait else "running; retry with ?wait=true&timeout=30"
+        return APIError(409, f"prefix cache not reset: {running} request(s) {hint}", type="conflict_error",
+                        code="requests_running").response()
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(raw: Request, wait: bool = False,
+                                 timeout: float = Query(30.0, ge=0.0, le=600.0)) -> JSONResponse:
+        """vLLM's name. Refused (409) while requests hold blocks, unless ``wait`` drains them first."""
+        return await reset(raw, wait, timeout)
+
+    @app.post("/flush_cache")
+    async def flush_cache(raw: Request, wait: bool = False,
+                          timeout: float = Query(30.0, ge=0.0, le=600.0)) -> JSONResponse:
+        """SGLang's name for the same operation."""
+        return await reset(raw, wait, timeout)
+
+    return app

@@ -1,0 +1,178 @@
+"""Why a prompt missed the prefix cache: the opt-in per-request diagnosis (docs/server.md, docs/security.md).
+
+``CacheTracker`` mirrors the engine's cache from its KV events (which block hash is cached, its parent and its
+tokens, which hashes were evicted) and explains the first uncached block of a prompt. Every lookup uses the
+caller's own salted hashes: block hashes chain from a root that includes the tenant's salt, so the tracker can
+only ever find blocks of the caller's own tenant and salt; another tenant's cache contents are unreachable.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from kvprefix.cache import AllBlocksCleared, BlockHash, BlockHasher, BlockRemoved, BlockStored, KVCacheEvent
+from kvprefix.server.tenancy import cache_salt
+
+_MAX_EVICTED = 65536  # remembered evicted hashes (32 bytes each)
+_MAX_SALTS_PER_TENANT = 8
+
+
+@dataclass
+class CacheDetail:
+    prompt_index: int
+    prompt_tokens: int
+    cached_tokens: int
+    first_uncached_token: int
+    block_size: int
+    reason: str  # a stable code: see REASONS
+    message: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+REASONS = {
+    "full_hit": "every block before the last prompt token was cached (the last token is always computed)",
+    "prompt_shorter_than_block": "prompt shorter than one block",
+    "diverged": "diverged at token {n} from the nearest cached prefix",
+    "prefix_ended": "the nearest cached prefix ends at token {n}; nothing cached continues it",
+    "evicted": "blocks were evicted: the block at token {n} was cached earlier but evicted to make room",
+    "different_salt": "different tenant/salt: this prompt is cached under another cache_salt of your tenant",
+    "not_cached": "nothing in your tenant/salt cache starts like this prompt",
+    "caching_disabled": "prefix caching is disabled on this server",
+}
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class CacheTracker:
+    """A mirror of the engine's cached blocks, fed by its events (which may arrive on the engine's thread)."""
+
+    def __init__(self, hasher: BlockHasher, enabled: bool = True):
+        self.hasher = hasher
+        self.block_size = hasher.block_size
+        self.enabled = enabled
+        self._lock = threading.Lock()
+        self._parent: dict[BlockHash, BlockHash | None] = {}
+        self._tokens: dict[BlockHash, tuple[int, ...]] = {}
+        self._children: dict[BlockHash | None, set[BlockHash]] = {}
+        self._evicted: OrderedDict[BlockHash, None] = OrderedDict()
+        self._hashers: OrderedDict[str | None, BlockHasher] = OrderedDict()
+        self._tenant_salts: dict[str | None, OrderedDict[str | None, None]] = {}
+
+    # -- event side -------------------------------------------------------------------------------------
+
+    def on_event(self, event: KVCacheEvent) -> None:
+        with self._lock:
+            if isinstance(event, BlockStored):
+                self._stored(event)
+            elif isinstance(event, BlockRemoved):
+                for h in event.block_hashes:
+                    self._drop(h)
+                    self._evicted[h] = None
+                    self._evicted.move_to_end(h)
+                while len(self._evicted) > _MAX_EVICTED:
+                    self._evicted.popitem(last=False)
+            elif isinstance(event, AllBlocksCleared):
+                # After a reset nothing was "evicted"; a miss is then simply not cached.
+                self._parent.clear()
+                self._tokens.clear()
+                self._children.clear()
+                self._evicted.clear()
+
+    def _stored(self, event: BlockStored) -> None:
+        bs = event.block_size
+        parent = event.parent_block_hash
+        for i, h in enumerate(event.block_hashes):
+            tokens = tuple(event.token_ids[i * bs : (i + 1) * bs]) if event.token_ids else ()
+            self._parent[h] = parent
+            self._tokens[h] = tokens
+            self._children.setdefault(parent, set()).add(h)
+            self._evicted.pop(h, None)
+            parent = h
+
+    def _drop(self, h: BlockHash) -> None:
+        parent = self._parent.pop(h, None)
+        self._tokens.pop(h, None)
+        siblings = self._children.get(parent)
+        if siblings is not None:
+            siblings.discard(h)
+            if not siblings:
+                del self._children[parent]
+
+    # -- request side -----------------------------------------------------------------------------------
+
+    def hasher_for(self, salt: str | None) -> BlockHasher:
+        """The hasher the engine uses for this salt (cached: building one hashes the root)."""
+        with self._lock:
+            hasher = self._hashers.get(salt)
+            if hasher is None:
+                hasher = self.hasher if salt is None else self.hasher.with_salt(salt)
+                self._hashers[salt] = hasher
+                if len(self._hashers) > 1024:
+                    self._hashers.popitem(last=False)
+            return hasher
+
+    def note_salt(self, tenant: str | None, client_salt: str | None) -> None:
+        """Remembers a tenant's recent cache_salts, the only other namespaces a diagnosis may look into."""
+        with self._lock:
+            salts = self._tenant_salts.setdefault(tenant, OrderedDict())
+            salts[client_salt] = None
+            salts.move_to_end(client_salt)
+            while len(salts) > _MAX_SALTS_PER_TENANT:
+                salts.popitem(last=False)
+
+    def diagnose(
+        self,
+        prompt_index: int,
+        token_ids: Sequence[int],
+        block_hashes: Sequence[BlockHash],
+        cached_tokens: int,
+        tenant: str | None,
+        client_salt: str | None,
+        salt: str | None,
+    ) -> CacheDetail:
+        bs = self.block_size
+        n_tokens = len(token_ids)
+        shareable = ((n_tokens - 1) // bs) * bs
+
+        def detail(reason: str, n: int = cached_tokens) -> CacheDetail:
+            return CacheDetail(prompt_index, n_tokens, cached_tokens, cached_tokens, bs, reason,
+                               REASONS[reason].format(n=n))
+
+        if not self.enabled:
+            return detail("caching_disabled")
+        if n_tokens < bs:
+            return detail("prompt_shorter_than_block")
+        if cached_tokens >= shareable:
+            return detail("full_hit")
+        i = cached_tokens // bs
+        own = block_hashes[i]
+        parent = block_hashes[i - 1] if i else self.hasher_for(salt).root
+        block = token_ids[i * bs : (i + 1) * bs]
+        with self._lock:
+            if own in self._evicted:
+                return detail("evicted")
+            # Our own block may be cached by now (registered after our prefill): compare with the others only.
+            siblings = [self._tokens[h] for h in self._children.get(parent, ()) if h != own and self._tokens.get(h)]
+            if siblings:
+                return detail("diverged", i * bs + max(_common_prefix(block, s) for s in siblings))
+            if i:
+                return detail("prefix_ended")
+            other_salts = [s for s in self._tenant_salts.get(tenant, {}) if s != client_salt]
+        for other in other_salts:
+            first = self.hasher_for(cache_salt(tenant, other)).hash_blocks(token_ids[:bs])[0]
+            with self._lock:
+                if first in self._parent:
+                    return detail("different_salt")
+        return detail("not_cached")

@@ -1,0 +1,80 @@
+"""`kvprefix serve`: the OpenAI-compatible server. Light at import; the engine and web stack load in run()."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvprefix.cache import HASH_ALGOS
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    net = parser.add_argument_group("server")
+    net.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    net.add_argument("--port", type=int, default=8000)
+    net.add_argument("--served-model-name", default=None, help="model id clients send (default: the model's name)")
+    net.add_argument("--max-pending", type=int, default=256,
+                     help="engine requests admitted at once (queued or running); more get 503 at once")
+    net.add_argument("--shutdown-timeout", type=float, default=30.0,
+                     help="seconds to let in-flight requests finish on SIGTERM/SIGINT before aborting them")
+    net.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+    sec = parser.add_argument_group("tenancy and admin (docs/security.md)")
+    sec.add_argument("--api-key", default=None, help="one API key; its callers form the tenant 'default'")
+    sec.add_argument("--api-keys-file", default=None,
+                     help='JSON object {"<key>": "<tenant>"}: each tenant gets its own cache salt')
+    sec.add_argument("--admin-key", default=None,
+                     help="key for POST /reset_prefix_cache, /flush_cache and GET /metrics")
+    sec.add_argument("--no-cache-detail", dest="cache_detail", action="store_false",
+                     help="refuse the per-request cache_detail extension")
+
+    logs = parser.add_argument_group("request log (docs/request-log.md)")
+    logs.add_argument("--request-log", default=None, metavar="PATH", help="append one JSON line per prompt")
+    logs.add_argument("--request-log-prompts", action="store_true",
+                      help="also log raw prompt text (off by default: prompts may hold private data)")
+
+    eng = parser.add_argument_group("engine")
+    eng.add_argument("--model", default=None,
+                     help="checkpoint directory or hub id (default: the built-in random-weight model)")
+    eng.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    eng.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    eng.add_argument("--seed", type=int, default=0)
+    eng.add_argument("--block-size", type=int, default=16, help="tokens per KV block: the minimum shareable prefix")
+    eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    eng.add_argument("--prefix-caching-hash-algo", default="sha256", choices=HASH_ALGOS)
+    eng.add_argument("--max-num-seqs", type=int, default=64)
+    eng.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    eng.add_argument("--max-model-len", type=int, default=None)
+    eng.add_argument("--num-gpu-blocks", type=int, default=None, help="KV blocks to allocate (overrides memory sizing)")
+    eng.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache budget in bytes")
+    eng.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+
+
+def run(args: argparse.Namespace) -> int:
+    import dataclasses
+    import logging
+
+    import uvicorn
+
+    from kvprefix.engine import AsyncLLM, EngineArgs
+    from kvprefix.server.app import ServerConfig, create_app
+    from kvprefix.server.tenancy import Auth
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        auth = Auth.from_options(args.api_key, args.api_keys_file, args.admin_key)
+    except ValueError as exc:
+        raise SystemExit(f"kvprefix serve: {exc}") from None
+    engine_args = EngineArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)})
+    engine = AsyncLLM(engine_args)
+    config = ServerConfig(
+        served_model_name=args.served_model_name,
+        auth=auth,
+        max_pending=args.max_pending,
+        request_log=args.request_log,
+        request_log_prompts=args.request_log_prompts,
+        cache_detail=args.cache_detail,
+    )
+    app = create_app(engine, config)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=args.shutdown_timeout)
+    return 0

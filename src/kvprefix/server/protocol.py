@@ -1,0 +1,149 @@
+"""Request bodies of the OpenAI API subset we serve, validated strictly: a wrong type or an unknown field is a
+400 that names the field, never a silent coercion or a crash deep in the engine."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvprefix.server.errors import APIError
+
+MAX_N = 16  # choices per request; each one is a sequence in the engine
+MAX_STOP = 4  # as in the OpenAI API
+MAX_ID_LEN = 256  # user, prompt_cache_key
+
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
+class _Body(BaseModel):
+    # strict: "5" is not an integer and true is not 1; inf/NaN are not sampling values.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Body):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's plus vLLM's sampling extensions)."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: Annotated[str, Field(min_length=1)] | Annotated[
+        list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP)
+    ] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, max_length=MAX_ID_LEN)
+    prompt_cache_key: str | None = Field(None, max_length=MAX_ID_LEN)
+    # Subdivides the caller's tenant cache namespace; validated in tenancy.py.
+    cache_salt: str | None = None
+    # kvprefix extension (docs/server.md): per-prompt cache diagnosis in usage.cache_detail.
+    cache_detail: bool = False
+    # Accepted so that clients sending OpenAI defaults work; a non-default value is refused in check_supported().
+    logprobs: Any = None
+    logit_bias: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1)]
+    )
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def prompts(self) -> list[str] | list[list[int]]:
+        """The prompts as a batch: strings or token-id lists."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if isinstance(p[0], int):
+            return [p]
+        return list(p)
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | Annotated[list[TextPart], Field(min_length=1)] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def check_supported(req: CompletionRequest | ChatCompletionRequest) -> None:
+    """Refuses parameters that we parse but do not implement, instead of silently ignoring them."""
+    unsupported: dict[str, bool] = {
+        "logprobs": req.logprobs not in (None, False, 0),
+        "logit_bias": bool(req.logit_bias),
+        "stream_options": req.stream_options is not None and not req.stream,
+    }
+    if isinstance(req, CompletionRequest):
+        unsupported |= {
+            "echo": req.echo,
+            "suffix": bool(req.suffix),
+            "best_of": req.best_of not in (None, req.n),
+        }
+    else:
+        unsupported |= {
+            "top_logprobs": req.top_logprobs is not None,
+            "tools": bool(req.tools),
+            "tool_choice": req.tool_choice not in (None, "none"),
+            "functions": bool(req.functions),
+            "function_call": req.function_call not in (None, "none"),
+            "response_format": req.response_format not in (None, {"type": "text"}),
+        }
+    for name, bad in unsupported.items():
+        if bad:
+            if name == "stream_options":
+                raise APIError(400, "'stream_options' is only allowed when 'stream' is true", param=name)
+            raise APIError(400, f"'{name}' is not supported by this server", param=name)

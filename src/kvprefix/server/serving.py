@@ -1,0 +1,391 @@
+"""The OpenAI completions and chat endpoints over the engine: prompt building, limits, sampling parameters,
+streaming and non-streaming responses, and the bookkeeping each finished prompt feeds (usage, metrics, request
+log, cache detail)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import anyio
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
+
+from kvprefix.engine import SamplingParams
+from kvprefix.server.admission import Admission, Ticket
+from kvprefix.server.cache_detail import CacheDetail, CacheTracker
+from kvprefix.server.errors import APIError, bad_request
+from kvprefix.server.metrics import FinishedSequence, ServerMetrics
+from kvprefix.server.protocol import ChatCompletionRequest, CompletionRequest, check_supported
+from kvprefix.server.request_log import RequestLog, RequestRecord
+from kvprefix.server.tenancy import Caller, hash_tenant, validate_client_salt
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the server needs to know about the served model and cache, read once from the engine."""
+
+    name: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    hash_algo: str
+    enable_prefix_caching: bool
+
+
+@dataclass
+class _Job:
+    """One prompt of a request: one engine request with n samples."""
+
+    index: int
+    request_id: str
+    token_ids: list[int]
+    text: str | None
+    arrival: float  # time.monotonic()
+    arrival_wall: float  # time.time()
+    n: int
+    first_token: float | None = None
+    last: object | None = None  # the latest cumulative RequestOutput
+    finished: bool = False
+    detail: CacheDetail | None = None
+    sent_text: list[int] = field(default_factory=list)  # streaming: characters already sent, per sample
+
+
+class Serving:
+    def __init__(
+        self,
+        engine,
+        info: ModelInfo,
+        admission: Admission,
+        metrics: ServerMetrics,
+        tracker: CacheTracker,
+        request_log: RequestLog | None,
+    ):
+        self.engine = engine
+        self.info = info
+        self.admission = admission
+        self.metrics = metrics
+        self.tracker = tracker
+        self.request_log = request_log
+
+    # -- request -> prompts ------------------------------------------------------------------------------
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.info.name:
+            raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.info.name}'",
+                           param="model", code="model_not_found")
+
+    def _completion_prompts(self, req: CompletionRequest) -> list[tuple[list[int], str | None]]:
+        out = []
+        for p in req.prompts():
+            if isinstance(p, str):
+                out.append((self.engine.tokenizer.encode(p), p))
+            else:
+                bad = next((t for t in p if t >= self.info.vocab_size), None)
+                if bad is not None:
+                    raise bad_request(f"token id {bad} in 'prompt' is out of range: the vocabulary has "
+                                      f"{self.info.vocab_size} tokens", param="prompt")
+                out.append((list(p), None))
+        return out
+
+    def _chat_prompt(self, req: ChatCompletionRequest) -> tuple[list[int], str | None]:
+        # "developer" is OpenAI's newer name for "system"; checkpoint templates know only the latter.
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in req.messages]
+        try:
+            text = self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except ValueError as exc:
+            raise bad_request(f"cannot render 'messages' with the model's chat template: {exc}",
+                              param="messages") from None
+        except Exception as exc:  # a template can raise anything (jinja2 errors for unexpected roles)
+            raise bad_request(f"the model's chat template rejected 'messages': {exc}", param="messages") from None
+        return self.engine.tokenizer.encode(text, add_special_tokens=False), text
+
+    def _max_tokens(self, prompt_len: int, requested: int | None, param: str) -> int:
+        limit = self.info.max_model_len
+        if requested is None:
+            if prompt_len >= limit:
+                raise bad_request(f"this model's maximum context length is {limit} tokens, but the prompt has "
+                                  f"{prompt_len} tokens", param=param, code="context_length_exceeded")
+            return limit - prompt_len
+        if prompt_len + requested > limit:
+            raise bad_request(
+                f"this model's maximum context length is {limit} tokens, but you requested {prompt_len + requested} "
+                f"tokens ({prompt_len} in the prompt, {requested} for the completion); reduce the prompt or "
+                f"'max_tokens'", param=param, code="context_length_exceeded")
+        return requested
+
+    def _sampling(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
+        kwargs = {
+            name: getattr(req, name)
+            for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                         "repetition_penalty", "seed")
+            if getattr(req, name) is not None
+        }
+        try:
+            return SamplingParams(n=req.n, max_tokens=max_tokens, stop=req.stop_list() or None,
+                                  stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, **kwargs)
+        except ValueError as exc:  # the engine's own range checks, should ours ever be looser
+            raise bad_request(str(exc)) from None
+
+    # -- endpoints ---------------------------------------------------------------------------------------
+
+    async def completions(self, req: CompletionRequest, caller: Caller, raw: Request):
+        self._check_model(req.model)
+        check_supported(req)
+        prompts = self._completion_prompts(req)
+        return await self._serve(req, caller, raw, prompts, req.max_tokens, "prompt", chat=False)
+
+    async def chat(self, req: ChatCompletionRequest, caller: Caller, raw: Request):
+        self._check_model(req.model)
+        check_supported(req)
+        return await self._serve(req, caller, raw, [self._chat_prompt(req)], req.max_new_tokens(), "messages",
+                                 chat=True)
+
+    async def _serve(self, req, caller: Caller, raw: Request, prompts, requested_max: int | None, param: str,
+                     chat: bool):
+        validate_client_salt(caller.client_salt)
+        if not all(ids for ids, _ in prompts):
+            raise bad_request(f"'{param}' is empty after tokenization", param=param)
+        max_tokens = min(self._max_tokens(len(ids), requested_max, param) for ids, _ in prompts)
+        params = self._sampling(req, max_tokens)
+        self.tracker.note_salt(caller.tenant, caller.client_salt)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        now, wall = time.monotonic(), time.time()
+        jobs = [_Job(i, f"{rid}-{i}", ids, text, now, wall, req.n, sent_text=[0] * req.n)
+                for i, (ids, text) in enumerate(prompts)]
+        ctx = _Context(self, req, caller, rid, jobs, params, chat)
+        # Admission happens before the response starts, so overload is a plain 503 even for streams.
+        ticket = await self.admission.acquire(len(jobs))
+        if req.stream:
+            # The background task releases the slots should the stream be cancelled before it ever started.
+            return StreamingResponse(ctx.stream(ticket), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                                     background=BackgroundTask(ticket.release))
+        try:
+            return await ctx.respond(raw)
+        finally:
+            ticket.release()
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class _Context:
+    """One HTTP request in flight: its jobs, and how their outputs turn into response bodies or SSE chunks."""
+
+    def __init__(self, serving: Serving, req, caller: Caller, rid: str, jobs: list[_Job], params, chat: bool):
+        self.s = serving
+        self.req = req
+        self.caller = caller
+        self.rid = rid
+        self.jobs = jobs
+        self.params = params
+        self.chat = chat
+        self.created = int(time.time())
+
+    # -- driving the engine ------------------------------------------------------------------------------
+
+    async def _pump(self, job: _Job, queue: asyncio.Queue) -> None:
+        try:
+            async for out in self.s.engine.generate(job.token_ids, self.params, job.request_id,
+                                                    cache_salt=self.caller.salt):
+                queue.put_nowait((job, out))
+        except Exception as exc:  # handed to the consumer, which raises it in the request's context
+            queue.put_nowait((job, exc))
+            return
+        queue.put_nowait((job, None))
+
+    async def _outputs(self) -> AsyncIterator[tuple[_Job, object]]:
+        """Outputs of all jobs as they come; on exit (finished, cancelled or failed) aborts what still runs."""
+        queue: asyncio.Queue = asyncio.Queue()
+        pumps = [asyncio.create_task(self._pump(job, queue)) for job in self.jobs]
+        try:
+            remaining = len(pumps)
+            while remaining:
+                job, out = await queue.get()
+                if isinstance(out, Exception):
+                    raise out
+                if out is None:
+                    remaining -= 1
+                    continue
+                self._update(job, out)
+                yield job, out
+        finally:
+            for p in pumps:
+                p.cancel()
+            # Shielded: under a cancelled (disconnected) response every await would be cancelled again.
+            with anyio.CancelScope(shield=True):
+                for job in self.jobs:
+                    if not job.finished:
+                        await self.s.engine.abort(job.request_id)
+                        self._finish(job, aborted=True)
+
+    def _update(self, job: _Job, out) -> None:
+        job.last = out
+        if job.first_token is None and any(o.token_ids for o in out.outputs):
+            job.first_token = time.monotonic()
+        if job.detail is None and self.req.cache_detail:
+            job.detail = self._diagnose(job, out.num_cached_tokens)
+        if out.finished:
+            self._finish(job, aborted=False)
+
+    def _block_hashes(self, job: _Job) -> list[bytes]:
+        return self.s.tracker.hasher_for(self.caller.salt).hash_blocks(job.token_ids)
+
+    def _diagnose(self, job: _Job, cached: int) -> CacheDetail:
+        return self.s.tracker.diagnose(job.index, job.token_ids, self._block_hashes(job), cached,
+                                       self.caller.tenant, self.caller.client_salt, self.caller.salt)
+
+    def _finish(self, job: _Job, aborted: bool) -> None:
+        """Feeds metrics and the request log once per job, whether it finished or was aborted."""
+        if job.finished:
+            return
+        job.finished = True
+        out = job.last
+        cached = out.num_cached_tokens if out is not None else 0
+        outputs = out.outputs if out is not None else []
+        n_out = [len(o.token_ids) for o in outputs] or [0] * job.n
+        reasons = [o.finish_reason or "abort" for o in outputs] or ["abort"] * job.n
+        end = time.monotonic()
+        ttft = None if job.first_token is None else job.first_token - job.arrival
+        self.s.metrics.observe(FinishedSequence(len(job.token_ids), cached, n_out, reasons, ttft, end - job.arrival))
+        log = self.s.request_log
+        if log is not None:
+            log.write(RequestRecord(
+                timestamp=round(job.arrival_wall, 6),
+                request_id=job.request_id,
+                endpoint="chat" if self.chat else "completions",
+                model=self.s.info.name,
+                tenant=hash_tenant(self.caller.tenant_label),
+                prompt_tokens=len(job.token_ids),
+                block_size=self.s.info.block_size,
+                hash_algo=self.s.info.hash_algo,
+                block_hashes=[h.hex() for h in self._block_hashes(job)],
+                cached_tokens=cached,
+                output_tokens=sum(n_out),
+                n=job.n,
+                finish_reasons=reasons,
+                timings={"ttft_s": None if ttft is None else round(ttft, 6), "e2e_s": round(end - job.arrival, 6)},
+                status="aborted" if aborted else "ok",
+                salted=self.caller.salt is not None,
+                prompt_cache_key=self.req.prompt_cache_key,
+                user=None if self.req.user is None else hash_tenant(self.req.user),
+                prompt=job.text,
+            ))
+
+    # -- bodies ------------------------------------------------------------------------------------------
+
+    def _usage(self) -> dict:
+        prompt = sum(len(j.token_ids) for j in self.jobs)
+        completion = sum(len(o.token_ids) for j in self.jobs if j.last for o in j.last.outputs)
+        cached = sum(j.last.num_cached_tokens for j in self.jobs if j.last)
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                 "prompt_tokens_details": {"cached_tokens": cached}}
+        if self.req.cache_detail:
+            usage["cache_detail"] = [j.detail.to_dict() for j in self.jobs if j.detail is not None]
+        return usage
+
+    def _choice_index(self, job: _Job, sample: int) -> int:
+        return job.index * self.req.n + sample
+
+    def _body(self) -> dict:
+        choices = []
+        for job in self.jobs:
+            for o in job.last.outputs:
+                c = {"index": self._choice_index(job, o.index), "logprobs": None, "finish_reason": o.finish_reason}
+                if self.chat:
+                    c["message"] = {"role": "assistant", "content": o.text}
+                else:
+                    c["text"] = o.text
+                choices.append(c)
+        choices.sort(key=lambda c: c["index"])
+        return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.s.info.name, "choices": choices, "usage": self._usage()}
+
+    def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
+        chunk = {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                 "created": self.created, "model": self.s.info.name, "choices": choices}
+        if self._include_usage:
+            chunk["usage"] = usage
+        return chunk
+
+    @property
+    def _include_usage(self) -> bool:
+        return bool(self.req.stream_options and self.req.stream_options.include_usage)
+
+    # -- responses ---------------------------------------------------------------------------------------
+
+    async def respond(self, raw: Request) -> JSONResponse:
+        """Non-streaming: collects the final outputs; a client that goes away aborts its requests."""
+
+        async def collect() -> None:
+            async for _ in self._outputs():
+                pass
+
+        work = asyncio.create_task(collect())
+        gone = asyncio.create_task(_disconnected(raw))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+        if work.cancelled():
+            return JSONResponse({}, status_code=499)  # nobody reads it; the engine requests were aborted
+        exc = work.exception()
+        if exc is not None:
+            raise _engine_error(exc)
+        return JSONResponse(self._body())
+
+    async def stream(self, ticket: Ticket) -> AsyncIterator[str]:
+        try:
+            if self.chat:
+                yield _sse(self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                         "logprobs": None, "finish_reason": None}
+                                        for i in range(self.req.n)]))
+            try:
+                async for job, out in self._outputs():
+                    choices = [c for o in out.outputs if (c := self._delta(job, o)) is not None]
+                    if choices:
+                        yield _sse(self._chunk(choices))
+            except Exception as exc:  # headers are gone: report in-band, as OpenAI does
+                yield _sse(_engine_error(exc).body())
+                return
+            if self._include_usage:
+                yield _sse(self._chunk([], self._usage()))
+            yield "data: [DONE]\n\n"
+        finally:
+            ticket.release()
+
+    def _delta(self, job: _Job, o) -> dict | None:
+        sent = job.sent_text[o.index]
+        delta = o.text[sent:]
+        job.sent_text[o.index] = len(o.text)
+        if not delta and o.finish_reason is None:
+            return None
+        c = {"index": self._choice_index(job, o.index), "logprobs": None, "finish_reason": o.finish_reason}
+        if self.chat:
+            c["delta"] = {"content": delta} if delta else {}
+        else:
+            c["text"] = delta
+        return c
+
+
+async def _disconnected(raw: Request) -> None:
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _engine_error(exc: BaseException) -> APIError:
+    # The engine raises ValueError for a request it cannot take (ours are validated first; this is a backstop).
+    if isinstance(exc, ValueError):
+        return bad_request(str(exc))
+    return APIError(500, f"engine error: {type(exc).__name__}: {exc}", type="server_error")
