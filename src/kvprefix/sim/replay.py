@@ -68,24 +68,44 @@ class ReplayRecords:
 
 
 class _ManagersView:
-    """``ReplicaView`` over the replay's managers, for the routing policy."""
+    """``ReplicaView`` over the replay's managers, for the routing policy.
+
+    A replica's prefix counts blocks it has cached plus blocks a request already routed to it will compute
+    (``pending``), as a router that remembers where it sent prefixes would see them; without this, a burst of
+    requests with one new prefix looks uncached everywhere until the first of them finishes prefill.
+    """
 
     def __init__(self, managers: list[KVCacheManager]):
         self.managers = managers
         self.num_replicas = len(managers)
         self.loads = [0] * len(managers)
+        self.pending: list[dict[Hashable, int]] = [{} for _ in managers]  # hash -> routed requests computing it
 
     def cached_prefix_blocks(self, replica: int, block_hashes: Sequence[Hashable]) -> int:
         cached = self.managers[replica].pool.cached_blocks
+        pending = self.pending[replica]
         n = 0
         for h in block_hashes:
-            if h not in cached:
+            if h not in cached and h not in pending:
                 break
             n += 1
         return n
 
     def load(self, replica: int) -> float:
         return self.loads[replica]
+
+    def add_pending(self, replica: int, block_hashes: Sequence[Hashable]) -> None:
+        pending = self.pending[replica]
+        for h in block_hashes:
+            pending[h] = pending.get(h, 0) + 1
+
+    def drop_pending(self, replica: int, block_hashes: Sequence[Hashable]) -> None:
+        pending = self.pending[replica]
+        for h in block_hashes:
+            if pending[h] == 1:
+                del pending[h]
+            else:
+                pending[h] -= 1
 
 
 def unbounded_capacity_blocks(trace: Trace) -> int:
@@ -202,6 +222,8 @@ def _replay_timed(
             mgr = managers[rep]
             if kind == _PREFILL_DONE:
                 mgr.cache_blocks(req, req.num_tokens)
+                if policy is not None:
+                    view.drop_pending(rep, req.block_hashes)
                 prefilling[rep] = False
                 push(now + reqs[int(req.request_id)].output_length / decode_tps, _FINISH, rep, req)
             else:
@@ -215,6 +237,8 @@ def _replay_timed(
         if cdiv(r.input_length + r.output_length, bs) > managers[rep].pool.num_blocks:
             continue  # could never fit, even alone: rejected
         loads[rep] += 1
+        if policy is not None:
+            view.add_pending(rep, r.block_hashes)
         queues[rep].append(i)
         start_next(rep, r.timestamp)
         if bar is not None and (i + 1) % _BAR_STEP == 0:
