@@ -1,0 +1,166 @@
+"""Trace readers: the three formats, exact block-size coarsening, and errors that name the bad line."""
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvprefix.cache import BlockHasher, ExecutionContext
+from kvprefix.sim.formats import detect_format, load_trace
+from kvprefix.sim.trace import TraceError, coarsen
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def row(ts=0, n=40, out=8, ids=(1, 2, 3), **extra):
+    return {"timestamp": ts, "input_length": n, "output_length": out, "hash_ids": list(ids), **extra}
+
+
+def test_mooncake_rows_keep_extra_fields_and_drop_the_partial_tail(tmp_path):
+    path = write_jsonl(tmp_path / "t_bs16.jsonl", [row(session_id=4, turn=2, group=1), row(ts=1500, n=48)])
+    trace = load_trace(path)
+    first, second = trace.requests
+    assert trace.block_size == 16  # from the file name
+    assert first.block_hashes == [1, 2] and first.num_blocks == 3  # 40 tokens: two full blocks and a partial one
+    assert second.block_hashes == [1, 2, 3] and second.timestamp == 1.5
+    assert first.session == 4 and first.extra == {"session_id": 4, "turn": 2, "group": 1}
+
+
+def test_coarsening_keeps_every_mth_id(tmp_path):
+    ids = list(range(100, 106))  # 83 tokens at 16: five full blocks and a partial one
+    path = write_jsonl(tmp_path / "t_bs16.jsonl", [row(n=83, ids=ids)])
+    (r,) = load_trace(path, block_size=32).requests
+    assert r.block_hashes == [101, 103] and r.num_blocks == 3
+    (r,) = load_trace(path, block_size=48).requests
+    assert r.block_hashes == [102] and r.num_blocks == 2
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    prompts=st.lists(st.lists(st.integers(0, 1), min_size=1, max_size=40), min_size=2, max_size=6),
+    factor=st.integers(2, 4),
+)
+def test_coarsened_ids_share_exactly_when_coarse_hashes_do(prompts, factor):
+    # Blocks of 2 tokens over a 2-letter alphabet collide often: a real test of which prefixes are shared.
+    fine, coarse = BlockHasher(2), BlockHasher(2 * factor)
+    converted = [coarsen(fine.hash_blocks(p), factor, len(p) // (2 * factor)) for p in prompts]
+    direct = [coarse.hash_blocks(p) for p in prompts]
+    for a in range(len(prompts)):
+        assert len(converted[a]) == len(direct[a])
+        for b in range(len(prompts)):
+            for k in range(min(len(direct[a]), len(direct[b]))):
+                assert (converted[a][k] == converted[b][k]) == (direct[a][k] == direct[b][k])
+
+
+@pytest.mark.parametrize(
+    "rows, block_size, message",
+    [
+        ([row(), {"timestamp": 1, "output_length": 1, "hash_ids": [1]}], None, r":2: missing field 'input_length'"),
+        ([row(ts=5), row(ts=6), row(ts=4)], None, r":3: timestamp 4 is earlier than the previous row's \(6\)"),
+        ([row(n=40, ids=[1, 2])], None, r":1: 2 hash_ids for input_length 40, but 16-token blocks need 3"),
+        ([row(), row(n="40")], None, r":2: field 'input_length' must be an integer"),
+        ([row(), "{not json"], None, r":2: not valid JSON"),
+        ([row(ids=["a", "b", "c"])], None, r":1: hash_ids must be integers"),
+        ([row()], 24, r"cannot convert 16-token blocks to 24-token blocks exactly"),
+    ],
+)
+def test_bad_mooncake_traces_name_the_line(tmp_path, rows, block_size, message):
+    path = write_jsonl(tmp_path / "bad_bs16.jsonl", rows)
+    with pytest.raises(TraceError, match=message) as info:
+        load_trace(path, block_size=block_size)
+    assert str(path) in str(info.value)
+
+
+def test_unknown_format_names_the_line(tmp_path):
+    path = write_jsonl(tmp_path / "x.jsonl", ["", {"foo": 1}])
+    with pytest.raises(TraceError, match=r"x.jsonl:2: unknown trace format"):
+        detect_format(path)
+
+
+def log_row(ts, tenant, hashes, n, out=4, cached=0):
+    return {
+        "timestamp": ts,
+        "tenant": tenant,
+        "prompt_tokens": n,
+        "block_hashes": hashes,
+        "cached_tokens": cached,
+        "output_tokens": out,
+        "timings": {"ttft_s": 0.1},
+    }
+
+
+def test_request_log_namespaces_hashes_by_tenant(tmp_path, run):
+    path = write_jsonl(
+        tmp_path / "requests.jsonl",
+        [
+            log_row(1700000000.0, "t1", ["aa", "bb"], 40),
+            log_row(1700000001.5, "t2", ["aa", "bb"], 40),
+            log_row(1700000002.0, "t1", ["aa", "bb", "cc"], 50, cached=32),
+        ],
+    )
+    trace = load_trace(path, trace_block_size=16)
+    assert [r.timestamp for r in trace.requests] == [0.0, 1.5, 2.0]
+    assert trace.requests[2].extra["cached_tokens"] == 32
+    s = run(trace, mode="order")
+    assert s.cached_blocks == 2  # only tenant t1's second request hits; t2 shares nothing with t1
+
+
+def test_request_log_errors(tmp_path):
+    path = write_jsonl(tmp_path / "requests.jsonl", [log_row(1.0, "t", ["aa"], 40)])
+    with pytest.raises(ValueError, match="--trace-block-size"):
+        load_trace(path)
+    with pytest.raises(TraceError, match=r"requests.jsonl:1: 1 block_hashes for 40 prompt tokens"):
+        load_trace(path, trace_block_size=16)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> str:
+    """A tiny word-level Hugging Face tokenizer with a chat template, saved locally."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<s>", "<unk>", "system:", "user:", "assistant:"] + [f"w{i}" for i in range(64)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>")
+    fast.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    path = tmp_path_factory.mktemp("tokenizer")
+    fast.save_pretrained(path)
+    return str(path)
+
+
+def test_openai_bodies_are_rendered_tokenized_and_hashed(tmp_path, tokenizer_dir, run):
+    system = " ".join(f"w{i % 64}" for i in range(40))
+    chat = [
+        {"model": "m", "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"w{i}"}]}
+        for i in range(3)
+    ]
+    rows = [*chat, {"prompt": system, "max_tokens": 5}, {**chat[0], "cache_salt": "tenant-b"}]
+    trace = load_trace(write_jsonl(tmp_path / "bodies.jsonl", rows), tokenizer=tokenizer_dir, block_size=4)
+    reqs = trace.requests
+    assert reqs[0].input_length == 1 + 40 + 1 + 1 + 1  # "system:", 40 words, "user:", word, "assistant:"
+    hasher = BlockHasher(4, context=ExecutionContext(tokenizer=tokenizer_dir))
+    assert reqs[0].block_hashes == hasher.hash_blocks([2] + [5 + i % 64 for i in range(40)] + [3, 5, 4])
+    assert reqs[0].block_hashes[:10] == reqs[1].block_hashes[:10] == reqs[2].block_hashes[:10]
+    assert reqs[3].output_length == 5 and reqs[0].output_length == 256
+    assert not set(reqs[4].block_hashes) & set(reqs[0].block_hashes)  # another salt shares nothing
+    s = run(trace, mode="order")
+    assert s.cached_blocks == 2 * 10
+
+
+def test_openai_bodies_errors(tmp_path, tokenizer_dir):
+    path = write_jsonl(tmp_path / "bodies.jsonl", [{"prompt": "w1 w2"}, {"model": "m", "input": "w1"}])
+    with pytest.raises(ValueError, match="--tokenizer"):
+        load_trace(path)
+    with pytest.raises(TraceError, match=r"bodies.jsonl:2: a request body needs 'messages'"):
+        load_trace(path, tokenizer=tokenizer_dir)
+    with pytest.raises(ValueError, match="cannot load tokenizer"):
+        load_trace(path, tokenizer=str(tmp_path / "missing"))
