@@ -56,6 +56,7 @@ def test_mixed_batch_equals_each_alone(model) -> None:
         (prompt(4, 5), 4, 1, [50, 2]),
         (prompt(5, 17), 16, 1, [1, 60, 14, 27, 36]),
         (prompt(6, 8), 7, 1, [44, 45]),
+        (prompt(9, 1), 0, 1, [6]),  # a one-token prompt: a prefill that looks like a decode
     ]
 
     def prepared_cache():

@@ -28,9 +28,10 @@ def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 def resolve_model_path(model: str) -> str:
     """A local directory as is; otherwise a Hugging Face hub id, downloaded (safetensors and tokenizer files only)."""
+    model = os.path.expanduser(model)
     if os.path.isdir(model):
         return model
-    if os.path.exists(model) or model.startswith((".", "/", "~")):
+    if os.path.exists(model) or model.startswith((".", "/")):
         raise FileNotFoundError(f"model path {model!r} is not a directory; a checkpoint directory is expected")
     from huggingface_hub import snapshot_download
 
