@@ -1,0 +1,110 @@
+"""Helpers for the server tests: start a real `kvprefix serve` on a free loopback port, talk to it, read metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+from prometheus_client.parser import text_string_to_metric_families
+
+ADMIN_KEY = "admin-secret"
+TENANT_KEYS = {"key-alice": "alice", "key-bob": "bob", "key-alice-2": "alice"}
+# About 600 tokens with the built-in tokenizer: long enough to span many 16-token blocks.
+LONG_PREFIX = "You are a careful assistant. Follow the policy below to the letter. " * 30
+
+
+@dataclass
+class Server:
+    url: str
+    proc: subprocess.Popen
+    log_path: Path
+    request_log: Path | None
+
+    def client(self, api_key: str = "none", **kwargs) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=60, **kwargs)
+
+    def async_client(self, api_key: str = "none") -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=120)
+
+    def post(self, path: str, body: bytes | dict | None = None, headers: dict | None = None, **kw) -> httpx.Response:
+        content = json.dumps(body).encode() if isinstance(body, dict) else body
+        hdrs = {"content-type": "application/json", **(headers or {})}
+        return httpx.post(self.url + path, content=content, headers=hdrs, timeout=60, **kw)
+
+    def metrics(self, headers: dict | None = None) -> dict[str, float]:
+        """Every sample of /metrics by name plus its non-model labels, e.g. 'kvprefix:request_success_total{stop}'."""
+        text = httpx.get(self.url + "/metrics", headers=headers or {}, timeout=10).text
+        out: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                labels = ",".join(v for k, v in sorted(s.labels.items()) if k != "model_name")
+                out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+        return out
+
+    def wait_idle(self, headers: dict | None = None, timeout: float = 10.0) -> dict[str, float]:
+        """Waits until no request runs or waits and every block is free (aborts settle asynchronously); returns
+        the metrics. Fails if blocks stay referenced: that would be a leak."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics(headers)
+            idle = (m["kvprefix:num_requests_running"] == 0 and m["kvprefix:num_requests_waiting"] == 0
+                    and m["kvprefix:server_requests_in_flight"] == 0)
+            if idle and m["kvprefix:kv_cache_free_blocks"] == m["kvprefix:kv_cache_blocks"]:
+                return m
+            if time.monotonic() > deadline:
+                raise AssertionError(f"server not idle or blocks leaked: {m}")
+            time.sleep(0.05)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(tmp: Path, *args: str, request_log: bool = False) -> Server:
+    port = _free_port()
+    log_path = tmp / f"server-{port}.log"
+    rl = tmp / f"requests-{port}.jsonl" if request_log else None
+    cmd = [sys.executable, "-m", "kvprefix.cli", "serve", "--port", str(port), "--log-level", "warning",
+           "--max-num-seqs", "80", *args]
+    if rl is not None:
+        cmd += ["--request-log", str(rl)]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+    server = Server(f"http://127.0.0.1:{port}", proc, log_path, rl)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log_path.read_text()}")
+        try:
+            if httpx.get(server.url + "/health", timeout=1).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"server did not start:\n{log_path.read_text()}")
+
+
+def stop_server(server: Server) -> int:
+    """SIGTERM, as an orchestrator would. uvicorn shuts down gracefully, then re-raises the signal, so the exit
+    status is -15 (or 0)."""
+    server.proc.send_signal(signal.SIGTERM)
+    try:
+        return server.proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        server.proc.kill()
+        raise
+
+
+ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}

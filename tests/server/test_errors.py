@@ -1,0 +1,92 @@
+"""Every bad input gets an OpenAI-style error with the documented status and a message naming the problem
+(docs/server.md, "Errors"); afterwards the server still serves and no block is left referenced."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from server_helpers import Server
+
+OK_C = {"model": "default-model-v1", "prompt": "hello", "max_tokens": 2}
+OK_CHAT = {"model": "default-model-v1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+# (id, path, body: raw bytes or a dict merged over a valid body, status, message substring, param)
+CASES = [
+    ("malformed-json", C, b'{"prompt": "x",', 400, "malformed JSON", None),
+    ("not-an-object", C, b"[1, 2]", 400, "JSON object", None),
+    ("empty-body", C, b"", 400, "empty", None),
+    ("invalid-utf8", C, b'{"prompt": "\xff\xfe"}', 400, "not valid UTF-8", None),
+    ("lone-surrogate", C, b'{"prompt": "\\ud800"}', 400, "malformed JSON", None),
+    ("nan", C, b'{"prompt": "x", "temperature": NaN}', 400, "temperature", "temperature"),
+    ("max-tokens-string", C, {"max_tokens": "5"}, 400, "'max_tokens'", "max_tokens"),
+    ("max-tokens-bool", C, {"max_tokens": True}, 400, "'max_tokens'", "max_tokens"),
+    ("prompt-number", C, {"prompt": 5}, 400, "'prompt'", "prompt"),
+    ("prompt-empty", C, {"prompt": ""}, 400, "'prompt'", "prompt"),
+    ("prompt-empty-list", C, {"prompt": []}, 400, "'prompt'", "prompt"),
+    ("temperature-string", C, {"temperature": "hot"}, 400, "'temperature'", "temperature"),
+    ("stream-string", C, {"stream": "yes"}, 400, "'stream'", "stream"),
+    ("missing-prompt", C, b'{"model": "default-model-v1"}', 400, "missing required parameter: 'prompt'", "prompt"),
+    ("unknown-model", C, {"model": "gpt-4"}, 404, "does not exist", "model"),
+    ("max-tokens-zero", C, {"max_tokens": 0}, 400, "'max_tokens'", "max_tokens"),
+    ("max-tokens-negative", C, {"max_tokens": -3}, 400, "'max_tokens'", "max_tokens"),
+    ("max-tokens-too-large", C, {"max_tokens": 10**6}, 400, "maximum context length", "prompt"),
+    ("prompt-too-long", C, {"prompt": [7] * 8200}, 400, "maximum context length", "prompt"),
+    ("token-out-of-vocab", C, {"prompt": [1, 2, 10**6]}, 400, "out of range", "prompt"),
+    ("temperature-negative", C, {"temperature": -1}, 400, "'temperature'", "temperature"),
+    ("temperature-too-high", C, {"temperature": 2.5}, 400, "'temperature'", "temperature"),
+    ("top-p-zero", C, {"top_p": 0}, 400, "'top_p'", "top_p"),
+    ("top-k-bad", C, {"top_k": -5}, 400, "'top_k'", "top_k"),
+    ("n-zero", C, {"n": 0}, 400, "'n'", "n"),
+    ("n-too-large", C, {"n": 1000}, 400, "'n'", "n"),
+    ("penalty-range", C, {"presence_penalty": 9}, 400, "'presence_penalty'", "presence_penalty"),
+    ("too-many-stops", C, {"stop": ["a", "b", "c", "d", "e"]}, 400, "'stop'", "stop"),
+    ("unknown-param", C, {"frobnicate": 1}, 400, "unrecognized request argument supplied: frobnicate", "frobnicate"),
+    ("echo", C, {"echo": True}, 400, "'echo' is not supported", "echo"),
+    ("logprobs", C, {"logprobs": 3}, 400, "'logprobs' is not supported", "logprobs"),
+    ("stream-options-without-stream", C, {"stream_options": {"include_usage": True}}, 400, "'stream_options'",
+     "stream_options"),
+    ("bad-cache-salt", C, {"cache_salt": "no spaces allowed!"}, 400, "'cache_salt'", "cache_salt"),
+    ("empty-messages", CHAT, {"messages": []}, 400, "'messages'", "messages"),
+    ("messages-string", CHAT, {"messages": "hi"}, 400, "'messages'", "messages"),
+    ("bad-role", CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "'messages.0.role'",
+     "messages.0.role"),
+    ("content-number", CHAT, {"messages": [{"role": "user", "content": 3}]}, 400, "'messages.0.content'",
+     "messages.0.content"),
+    ("tools", CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "'tools' is not supported",
+     "tools"),
+    ("json-mode", CHAT, {"response_format": {"type": "json_object"}}, 400, "'response_format' is not supported",
+     "response_format"),
+    ("chat-max-tokens-zero", CHAT, {"max_completion_tokens": 0}, 400, "'max_completion_tokens'",
+     "max_completion_tokens"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input(server: Server, case) -> None:
+    _, path, body, status, message, param = case
+    if isinstance(body, dict):
+        body = {**(OK_C if path == C else OK_CHAT), **body}
+    r = server.post(path, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert message in err["message"], err
+    assert err["param"] == param, err
+    assert err["type"] in ("invalid_request_error", "not_found_error")
+
+
+def test_not_found_and_method(server: Server) -> None:
+    r = httpx.get(server.url + "/v1/nope")
+    assert r.status_code == 404 and "error" in r.json()
+    r = httpx.get(server.url + "/v1/completions")
+    assert r.status_code == 405 and "error" in r.json()
+    r = server.post("/reset_prefix_cache?timeout=-1")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "timeout"
+
+
+def test_still_serves_and_no_leak_after_bad_inputs(server: Server) -> None:
+    for _, path, body, *_ in CASES:
+        server.post(path, body if isinstance(body, bytes) else {**(OK_C if path == C else OK_CHAT), **body})
+    r = server.client().completions.create(model="default-model-v1", prompt="still alive?", max_tokens=3)
+    assert r.choices[0].text is not None
+    server.wait_idle()
