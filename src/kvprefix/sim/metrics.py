@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass
 from kvprefix.sim.replay import ReplayConfig, ReplayRecords
 from kvprefix.sim.trace import Trace
 
+SINGLE = "single"  # the routing column of a one-replica run, where no routing happens
+
 HIT_RATE_DEFINITIONS = {
     "token_hit_rate": "token-weighted: prompt tokens served from cache / all prompt tokens (= prefill tokens saved)",
     "block_hit_rate": "block-weighted: cached blocks / all prompt blocks (a partial last block counts as one)",
@@ -92,7 +94,7 @@ def summarize(trace: Trace, config: ReplayConfig, rec: ReplayRecords) -> ReplayS
     return ReplaySummary(
         trace=trace.name,
         mode=config.mode,
-        routing=config.routing,
+        routing=config.routing if config.replicas > 1 else SINGLE,
         replicas=config.replicas,
         block_size=bs,
         capacity_tokens=None if config.capacity_blocks is None else config.capacity_blocks * bs,
