@@ -81,14 +81,21 @@ class FreeBlockQueue:
 class BlockPool:
     """Owns every block. Free blocks that still hold a cached hash are eviction candidates in LRU order."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        free_queue_cls: type[FreeBlockQueue] = FreeBlockQueue,
+    ):
+        """``free_queue_cls`` is the eviction policy: its ``popleft`` picks the victim (default LRU)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        self.free_queue = free_queue_cls(self.blocks)
         self.cached_blocks: dict[Hashable, KVCacheBlock] = {}
         self.events = EventPublisher()
         self.stats = PrefixCacheStats()

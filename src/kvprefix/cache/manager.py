@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvprefix.cache.block_pool import BlockPool, KVCacheBlock
+from kvprefix.cache.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
 from kvprefix.cache.request import CacheRequest
 from kvprefix.cache.stats import PrefixCacheStats
 
@@ -21,12 +21,18 @@ class KVCacheManager:
     (registers blocks that became full) -> ... -> ``free`` (tail first).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        free_queue_cls: type[FreeBlockQueue] = FreeBlockQueue,
+    ):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, block_size, enable_caching=enable_prefix_caching)
+        self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching, free_queue_cls)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are registered (or were found cached).
         self._num_cached_blocks: dict[str, int] = {}
