@@ -5,7 +5,8 @@ first and then from the least recently released cached block, blocks released ta
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvprefix.sim.replay import ReplayConfig, replay
+from kvprefix.cache import FreeBlockQueue, KVCacheBlock
+from kvprefix.sim.replay import EVICTIONS, ReplayConfig, replay
 from kvprefix.sim.trace import Trace, TraceRequest
 
 BS = 4
@@ -76,3 +77,27 @@ def test_round_robin_matches_independent_references(requests, capacity, replicas
         got = rec.cached_blocks[rep::replicas]
         assert [None if r < 0 else k for r, k in zip(rec.replica[rep::replicas], got, strict=True)] == hits
         assert rec.evictions[rep] == evictions
+
+
+class MostRecentlyUsedFirst(FreeBlockQueue):
+    """Evicts the most recently released cached block (never-cached blocks still go first)."""
+
+    def popleft(self) -> KVCacheBlock:
+        first = self._head.next_free
+        block = first if first.block_hash is None else self._tail.prev_free
+        if block is self._tail or block is self._head:
+            raise IndexError("no free blocks")
+        self.remove(block)
+        return block
+
+
+def test_eviction_policy_is_pluggable(monkeypatch):
+    # Three prompts of two blocks in a cycle, room for four blocks: LRU always evicts the prompt that comes next.
+    prompts = [[10, 11], [20, 21], [30, 31]]
+    requests = [TraceRequest(float(i), 2 * BS + 1, 0, prompts[i % 3], 3) for i in range(30)]
+    trace = Trace("cycle", BS, requests)
+    monkeypatch.setitem(EVICTIONS, "mru", MostRecentlyUsedFirst)
+    lru = replay(trace, ReplayConfig(5, mode="order"))
+    mru = replay(trace, ReplayConfig(5, mode="order", eviction="mru"))
+    assert sum(lru.cached_blocks) == 0
+    assert sum(mru.cached_blocks) > 20

@@ -10,9 +10,7 @@ import math
 import sys
 
 from kvprefix.sim.formats import FORMATS
-from kvprefix.sim.replay import MODES, ROUTINGS
-
-_EVICTIONS = ("lru",)  # the pool's free-block queue; see docs/planner.md for adding another
+from kvprefix.sim.replay import EVICTIONS, MODES, ROUTINGS
 
 
 def _positive_int(text: str) -> int:
@@ -105,7 +103,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="prefix-affinity: skip replicas above this x the mean load (default 1.25)",
     )
     c.add_argument("--seed", type=int, default=0, help="seed of the random routing (default 0)")
-    c.add_argument("--eviction", choices=_EVICTIONS, default="lru", help="eviction policy (default lru)")
+    c.add_argument("--eviction", choices=list(EVICTIONS), default="lru", help="eviction policy (default lru)")
     m = parser.add_argument_group("timing")
     m.add_argument(
         "--mode",
@@ -168,6 +166,7 @@ def _simulate(args: argparse.Namespace) -> int:
         decode_tps=args.decode_tps,
         load_cap=args.load_cap,
         seed=args.seed,
+        eviction=args.eviction,
     )
     summaries = sweep(trace, capacities, args.replicas, args.routing, base, progress=not args.no_progress)
     print(format_table(summaries))

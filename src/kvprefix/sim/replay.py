@@ -20,13 +20,15 @@ from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from kvprefix.cache import CacheRequest, KVCacheManager, cdiv
+from kvprefix.cache import CacheRequest, FreeBlockQueue, KVCacheManager, cdiv
 from kvprefix.router.policies import POLICIES, make_policy
 from kvprefix.sim.trace import Trace, TraceRequest
 
 MODES = ("order", "timed")
 SHARED = "shared"  # not a routing policy: one pool of replicas x capacity, the upper bound for any router
 ROUTINGS = (*POLICIES, SHARED)
+# Eviction policy -> the pool's free-queue class (its popleft picks the victim). Add a policy here.
+EVICTIONS: dict[str, type[FreeBlockQueue]] = {"lru": FreeBlockQueue}
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,7 @@ class ReplayConfig:
     decode_tps: float = 50.0  # output tokens per second per request
     load_cap: float = 1.25
     seed: int = 0
+    eviction: str = "lru"
 
     def __post_init__(self) -> None:
         if self.capacity_blocks is not None and self.capacity_blocks < 1:
@@ -47,6 +50,8 @@ class ReplayConfig:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
         if self.routing not in ROUTINGS:
             raise ValueError(f"unknown routing {self.routing!r}; choose one of {', '.join(ROUTINGS)}")
+        if self.eviction not in EVICTIONS:
+            raise ValueError(f"unknown eviction {self.eviction!r}; choose one of {', '.join(EVICTIONS)}")
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
         if self.load_cap < 1.0:
@@ -117,10 +122,11 @@ def unbounded_capacity_blocks(trace: Trace) -> int:
 def replay(trace: Trace, config: ReplayConfig, progress: bool = False) -> ReplayRecords:
     bs = trace.block_size
     per_replica = config.capacity_blocks or unbounded_capacity_blocks(trace)
+    queue_cls = EVICTIONS[config.eviction]
     if config.routing == SHARED:
-        managers = [KVCacheManager(per_replica * config.replicas, bs)]
+        managers = [KVCacheManager(per_replica * config.replicas, bs, free_queue_cls=queue_cls)]
     else:
-        managers = [KVCacheManager(per_replica, bs) for _ in range(config.replicas)]
+        managers = [KVCacheManager(per_replica, bs, free_queue_cls=queue_cls) for _ in range(config.replicas)]
     policy = None if len(managers) == 1 else make_policy(config.routing, config.seed, config.load_cap)
     n = len(trace.requests)
     rec = ReplayRecords([-1] * n, [0] * n, [0.0] * n, [], [m.pool.num_blocks for m in managers], 0.0)
