@@ -101,7 +101,7 @@ class LLM:
 
 def _as_prompt_list(prompts) -> list[PromptType]:
     """A single prompt (text, token ids, or dict) becomes a list of one."""
-    if isinstance(prompts, (str, dict)):
+    if not isinstance(prompts, (list, tuple)):
         return [prompts]
     if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
         return [list(prompts)]
