@@ -37,7 +37,8 @@ def resolve_model_path(model: str) -> str:
 
     patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
     try:
-        return snapshot_download(model, allow_patterns=patterns)
+        # Mistral repos also ship the weights again in their own format (consolidated*.safetensors).
+        return snapshot_download(model, allow_patterns=patterns, ignore_patterns=["consolidated*"])
     except Exception as e:  # offline, unknown id, gated repo: say what was tried
         raise FileNotFoundError(
             f"model {model!r} is neither a local directory nor a downloadable Hugging Face hub id ({e})"
@@ -54,7 +55,7 @@ def safetensors_files(path: str) -> list[str]:
         if missing:
             raise FileNotFoundError(f"shards listed in {index!r} are missing: {missing}")
     else:
-        names = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+        names = sorted(n for n in os.listdir(path) if n.endswith(".safetensors") and not n.startswith("consolidated"))
     if not names:
         raise FileNotFoundError(f"no *.safetensors weights in {path!r} (only safetensors checkpoints are supported)")
     return [os.path.join(path, n) for n in names]
