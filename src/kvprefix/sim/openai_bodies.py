@@ -59,14 +59,17 @@ def read_openai_bodies(
         token_ids = _prompt_token_ids(row, tokenizer, path, line)
         if not token_ids:
             raise TraceError(path, line, "the prompt renders to zero tokens")
-        out = row.get("max_completion_tokens") or row.get("max_tokens") or default_output_tokens
+        out = default_output_tokens
+        for key in ("max_tokens", "max_completion_tokens"):  # the newer name wins when both are given
+            if row.get(key) is not None:
+                out = require(row, key, path, line, minimum=1)
         salt = row.get("cache_salt") or ""
         hasher = hashers.get(salt) or hashers.setdefault(salt, base.with_salt(salt))
         requests.append(
             TraceRequest(
                 timestamp=ts / 1000.0,
                 input_length=len(token_ids),
-                output_length=int(out),
+                output_length=out,
                 block_hashes=hasher.hash_blocks(token_ids),
                 num_blocks=-(-len(token_ids) // block_size),
                 session=row.get("user"),

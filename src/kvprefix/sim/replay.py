@@ -194,12 +194,13 @@ def _replay_timed(
     loads = view.loads  # requests waiting, prefilling or decoding on each replica
     queues: list[deque[int]] = [deque() for _ in managers]
     prefilling = [False] * len(managers)
-    events: list[tuple[float, int, int, int, CacheRequest]] = []  # (time, seq, kind, replica, request)
+    # (time, seq, kind, replica, trace index, request); seq keeps simultaneous events in push order
+    events: list[tuple[float, int, int, int, int, CacheRequest]] = []
     seq = 0
 
-    def push(when: float, kind: int, rep: int, req: CacheRequest) -> None:
+    def push(when: float, kind: int, rep: int, i: int, req: CacheRequest) -> None:
         nonlocal seq
-        heapq.heappush(events, (when, seq, kind, rep, req))
+        heapq.heappush(events, (when, seq, kind, rep, i, req))
         seq += 1
 
     def start_next(rep: int, now: float) -> None:
@@ -220,18 +221,18 @@ def _replay_timed(
         rec.replica[i] = rep
         rec.cached_blocks[i] = len(hits)
         rec.wait_s[i] = now - r.timestamp
-        push(now + (r.input_length - num_hit_tokens) / prefill_tps, _PREFILL_DONE, rep, req)
+        push(now + (r.input_length - num_hit_tokens) / prefill_tps, _PREFILL_DONE, rep, i, req)
 
     def run_events(until: float) -> None:
         while events and events[0][0] <= until:
-            now, _, kind, rep, req = heapq.heappop(events)
+            now, _, kind, rep, i, req = heapq.heappop(events)
             mgr = managers[rep]
             if kind == _PREFILL_DONE:
                 mgr.cache_blocks(req, req.num_tokens)
                 if policy is not None:
                     view.drop_pending(rep, req.block_hashes)
                 prefilling[rep] = False
-                push(now + reqs[int(req.request_id)].output_length / decode_tps, _FINISH, rep, req)
+                push(now + reqs[i].output_length / decode_tps, _FINISH, rep, i, req)
             else:
                 mgr.free(req)
                 loads[rep] -= 1
