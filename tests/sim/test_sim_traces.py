@@ -82,39 +82,46 @@ def test_unknown_format_names_the_line(tmp_path):
         detect_format(path)
 
 
-def log_row(ts, tenant, hashes, n, out=4, cached=0):
-    return {
-        "timestamp": ts,
-        "tenant": tenant,
-        "prompt_tokens": n,
-        "block_hashes": hashes,
-        "cached_tokens": cached,
-        "output_tokens": out,
-        "timings": {"ttft_s": 0.1},
-    }
+def write_request_log(path: Path, rows: list[tuple]) -> Path:
+    """A log written by the server's own writer: (arrival s, tenant, block hashes, prompt tokens, cached)."""
+    from kvprefix.server.request_log import RequestLog, RequestRecord
+
+    log = RequestLog(str(path))
+    for i, (ts, tenant, hashes, n, cached) in enumerate(rows):
+        log.write(
+            RequestRecord(
+                timestamp=ts, request_id=f"r{i}", endpoint="chat", model="m", tenant=tenant, prompt_tokens=n,
+                block_size=16, hash_algo="sha256", block_hashes=hashes, cached_tokens=cached, output_tokens=4, n=1,
+                finish_reasons=["stop"], timings={"ttft_s": 0.1, "e2e_s": 0.2}, status="ok", salted=False,
+            )
+        )  # fmt: skip
+    log.close()
+    return path
 
 
-def test_request_log_namespaces_hashes_by_tenant(tmp_path, run):
-    path = write_jsonl(
+def test_request_log_from_the_server_writer(tmp_path, run):
+    # Lines are written when requests finish: arrivals come out of order and are sorted.
+    path = write_request_log(
         tmp_path / "requests.jsonl",
-        [
-            log_row(1700000000.0, "t1", ["aa", "bb"], 40),
-            log_row(1700000001.5, "t2", ["aa", "bb"], 40),
-            log_row(1700000002.0, "t1", ["aa", "bb", "cc"], 50, cached=32),
-        ],
-    )
-    trace = load_trace(path, trace_block_size=16)
-    assert [r.timestamp for r in trace.requests] == [0.0, 1.5, 2.0]
-    assert trace.requests[2].extra["cached_tokens"] == 32
+        [(1700000002.0, "t1", ["aa", "bb", "cc"], 50, 32), (1700000000.0, "t1", ["aa", "bb"], 40, 0),
+         (1700000001.5, "t2", ["dd", "ee"], 40, 0)],
+    )  # fmt: skip
+    trace = load_trace(path)
+    assert trace.block_size == 16 and [r.timestamp for r in trace.requests] == [0.0, 1.5, 2.0]
+    last = trace.requests[2]
+    assert last.block_hashes == ["aa", "bb", "cc"] and last.session == "t1" and last.extra["cached_tokens"] == 32
     s = run(trace, mode="order")
-    assert s.cached_blocks == 2  # only tenant t1's second request hits; t2 shares nothing with t1
+    assert s.cached_blocks == 2  # the third request reuses the first's two blocks, as the server's cache did
 
 
 def test_request_log_errors(tmp_path):
-    path = write_jsonl(tmp_path / "requests.jsonl", [log_row(1.0, "t", ["aa"], 40)])
-    with pytest.raises(ValueError, match="--trace-block-size"):
+    good = {"timestamp": 1.0, "prompt_tokens": 40, "block_hashes": ["aa", "bb"], "output_tokens": 1}
+    path = write_jsonl(tmp_path / "requests.jsonl", [good, {**good, "block_hashes": ["aa"], "block_size": 16}])
+    with pytest.raises(
+        TraceError, match=r"requests.jsonl:1: missing field 'block_size' \(or give --trace-block-size\)"
+    ):
         load_trace(path)
-    with pytest.raises(TraceError, match=r"requests.jsonl:1: 1 block_hashes for 40 prompt tokens"):
+    with pytest.raises(TraceError, match=r"requests.jsonl:2: 1 block_hashes for 40 prompt tokens"):
         load_trace(path, trace_block_size=16)
 
 

@@ -34,7 +34,7 @@ def load_trace(
     tokenizer: str | None = None,
 ) -> Trace:
     """Reads a trace at ``block_size`` (default: the trace's own). ``trace_block_size`` is the block size the
-    trace's ids were made with (Mooncake default: from the file name, else 512; request log: required)."""
+    trace's ids were made with (Mooncake default: from the file name, else 512; request log: each row's own)."""
     if fmt == "auto":
         fmt = detect_format(path)
     if fmt == "mooncake":
@@ -44,8 +44,6 @@ def load_trace(
     if fmt == "request-log":
         from kvprefix.sim.request_log import read_request_log
 
-        if trace_block_size is None:
-            raise ValueError("a request log needs --trace-block-size (the engine's block size when it was written)")
         return read_request_log(path, trace_block_size, block_size)
     if fmt == "openai":
         from kvprefix.sim.openai_bodies import read_openai_bodies
