@@ -74,13 +74,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--trace-block-size",
         type=_positive_int,
         help="block size the trace's ids were made with "
-        "(Mooncake: from a '_bs16' file name, else 512; request log: required)",
+        "(Mooncake: from a '_bs16' file name, else 512; request log: each row's block_size)",
     )
     t.add_argument(
         "--block-size",
         type=_positive_int,
-        help="block size to replay at; must be a multiple of the "
-        "trace's (default: the trace's own; 16 for OpenAI bodies)",
+        help="block size to replay at; must be a multiple of the trace's (default: the trace's own; 16 for OpenAI bodies)",
     )
     t.add_argument("--tokenizer", help="local Hugging Face tokenizer directory (OpenAI request bodies)")
     c = parser.add_argument_group("cache and fleet (comma-separated lists make a sweep)")
@@ -109,8 +108,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--mode",
         choices=MODES,
         default="timed",
-        help="timed: requests hold blocks "
-        "while they run (default); order: only request order matters (as published simulations)",
+        help="timed: requests hold blocks while they run (default); order: only request order matters "
+        "(as published simulations)",
     )
     m.add_argument(
         "--prefill-tps",
