@@ -3,8 +3,13 @@
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from kvprefix.model import write_random_checkpoint
+
+# The suite shares 2 cores with servers, clients and other runs; with more than one OpenMP thread per process the
+# threads spin at barriers whenever a core is taken, and tiny-model forwards get several times slower.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
