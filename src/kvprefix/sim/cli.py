@@ -79,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument(
         "--block-size",
         type=_positive_int,
-        help="block size to replay at; must be a multiple of the trace's (default: the trace's own; 16 for OpenAI bodies)",
+        help="block size to replay at, a multiple of the trace's (default: the trace's own; 16 for OpenAI bodies)",
     )
     t.add_argument("--tokenizer", help="local Hugging Face tokenizer directory (OpenAI request bodies)")
     c = parser.add_argument_group("cache and fleet (comma-separated lists make a sweep)")
