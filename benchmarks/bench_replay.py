@@ -62,9 +62,8 @@ def main() -> None:
     for tokens in SWEEP_TOKENS:
         replay(trace, ReplayConfig(int(tokens) // BLOCK, mode="order"))
     sweep_s = time.perf_counter() - t0
-    print(
-        f"\n10-point capacity sweep (1 pool, order, {SWEEP_TOKENS[0]:.0e}..{SWEEP_TOKENS[-1]:.0e} tokens): {sweep_s:.2f} s"
-    )
+    span = f"{SWEEP_TOKENS[0]:.0e}..{SWEEP_TOKENS[-1]:.0e} tokens"
+    print(f"\n10-point capacity sweep (1 pool, order, {span}): {sweep_s:.2f} s")
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
