@@ -1,6 +1,9 @@
 """Tokenizer wrapper: round trip, chat template, EOS ids, and streaming detokenization."""
 
 import pytest
+from tokenizers import Tokenizer as RawTokenizer
+from tokenizers import decoders, models, normalizers
+from transformers import PreTrainedTokenizerFast
 
 from kvprefix.model import IncrementalDetokenizer, Tokenizer
 
@@ -34,14 +37,36 @@ def test_eos_ids_come_from_tokenizer_and_generation_config(tokenizer: Tokenizer)
     assert tokenizer.eos_token_ids == frozenset(ids)
 
 
-def test_incremental_detokenization_never_splits_characters(tokenizer: Tokenizer) -> None:
-    prompt = tokenizer.encode("Say: ")
-    ids = tokenizer.encode(TEXT)
-    # The tokenizer is byte-level: some multi-byte characters really do span several tokens.
-    assert any("\ufffd" in tokenizer.decode([i]) for i in ids)
-    detok = IncrementalDetokenizer(tokenizer, prompt)
-    deltas = [detok.add([i]) for i in ids]
-    assert "".join(deltas) == detok.text == TEXT
+@pytest.fixture(scope="module")
+def sentencepiece_style(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    """Llama-2/Mistral style: "▁" for spaces, byte-fallback tokens, and a decoder that strips the leading space, so
+    a token decoded alone loses its space and only decoding with left context gets it right."""
+    # Byte tokens are ordinary vocabulary (not special), ASCII characters are their own tokens, and nothing else is:
+    # every non-ASCII character is spelled as byte tokens.
+    specials = ["<unk>", "<s>", "</s>"]
+    pieces = specials + [f"<0x{b:02X}>" for b in range(256)] + ["▁"] + [chr(c) for c in range(33, 127)]
+    raw = RawTokenizer(models.BPE({p: i for i, p in enumerate(pieces)}, [], byte_fallback=True, unk_token="<unk>"))
+    raw.add_special_tokens(specials)
+    raw.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    raw.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    path = tmp_path_factory.mktemp("sp-style")
+    PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>").save_pretrained(path)
+    return Tokenizer(str(path))
+
+
+@pytest.mark.parametrize("which", ["tokenizer", "sentencepiece_style"])
+def test_incremental_detokenization_never_splits_characters(which: str, request: pytest.FixtureRequest) -> None:
+    tok: Tokenizer = request.getfixturevalue(which)
+    ids = tok.encode("Say: " + TEXT, add_special_tokens=False)
+    prompt, generated = ids[:3], ids[3:]
+    # Some multi-byte characters really do span several tokens.
+    assert any("\ufffd" in tok.decode([i]) for i in generated)
+    detok = IncrementalDetokenizer(tok, prompt)
+    deltas = [detok.add([i]) for i in generated]
+    assert "".join(deltas) == detok.text == tok.decode(ids)[len(tok.decode(prompt)) :]
+    assert detok.text.endswith(TEXT)
     assert not any("\ufffd" in d for d in deltas)
 
 
