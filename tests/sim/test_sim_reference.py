@@ -2,10 +2,12 @@
 longest cached prefix (the last prompt token always computed), new blocks taken from never-cached free blocks
 first and then from the least recently released cached block, blocks released tail first."""
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvprefix.cache import FreeBlockQueue, KVCacheBlock
+from kvprefix.cache import FreeBlockQueue, KVCacheBlock, KVCacheManager
+from kvprefix.sim import replay as replay_module
 from kvprefix.sim.replay import EVICTIONS, ReplayConfig, replay
 from kvprefix.sim.trace import Trace, TraceRequest
 
@@ -53,7 +55,7 @@ def chained_traces(draw) -> list[TraceRequest]:
         contents = draw(st.lists(st.integers(0, 2), min_size=0, max_size=6))
         n = len(contents) * BS + draw(st.integers(0 if contents else 1, BS - 1))
         chain = [ids.setdefault(tuple(contents[: i + 1]), len(ids)) for i in range(len(contents))]
-        requests.append(TraceRequest(float(t), n, 0, chain, -(-n // BS)))
+        requests.append(TraceRequest(1000.0 * t, n, 0, chain, -(-n // BS)))
     return requests
 
 
@@ -61,6 +63,16 @@ def chained_traces(draw) -> list[TraceRequest]:
 @given(requests=chained_traces(), capacity=st.integers(1, 14))
 def test_single_pool_matches_reference(requests, capacity):
     rec = replay(Trace("random", BS, requests), ReplayConfig(capacity, mode="order"))
+    hits, evictions = reference_lru(requests, capacity)
+    assert [None if rep < 0 else k for rep, k in zip(rec.replica, rec.cached_blocks, strict=True)] == hits
+    assert sum(rec.evictions) == evictions
+
+
+@settings(max_examples=80, deadline=None)
+@given(requests=chained_traces(), capacity=st.integers(1, 14))
+def test_timed_replay_without_overlap_matches_reference(requests, capacity):
+    # Arrivals 1,000 s apart: every request finishes before the next arrives, so timing cannot matter.
+    rec = replay(Trace("random", BS, requests), ReplayConfig(capacity, mode="timed"))
     hits, evictions = reference_lru(requests, capacity)
     assert [None if rep < 0 else k for rep, k in zip(rec.replica, rec.cached_blocks, strict=True)] == hits
     assert sum(rec.evictions) == evictions
@@ -101,3 +113,34 @@ def test_eviction_policy_is_pluggable(monkeypatch):
     mru = replay(trace, ReplayConfig(5, mode="order", eviction="mru"))
     assert sum(lru.cached_blocks) == 0
     assert sum(mru.cached_blocks) > 20
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    requests=chained_traces(),
+    gaps=st.lists(st.floats(0, 0.05), min_size=30, max_size=30),
+    outputs=st.lists(st.integers(0, 12), min_size=30, max_size=30),
+    capacity=st.integers(1, 14),
+    replicas=st.integers(1, 3),
+    routing=st.sampled_from(["round-robin", "prefix-affinity", "shared"]),
+)
+def test_timed_replay_with_overlap_leaks_no_blocks(requests, gaps, outputs, capacity, replicas, routing):
+    t = 0.0
+    for r, gap, out in zip(requests, gaps, outputs, strict=False):
+        t += gap
+        r.timestamp, r.output_length = t, out
+    managers = []
+
+    class Recorded(KVCacheManager):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            managers.append(self)
+
+    config = ReplayConfig(capacity, replicas=replicas, routing=routing, mode="timed", prefill_tps=100.0)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(replay_module, "KVCacheManager", Recorded)
+        rec = replay(Trace("random", BS, requests), config)
+    for m in managers:
+        assert m.pool.num_free_blocks == m.pool.num_blocks and not m.req_to_blocks
+    fits = [-(-(r.input_length + r.output_length) // BS) <= managers[0].pool.num_blocks for r in requests]
+    assert [rep >= 0 for rep in rec.replica] == fits  # every request that fits is served, the others rejected
