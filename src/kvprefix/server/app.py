@@ -116,6 +116,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     info = _model_info(engine, name)
     metrics = ServerMetrics(name, engine.get_metrics)
     admission = Admission(config.max_pending, on_reject=lambda reason: metrics.rejected.labels(name, reason).inc())
+    metrics.in_flight.labels(name).set_function(lambda: admission.pending)
     tracker = CacheTracker(engine.engine.hasher, enabled=info.enable_prefix_caching)
     request_log = RequestLog(config.request_log, config.request_log_prompts) if config.request_log else None
     serving = Serving(engine, info, admission, metrics, tracker, request_log)
@@ -138,6 +139,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     app.openapi = lambda: _openapi(app)
     install_error_handlers(app)
     app.state.serving = serving
+    app.state.drain = lambda timeout: _drain(engine, admission, timeout)
 
     def caller(raw: Request, client_salt: str | None) -> Caller:
         return Caller(auth.tenant(raw.headers.get("authorization")), client_salt)
@@ -209,3 +211,31 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
         return await reset(raw, wait, timeout)
 
     return app
+
+
+async def _drain(engine, admission: Admission, timeout: float) -> None:
+    """Shutdown: refuse new requests, let running ones finish for ``timeout`` s, then abort the rest through the
+    engine, so that their streams end in-band (finish_reason "abort", then [DONE]) instead of being cut off."""
+    admission.closing = True
+    deadline = time.monotonic() + timeout
+    while admission.running and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if admission.running:
+        log.warning("shutdown: aborting %d request(s) still running after %g s", admission.running, timeout)
+        await engine.shutdown()
+
+
+def serve(app: FastAPI, host: str, port: int, log_level: str = "info", shutdown_timeout: float = 30.0) -> None:
+    """Runs ``app`` with uvicorn until SIGINT/SIGTERM, then shuts down gracefully (see ``_drain``)."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            # Our drain runs while uvicorn waits for connections; uvicorn's own (later) deadline only backs it up.
+            drain = asyncio.create_task(app.state.drain(shutdown_timeout))
+            await super().shutdown(sockets)
+            await drain
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=shutdown_timeout + 10)
+    _Server(config).run()

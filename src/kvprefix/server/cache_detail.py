@@ -98,7 +98,8 @@ class CacheTracker:
             self._parent[h] = parent
             self._tokens[h] = tokens
             self._children.setdefault(parent, set()).add(h)
-            self._evicted.pop(h, None)
+            # Kept in _evicted even when stored again: a block that misses was not cached at admission, so if
+            # it was ever evicted (since the last reset), eviction is why.
             parent = h
 
     def _drop(self, h: BlockHash) -> None:

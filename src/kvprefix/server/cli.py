@@ -53,10 +53,8 @@ def run(args: argparse.Namespace) -> int:
     import dataclasses
     import logging
 
-    import uvicorn
-
     from kvprefix.engine import AsyncLLM, EngineArgs
-    from kvprefix.server.app import ServerConfig, create_app
+    from kvprefix.server.app import ServerConfig, create_app, serve
     from kvprefix.server.tenancy import Auth
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -74,7 +72,5 @@ def run(args: argparse.Namespace) -> int:
         request_log_prompts=args.request_log_prompts,
         cache_detail=args.cache_detail,
     )
-    app = create_app(engine, config)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=args.shutdown_timeout)
+    serve(create_app(engine, config), args.host, args.port, args.log_level, args.shutdown_timeout)
     return 0

@@ -90,8 +90,8 @@ class ServerMetrics:
         )
         self.rejected = Counter(P + "server_rejected_requests", "Requests refused before reaching the engine",
                                 labels + ["reason"], registry=r)
-        self.in_flight = Gauge(P + "server_requests_in_flight", "Engine requests submitted by the server and not "
-                               "yet finished", labels, registry=r)
+        self.in_flight = Gauge(P + "server_requests_in_flight", "Engine requests admitted by the server (held at "
+                               "an admin drain or in the engine) and not yet finished", labels, registry=r)
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(model_name, reason)
         self.rejected.labels(model_name, "overloaded")

@@ -224,7 +224,10 @@ class _Context:
             with anyio.CancelScope(shield=True):
                 for job in self.jobs:
                     if not job.finished:
-                        await self.s.engine.abort(job.request_id)
+                        try:
+                            await self.s.engine.abort(job.request_id)
+                        except RuntimeError:  # EngineDeadError: a stopped engine holds no blocks to free
+                            pass
                         self._finish(job, aborted=True)
 
     def _update(self, job: _Job, out) -> None:
