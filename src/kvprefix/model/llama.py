@@ -103,6 +103,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.dtype = dtype
+        self.name_or_path = ""  # the checkpoint directory, set by load_model
         self.model = DecoderModel(config, dtype)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
 
