@@ -24,7 +24,7 @@ DEFAULT_MODEL_CONFIG = dict(
     max_position_embeddings=8192,
 )
 DEFAULT_MODEL_SEED = 1234
-DEFAULT_TOKENIZER_VOCAB = 1024
+DEFAULT_TOKENIZER_VOCAB = 1024  # a cap: the fixed training text runs out of merges at 727 tokens
 NOTICE = (
     "kvprefix built-in default model: a small Llama-architecture checkpoint with RANDOM weights, generated "
     "deterministically from a seed. Its output text is meaningless. Use --model / LLM(model=...) with a real "
