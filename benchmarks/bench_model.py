@@ -3,7 +3,7 @@
 Prefill of a whole prompt, prefill of a 64-token suffix after a cached 2,048-token prefix, and batched decode,
 for float32 and bfloat16, with 1 and 2 CPU threads. Each figure is the median of a few timed runs after a warm-up.
 
-    python benchmarks/bench_model.py [--out results/bench_model.json]
+    python benchmarks/bench_model.py [--dtypes float32,bfloat16] [--threads 1,2] [--out results/bench_model.json]
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from kvprefix.model import allocate_kv_cache, default_model_path, load_model
+from kvprefix.model.loader import resolve_dtype
 
 # The reference driver the model tests use: builds AttentionMetadata for a list of sequence chunks.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "model"))
@@ -63,14 +64,17 @@ def measure(model, dtype: torch.dtype) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--threads", default="1,2")
     parser.add_argument("--out", default="results/bench_model.json")
     args = parser.parse_args()
     path = default_model_path()
     results = []
     print(f"{'dtype':9} {'threads':>7}  {'case':32} {'ms':>8} {'tokens/s':>9}")
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype_name in args.dtypes.split(","):
+        dtype = resolve_dtype(dtype_name)
         model = load_model(path, dtype=dtype)
-        for threads in (1, 2):
+        for threads in map(int, args.threads.split(",")):
             torch.set_num_threads(threads)
             for row in measure(model, dtype):
                 row.update(dtype=str(dtype).removeprefix("torch."), threads=threads)
