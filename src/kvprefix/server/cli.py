@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvprefix.cache import HASH_ALGOS
+from kvprefix.cache import COLLISION_SAFE_ALGOS, HASH_ALGOS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +62,10 @@ def run(args: argparse.Namespace) -> int:
         auth = Auth.from_options(args.api_key, args.api_keys_file, args.admin_key)
     except ValueError as exc:
         raise SystemExit(f"kvprefix serve: {exc}") from None
+    if auth.enabled and args.prefix_caching_hash_algo not in COLLISION_SAFE_ALGOS:
+        # A crafted prompt that collides with another tenant's block hash would be served that block's KV.
+        raise SystemExit(f"kvprefix serve: with API keys (tenants), --prefix-caching-hash-algo must be collision "
+                         f"resistant: one of {', '.join(COLLISION_SAFE_ALGOS)}")
     engine_args = EngineArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)})
     engine = AsyncLLM(engine_args)
     config = ServerConfig(
