@@ -52,9 +52,10 @@ def write_random_checkpoint(
     # move the logits; std 1/sqrt(hidden) gives attention scores of order 1.
     fields.setdefault("initializer_range", fields["hidden_size"] ** -0.5)
     hf_config = config_cls(eos_token_id=eos_ids[0], pad_token_id=eos_ids[1], bos_token_id=None, **fields)
-    torch.manual_seed(seed)
-    model = model_cls(hf_config)
-    _perturb_vectors(model)
+    with torch.random.fork_rng(devices=[]):  # seeded without disturbing the caller's random state
+        torch.manual_seed(seed)
+        model = model_cls(hf_config)
+        _perturb_vectors(model)
     model.generation_config.eos_token_id = eos_ids
     model.to(dtype)
     os.makedirs(path, exist_ok=True)
