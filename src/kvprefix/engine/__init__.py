@@ -16,6 +16,7 @@ from kvprefix.engine.sampling_params import SamplingParams
 _LAZY = {
     "LLM": "kvprefix.engine.llm",
     "AsyncLLM": "kvprefix.engine.async_llm",
+    "EngineDeadError": "kvprefix.engine.async_llm",
     "LLMEngine": "kvprefix.engine.llm_engine",
 }
 
@@ -23,6 +24,7 @@ __all__ = [
     "AsyncLLM",
     "CompletionOutput",
     "EngineArgs",
+    "EngineDeadError",
     "LLM",
     "LLMEngine",
     "Logprob",
