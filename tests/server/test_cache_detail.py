@@ -55,11 +55,11 @@ def test_different_salt_within_the_caller_namespace(server: Server) -> None:
 
 
 def test_evicted(tenant_server: Server) -> None:
-    """The tenant server has 96 blocks: three 40-block prompts push the first prompt's blocks out (LRU)."""
+    """The tenant server has 256 blocks: three 90-block prompts push the first prompt's blocks out (LRU)."""
     victim = _ids(6, 20 * 16 + 5)
     _detail(tenant_server, victim, key="key-bob")
     for seed in (7, 8, 9):
-        _detail(tenant_server, _ids(seed, 40 * 16), key="key-bob")
+        _detail(tenant_server, _ids(seed, 90 * 16), key="key-bob")
     d = _detail(tenant_server, victim, key="key-bob")
     assert d["reason"] == "evicted" and d["cached_tokens"] == 0, d
     assert tenant_server.metrics(ADMIN)["kvprefix:prefix_cache_evictions_total"] > 0

@@ -18,7 +18,8 @@ async def _client(server: Server, i: int, disconnect: bool) -> dict:
     prompt = SYSTEM + [random.Random(i).randrange(3, 700) for _ in range(20)]  # 276 tokens each
     client = server.async_client()
     stream = await client.completions.create(
-        model="default-model-v1", prompt=prompt, max_tokens=LONG if disconnect else MAX_TOKENS, temperature=0.8, seed=i, stream=True,
+        model="default-model-v1", prompt=prompt, max_tokens=LONG if disconnect else MAX_TOKENS, temperature=0.8,
+        seed=i, stream=True,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
     chunks, usage, finish = 0, None, None
     async for chunk in stream:

@@ -32,7 +32,7 @@ def test_sigterm_finishes_short_requests_and_aborts_long_ones(server_tmp) -> Non
         finally:
             started[name].set()
 
-    threads = [threading.Thread(target=stream, args=("short", 30)), threading.Thread(target=stream, args=("long", 5000))]
+    threads = [threading.Thread(target=stream, args=(name, n)) for name, n in (("short", 30), ("long", 5000))]
     for t in threads:
         t.start()
     assert all(e.wait(30) for e in started.values())

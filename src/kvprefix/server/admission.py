@@ -15,23 +15,32 @@ class Ticket:
     """Held slots; ``release`` is idempotent, since a stream may end on several paths (done, cancelled, never
     started)."""
 
-    def __init__(self, admission: Admission, k: int):
+    def __init__(self, admission: Admission, k: int, tenant: str | None):
         self._admission: Admission | None = admission
         self._k = k
+        self._tenant = tenant
 
     def release(self) -> None:
         if self._admission is not None:
-            self._admission.pending -= self._k
             self._admission.running -= self._k
+            self._admission._unreserve(self._k, self._tenant)
             self._admission = None
 
 
 class Admission:
-    def __init__(self, max_pending: int, on_reject: Callable[[str], None] = lambda reason: None):
-        if max_pending < 1:
-            raise ValueError(f"max_pending must be >= 1, got {max_pending}")
+    def __init__(
+        self,
+        max_pending: int,
+        max_pending_per_tenant: int | None = None,
+        on_reject: Callable[[str], None] = lambda reason: None,
+    ):
+        for name, value in (("max_pending", max_pending), ("max_pending_per_tenant", max_pending_per_tenant)):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         self.max_pending = max_pending
+        self.max_pending_per_tenant = max_pending_per_tenant
         self.pending = 0  # engine requests admitted by the server: waiting at the gate or submitted
+        self._tenant_pending: dict[str | None, int] = {}
         self.running = 0  # of those, submitted to the engine
         self.closing = False
         self._closers = 0
@@ -39,10 +48,11 @@ class Admission:
         self._open.set()
         self._on_reject = on_reject
 
-    async def acquire(self, k: int) -> Ticket:
+    async def acquire(self, k: int, tenant: str | None = None) -> Ticket:
         """Claims ``k`` engine-request slots (one per prompt), waiting while an admin drain holds the gate.
 
-        Raises 503 at once when the server is full or shutting down."""
+        Raises at once: 429 when the tenant has its share pending (so one tenant cannot starve the others), 503
+        when the server is full or shutting down."""
         if self.closing:
             self._on_reject("shutting_down")
             raise APIError(503, "server is shutting down", type="server_error", code="shutting_down")
@@ -55,14 +65,34 @@ class Admission:
                 code="overloaded",
                 headers={"Retry-After": "1"},
             )
+        mine = self._tenant_pending.get(tenant, 0)
+        if self.max_pending_per_tenant is not None and mine + k > self.max_pending_per_tenant:
+            self._on_reject("tenant_limit")
+            raise APIError(
+                429,
+                f"too many requests pending for your tenant: {mine} (limit {self.max_pending_per_tenant}); "
+                "retry later",
+                type="rate_limit_error",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": "1"},
+            )
         self.pending += k
+        self._tenant_pending[tenant] = mine + k
         try:
             await self._open.wait()
         except BaseException:
-            self.pending -= k
+            self._unreserve(k, tenant)
             raise
         self.running += k
-        return Ticket(self, k)
+        return Ticket(self, k, tenant)
+
+    def _unreserve(self, k: int, tenant: str | None) -> None:
+        self.pending -= k
+        left = self._tenant_pending[tenant] - k
+        if left:
+            self._tenant_pending[tenant] = left
+        else:
+            del self._tenant_pending[tenant]
 
     @asynccontextmanager
     async def drained(self, timeout: float) -> AsyncIterator[bool]:

@@ -35,6 +35,7 @@ class ServerConfig:
     served_model_name: str | None = None
     auth: Auth | None = None
     max_pending: int = 256
+    max_pending_per_tenant: int | None = None
     request_log: str | None = None
     request_log_prompts: bool = False
     cache_detail: bool = True  # whether the opt-in per-request diagnosis may be asked for at all
@@ -84,10 +85,10 @@ def _log_startup(engine, info: ModelInfo, config: ServerConfig) -> None:
         pool.num_blocks * info.block_size, info.hash_algo,
     )
     auth = config.auth
-    log.info("tenancy: %s; request log: %s; max pending requests %d",
+    log.info("tenancy: %s; request log: %s; max pending requests %d (per tenant: %s)",
              f"{auth.num_tenants} tenant(s), cache salted per tenant" if auth and auth.enabled
              else "off (one shared cache namespace)",
-             config.request_log or "off", config.max_pending)
+             config.request_log or "off", config.max_pending, config.max_pending_per_tenant or "no limit")
 
 
 def _openapi(app: FastAPI) -> dict:
@@ -115,7 +116,8 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     name = config.served_model_name or engine.model_name
     info = _model_info(engine, name)
     metrics = ServerMetrics(name, engine.get_metrics)
-    admission = Admission(config.max_pending, on_reject=lambda reason: metrics.rejected.labels(name, reason).inc())
+    admission = Admission(config.max_pending, config.max_pending_per_tenant,
+                          on_reject=lambda reason: metrics.rejected.labels(name, reason).inc())
     metrics.in_flight.labels(name).set_function(lambda: admission.pending)
     tracker = CacheTracker(engine.engine.hasher, enabled=info.enable_prefix_caching)
     request_log = RequestLog(config.request_log, config.request_log_prompts) if config.request_log else None

@@ -97,7 +97,11 @@ class CacheTracker:
             tokens = tuple(event.token_ids[i * bs : (i + 1) * bs]) if event.token_ids else ()
             self._parent[h] = parent
             self._tokens[h] = tokens
-            self._children.setdefault(parent, set()).add(h)
+            # A first block's event has no parent and so no namespace: note_first_block() files it under its
+            # salted root once a request of that namespace shows it is cached. Never one index for all roots:
+            # that would compare a caller's prompt with other tenants' first blocks.
+            if parent is not None:
+                self._children.setdefault(parent, set()).add(h)
             # Kept in _evicted even when stored again: a block that misses was not cached at admission, so if
             # it was ever evicted (since the last reset), eviction is why.
             parent = h
@@ -123,6 +127,15 @@ class CacheTracker:
                 if len(self._hashers) > 1024:
                     self._hashers.popitem(last=False)
             return hasher
+
+    def note_first_block(self, salt: str | None, first_block: BlockHash) -> None:
+        """Files a request's first block under its namespace's root, if it is cached (the request hit or stored
+        it). Called for every request, so that a later one of the same namespace finds it as a sibling."""
+        root = self.hasher_for(salt).root
+        with self._lock:
+            if first_block in self._tokens:
+                self._parent[first_block] = root
+                self._children.setdefault(root, set()).add(first_block)
 
     def note_salt(self, tenant: str | None, client_salt: str | None) -> None:
         """Remembers a tenant's recent cache_salts, the only other namespaces a diagnosis may look into."""
@@ -159,21 +172,27 @@ class CacheTracker:
             return detail("full_hit")
         i = cached_tokens // bs
         own = block_hashes[i]
-        parent = block_hashes[i - 1] if i else self.hasher_for(salt).root
-        block = token_ids[i * bs : (i + 1) * bs]
         with self._lock:
             if own in self._evicted:
                 return detail("evicted")
+            other_salts = [s for s in self._tenant_salts.get(tenant, {}) if s != client_salt]
+        # Checked before divergence: every prompt of a namespace shares the chat template's first tokens, so a
+        # first block always "diverges" somewhere, while a whole first block cached under another salt of the
+        # same tenant is the real explanation.
+        if i == 0 and any(self._is_cached(self.hasher_for(cache_salt(tenant, other)).hash_blocks(token_ids[:bs])[0])
+                          for other in other_salts):
+            return detail("different_salt")
+        parent = block_hashes[i - 1] if i else self.hasher_for(salt).root
+        block = token_ids[i * bs : (i + 1) * bs]
+        with self._lock:
             # Our own block may be cached by now (registered after our prefill): compare with the others only.
             siblings = [self._tokens[h] for h in self._children.get(parent, ()) if h != own and self._tokens.get(h)]
-            if siblings:
-                return detail("diverged", i * bs + max(_common_prefix(block, s) for s in siblings))
-            if i:
-                return detail("prefix_ended")
-            other_salts = [s for s in self._tenant_salts.get(tenant, {}) if s != client_salt]
-        for other in other_salts:
-            first = self.hasher_for(cache_salt(tenant, other)).hash_blocks(token_ids[:bs])[0]
-            with self._lock:
-                if first in self._parent:
-                    return detail("different_salt")
-        return detail("not_cached")
+        best = max((_common_prefix(block, s) for s in siblings), default=-1)
+        # At block 0, sharing no token with any cached first block is no divergence: nothing starts alike.
+        if best > 0 or (i and best == 0):
+            return detail("diverged", i * bs + best)
+        return detail("prefix_ended" if i else "not_cached")
+
+    def _is_cached(self, block_hash: BlockHash) -> bool:
+        with self._lock:
+            return block_hash in self._tokens

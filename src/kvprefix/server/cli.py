@@ -14,6 +14,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--served-model-name", default=None, help="model id clients send (default: the model's name)")
     net.add_argument("--max-pending", type=int, default=256,
                      help="engine requests admitted at once (queued or running); more get 503 at once")
+    net.add_argument("--max-pending-per-tenant", type=int, default=None,
+                     help="engine requests one tenant may have pending; more get 429 (default: no per-tenant limit)")
     net.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds to let in-flight requests finish on SIGTERM/SIGINT before aborting them")
     net.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -72,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         auth=auth,
         max_pending=args.max_pending,
+        max_pending_per_tenant=args.max_pending_per_tenant,
         request_log=args.request_log,
         request_log_prompts=args.request_log_prompts,
         cache_detail=args.cache_detail,

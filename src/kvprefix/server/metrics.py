@@ -94,7 +94,8 @@ class ServerMetrics:
                                "an admin drain or in the engine) and not yet finished", labels, registry=r)
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(model_name, reason)
-        self.rejected.labels(model_name, "overloaded")
+        for reason in ("overloaded", "tenant_limit", "shutting_down"):
+            self.rejected.labels(model_name, reason)
 
     def observe(self, seq: FinishedSequence) -> None:
         m = self.model_name

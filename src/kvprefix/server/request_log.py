@@ -20,7 +20,7 @@ class RequestRecord:
     request_id: str
     endpoint: str  # "completions" or "chat"
     model: str
-    tenant: str  # hashed (tenancy.hash_tenant)
+    tenant: str  # pseudonym (tenancy.pseudonym)
     prompt_tokens: int
     block_size: int
     hash_algo: str

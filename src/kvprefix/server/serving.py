@@ -16,14 +16,14 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
-from kvprefix.engine import SamplingParams
+from kvprefix.engine import RequestOutput, SamplingParams
 from kvprefix.server.admission import Admission, Ticket
 from kvprefix.server.cache_detail import CacheDetail, CacheTracker
 from kvprefix.server.errors import APIError, bad_request
 from kvprefix.server.metrics import FinishedSequence, ServerMetrics
 from kvprefix.server.protocol import ChatCompletionRequest, CompletionRequest, check_supported
 from kvprefix.server.request_log import RequestLog, RequestRecord
-from kvprefix.server.tenancy import Caller, hash_tenant, validate_client_salt
+from kvprefix.server.tenancy import Caller, pseudonym, validate_client_salt
 
 
 @dataclass(frozen=True)
@@ -50,9 +50,10 @@ class _Job:
     arrival_wall: float  # time.time()
     n: int
     first_token: float | None = None
-    last: object | None = None  # the latest cumulative RequestOutput
+    last: RequestOutput | None = None  # the latest cumulative output
     finished: bool = False
     detail: CacheDetail | None = None
+    block_hashes: list[bytes] | None = None  # salted, computed once at the first output
     sent_text: list[int] = field(default_factory=list)  # streaming: characters already sent, per sample
 
 
@@ -80,11 +81,15 @@ class Serving:
             raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.info.name}'",
                            param="model", code="model_not_found")
 
-    def _completion_prompts(self, req: CompletionRequest) -> list[tuple[list[int], str | None]]:
+    async def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        # In a thread: a long prompt must not stall every other stream on the event loop.
+        return await asyncio.to_thread(self.engine.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+
+    async def _completion_prompts(self, req: CompletionRequest) -> list[tuple[list[int], str | None]]:
         out = []
         for p in req.prompts():
             if isinstance(p, str):
-                out.append((self.engine.tokenizer.encode(p), p))
+                out.append((await self._encode(p), p))
             else:
                 bad = next((t for t in p if t >= self.info.vocab_size), None)
                 if bad is not None:
@@ -93,7 +98,7 @@ class Serving:
                 out.append((list(p), None))
         return out
 
-    def _chat_prompt(self, req: ChatCompletionRequest) -> tuple[list[int], str | None]:
+    async def _chat_prompt(self, req: ChatCompletionRequest) -> tuple[list[int], str | None]:
         # "developer" is OpenAI's newer name for "system"; checkpoint templates know only the latter.
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in req.messages]
@@ -104,7 +109,7 @@ class Serving:
                               param="messages") from None
         except Exception as exc:  # a template can raise anything (jinja2 errors for unexpected roles)
             raise bad_request(f"the model's chat template rejected 'messages': {exc}", param="messages") from None
-        return self.engine.tokenizer.encode(text, add_special_tokens=False), text
+        return await self._encode(text, add_special_tokens=False), text
 
     def _max_tokens(self, prompt_len: int, requested: int | None, param: str) -> int:
         limit = self.info.max_model_len
@@ -138,14 +143,14 @@ class Serving:
     async def completions(self, req: CompletionRequest, caller: Caller, raw: Request):
         self._check_model(req.model)
         check_supported(req)
-        prompts = self._completion_prompts(req)
+        prompts = await self._completion_prompts(req)
         return await self._serve(req, caller, raw, prompts, req.max_tokens, "prompt", chat=False)
 
     async def chat(self, req: ChatCompletionRequest, caller: Caller, raw: Request):
         self._check_model(req.model)
         check_supported(req)
-        return await self._serve(req, caller, raw, [self._chat_prompt(req)], req.max_new_tokens(), "messages",
-                                 chat=True)
+        prompt = await self._chat_prompt(req)
+        return await self._serve(req, caller, raw, [prompt], req.max_new_tokens(), "messages", chat=True)
 
     async def _serve(self, req, caller: Caller, raw: Request, prompts, requested_max: int | None, param: str,
                      chat: bool):
@@ -161,7 +166,7 @@ class Serving:
                 for i, (ids, text) in enumerate(prompts)]
         ctx = _Context(self, req, caller, rid, jobs, params, chat)
         # Admission happens before the response starts, so overload is a plain 503 even for streams.
-        ticket = await self.admission.acquire(len(jobs))
+        ticket = await self.admission.acquire(len(jobs), caller.tenant)
         if req.stream:
             # The background task releases the slots should the stream be cancelled before it ever started.
             return StreamingResponse(ctx.stream(ticket), media_type="text/event-stream",
@@ -234,13 +239,18 @@ class _Context:
         job.last = out
         if job.first_token is None and any(o.token_ids for o in out.outputs):
             job.first_token = time.monotonic()
-        if job.detail is None and self.req.cache_detail:
-            job.detail = self._diagnose(job, out.num_cached_tokens)
+            hashes = self._block_hashes(job)
+            if hashes:
+                self.s.tracker.note_first_block(self.caller.salt, hashes[0])
+            if self.req.cache_detail:
+                job.detail = self._diagnose(job, out.num_cached_tokens)
         if out.finished:
             self._finish(job, aborted=False)
 
     def _block_hashes(self, job: _Job) -> list[bytes]:
-        return self.s.tracker.hasher_for(self.caller.salt).hash_blocks(job.token_ids)
+        if job.block_hashes is None:
+            job.block_hashes = self.s.tracker.hasher_for(self.caller.salt).hash_blocks(job.token_ids)
+        return job.block_hashes
 
     def _diagnose(self, job: _Job, cached: int) -> CacheDetail:
         return self.s.tracker.diagnose(job.index, job.token_ids, self._block_hashes(job), cached,
@@ -266,7 +276,7 @@ class _Context:
                 request_id=job.request_id,
                 endpoint="chat" if self.chat else "completions",
                 model=self.s.info.name,
-                tenant=hash_tenant(self.caller.tenant_label),
+                tenant=pseudonym(self.caller.tenant_label),
                 prompt_tokens=len(job.token_ids),
                 block_size=self.s.info.block_size,
                 hash_algo=self.s.info.hash_algo,
@@ -279,7 +289,7 @@ class _Context:
                 status="aborted" if aborted else "ok",
                 salted=self.caller.salt is not None,
                 prompt_cache_key=self.req.prompt_cache_key,
-                user=None if self.req.user is None else hash_tenant(self.req.user),
+                user=None if self.req.user is None else pseudonym(self.req.user),
                 prompt=job.text,
             ))
 

@@ -25,9 +25,9 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
-def hash_tenant(tenant: str) -> str:
-    """A stable pseudonym for logs: the first 16 hex digits of SHA-256 of the tenant name."""
-    return hashlib.sha256(tenant.encode()).hexdigest()[:16]
+def pseudonym(name: str) -> str:
+    """A stable pseudonym for logs (tenants, users): the first 16 hex digits of SHA-256 of the name."""
+    return hashlib.sha256(name.encode()).hexdigest()[:16]
 
 
 def validate_client_salt(salt: str | None) -> str | None:
@@ -139,5 +139,5 @@ def load_keys_file(path: str) -> dict[str, str]:
         raise ValueError(f"cannot read API-keys file {path}: {exc}") from None
     if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, str) and k and v
                                              for k, v in data.items()):
-        raise ValueError(f"API-keys file {path} must be a JSON object of non-empty strings: {{\"<key>\": \"<tenant>\"}}")
+        raise ValueError(f'API-keys file {path} must be a JSON object of non-empty strings: {{"<key>": "<tenant>"}}')
     return data
