@@ -72,6 +72,7 @@ class LLMEngine:
         )
         self.hasher = BlockHasher(args.block_size, args.prefix_caching_hash_algo, context)
         self._hashers: dict[str, BlockHasher] = {"": self.hasher}
+        model = load_model(path, dtype, device)  # first: on CUDA the KV budget is what the weights leave free
         num_blocks = num_kv_blocks(
             self.model_config,
             args.block_size,
@@ -83,7 +84,6 @@ class LLMEngine:
         )
         self.manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.manager, args.max_num_seqs, args.max_num_batched_tokens)
-        model = load_model(path, dtype, device)
         self.runner = ModelRunner.create(model, num_blocks, self.manager, dtype, device)
         self.sampler = Sampler(args.seed, device, self.tokenizer.decode)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | self.tokenizer.eos_token_ids

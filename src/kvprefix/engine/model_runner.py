@@ -31,8 +31,9 @@ def num_kv_blocks(
     per_block = kv_cache_bytes_per_block(config, block_size, dtype)
     if kv_cache_memory is None:
         if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            kv_cache_memory = int(free * gpu_memory_utilization)
+            # vLLM's meaning: the engine may use this fraction of the whole GPU; the weights are already loaded.
+            free, total = torch.cuda.mem_get_info(device)
+            kv_cache_memory = int(free - (1 - gpu_memory_utilization) * total)
         else:
             kv_cache_memory = CPU_KV_CACHE_BYTES
     blocks = kv_cache_memory // per_block
