@@ -33,12 +33,13 @@ def server_nocache(server_tmp: Path) -> Iterator[Server]:
 
 @pytest.fixture(scope="session")
 def tenant_server(server_tmp: Path) -> Iterator[Server]:
-    """Tenancy (three keys, two tenants), an admin key, small queues (4 pending, 3 per tenant) and a small pool
-    (256 blocks: evictions happen)."""
+    """Tenancy (three keys, two tenants), an admin key, small queues (4 pending, 3 per tenant), a small pool
+    (256 blocks: evictions happen) and a request log with raw prompts."""
     keys = server_tmp / "keys.json"
     keys.write_text(json.dumps(TENANT_KEYS))
     s = start_server(server_tmp, "--api-keys-file", str(keys), "--admin-key", ADMIN_KEY, "--max-pending", "4",
-                     "--max-pending-per-tenant", "3", "--num-gpu-blocks", "256")
+                     "--max-pending-per-tenant", "3", "--num-gpu-blocks", "256", "--request-log-prompts",
+                     request_log=True)
     yield s
     assert stop_server(s) in (0, -15) and "Traceback" not in s.log_path.read_text(), s.log_path.read_text()
 

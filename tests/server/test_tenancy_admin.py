@@ -3,6 +3,7 @@ keys for two tenants, an admin key, at most 4 pending requests and a 96-block po
 
 from __future__ import annotations
 
+import json
 import threading
 
 import httpx
@@ -60,6 +61,8 @@ def test_auth_errors(tenant_server: Server) -> None:
         tenant_server.client("wrong-key").models.list()
     r = tenant_server.post("/v1/completions", {"prompt": "x"})
     assert r.status_code == 401 and "missing API key" in r.json()["error"]["message"]
+    r = tenant_server.post("/v1/chat/completions", b"{not json", headers={"authorization": "Bearer wrong"})
+    assert r.status_code == 401  # authentication comes before any parsing
     r = tenant_server.post("/reset_prefix_cache", headers={"authorization": f"Bearer {ALICE}"})
     assert r.status_code == 401  # a tenant key is not the admin key
     assert httpx.get(tenant_server.url + "/metrics").status_code == 401
@@ -140,3 +143,13 @@ def test_overload_tenant_share_is_429_and_full_server_503(tenant_server: Server)
     assert m["kvprefix:server_rejected_requests_total{tenant_limit}"] >= 1
     assert m["kvprefix:server_rejected_requests_total{overloaded}"] >= 1
     assert _cached(tenant_server, ALICE, "served again after the overload") == 0
+
+
+def test_request_log_with_prompts_and_tenant_pseudonyms(tenant_server: Server) -> None:
+    for key in (ALICE, BOB, ALICE_2):
+        _cached(tenant_server, key, f"logged prompt of {key}")
+    rows = [json.loads(line) for line in tenant_server.request_log.read_text().splitlines()][-3:]
+    assert [r["prompt"] for r in rows] == [f"logged prompt of {k}" for k in (ALICE, BOB, ALICE_2)]
+    alice, bob, alice_2 = (r["tenant"] for r in rows)
+    assert alice == alice_2 != bob and "alice" not in alice
+    assert all(r["salted"] for r in rows)

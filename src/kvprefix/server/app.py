@@ -59,6 +59,8 @@ async def _parse(raw: Request, model: type[BaseModel]) -> Any:
 
 
 def _model_info(engine, name: str) -> ModelInfo:
+    # The block size, pool and hasher are not on AsyncLLM's API; its LLMEngine (``engine.engine``) holds them.
+    # Read once, here; the cache tracker also subscribes to the manager's events (see create_app).
     inner = engine.engine
     capacity = inner.manager.pool.num_blocks * inner.manager.block_size
     return ModelInfo(
@@ -140,11 +142,10 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     app = FastAPI(title="kvprefix", version="0.1.0", lifespan=lifespan)
     app.openapi = lambda: _openapi(app)
     install_error_handlers(app)
-    app.state.serving = serving
     app.state.drain = lambda timeout: _drain(engine, admission, timeout)
 
-    def caller(raw: Request, client_salt: str | None) -> Caller:
-        return Caller(auth.tenant(raw.headers.get("authorization")), client_salt)
+    def tenant(raw: Request) -> str | None:
+        return auth.tenant(raw.headers.get("authorization"))
 
     def check_detail(req: CompletionRequest | ChatCompletionRequest) -> None:
         if req.cache_detail and not config.cache_detail:
@@ -158,7 +159,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(raw: Request) -> dict:
-        auth.tenant(raw.headers.get("authorization"))
+        tenant(raw)
         return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "kvprefix",
                                             "max_model_len": info.max_model_len}]}
 
@@ -170,15 +171,17 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(raw: Request):
+        who = tenant(raw)  # authentication first: an unknown caller learns nothing from validation errors
         req = await _parse(raw, CompletionRequest)
         check_detail(req)
-        return await serving.completions(req, caller(raw, req.cache_salt), raw)
+        return await serving.completions(req, Caller(who, req.cache_salt), raw)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request):
+        who = tenant(raw)
         req = await _parse(raw, ChatCompletionRequest)
         check_detail(req)
-        return await serving.chat(req, caller(raw, req.cache_salt), raw)
+        return await serving.chat(req, Caller(who, req.cache_salt), raw)
 
     async def reset(raw: Request, wait: bool, timeout: float) -> JSONResponse:
         auth.check_admin(raw.headers.get("authorization"))

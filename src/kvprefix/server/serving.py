@@ -16,7 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
-from kvprefix.engine import RequestOutput, SamplingParams
+from kvprefix.engine import EngineDeadError, RequestOutput, SamplingParams
 from kvprefix.server.admission import Admission, Ticket
 from kvprefix.server.cache_detail import CacheDetail, CacheTracker
 from kvprefix.server.errors import APIError, bad_request
@@ -186,7 +186,7 @@ class _Context:
     """One HTTP request in flight: its jobs, and how their outputs turn into response bodies or SSE chunks."""
 
     def __init__(self, serving: Serving, req, caller: Caller, rid: str, jobs: list[_Job], params, chat: bool):
-        self.s = serving
+        self.serving = serving
         self.req = req
         self.caller = caller
         self.rid = rid
@@ -199,7 +199,7 @@ class _Context:
 
     async def _pump(self, job: _Job, queue: asyncio.Queue) -> None:
         try:
-            async for out in self.s.engine.generate(job.token_ids, self.params, job.request_id,
+            async for out in self.serving.engine.generate(job.token_ids, self.params, job.request_id,
                                                     cache_salt=self.caller.salt):
                 queue.put_nowait((job, out))
         except Exception as exc:  # handed to the consumer, which raises it in the request's context
@@ -207,7 +207,7 @@ class _Context:
             return
         queue.put_nowait((job, None))
 
-    async def _outputs(self) -> AsyncIterator[tuple[_Job, object]]:
+    async def _outputs(self) -> AsyncIterator[tuple[_Job, RequestOutput]]:
         """Outputs of all jobs as they come; on exit (finished, cancelled or failed) aborts what still runs."""
         queue: asyncio.Queue = asyncio.Queue()
         pumps = [asyncio.create_task(self._pump(job, queue)) for job in self.jobs]
@@ -230,18 +230,18 @@ class _Context:
                 for job in self.jobs:
                     if not job.finished:
                         try:
-                            await self.s.engine.abort(job.request_id)
-                        except RuntimeError:  # EngineDeadError: a stopped engine holds no blocks to free
+                            await self.serving.engine.abort(job.request_id)
+                        except EngineDeadError:  # a stopped engine holds no blocks to free
                             pass
                         self._finish(job, aborted=True)
 
-    def _update(self, job: _Job, out) -> None:
+    def _update(self, job: _Job, out: RequestOutput) -> None:
         job.last = out
         if job.first_token is None and any(o.token_ids for o in out.outputs):
             job.first_token = time.monotonic()
             hashes = self._block_hashes(job)
             if hashes:
-                self.s.tracker.note_first_block(self.caller.salt, hashes[0])
+                self.serving.tracker.note_first_block(self.caller.salt, hashes[0])
             if self.req.cache_detail:
                 job.detail = self._diagnose(job, out.num_cached_tokens)
         if out.finished:
@@ -249,11 +249,11 @@ class _Context:
 
     def _block_hashes(self, job: _Job) -> list[bytes]:
         if job.block_hashes is None:
-            job.block_hashes = self.s.tracker.hasher_for(self.caller.salt).hash_blocks(job.token_ids)
+            job.block_hashes = self.serving.tracker.hasher_for(self.caller.salt).hash_blocks(job.token_ids)
         return job.block_hashes
 
     def _diagnose(self, job: _Job, cached: int) -> CacheDetail:
-        return self.s.tracker.diagnose(job.index, job.token_ids, self._block_hashes(job), cached,
+        return self.serving.tracker.diagnose(job.index, job.token_ids, self._block_hashes(job), cached,
                                        self.caller.tenant, self.caller.client_salt, self.caller.salt)
 
     def _finish(self, job: _Job, aborted: bool) -> None:
@@ -266,27 +266,27 @@ class _Context:
         outputs = out.outputs if out is not None else []
         n_out = [len(o.token_ids) for o in outputs] or [0] * job.n
         reasons = [o.finish_reason or "abort" for o in outputs] or ["abort"] * job.n
-        end = time.monotonic()
+        e2e = time.monotonic() - job.arrival
         ttft = None if job.first_token is None else job.first_token - job.arrival
-        self.s.metrics.observe(FinishedSequence(len(job.token_ids), cached, n_out, reasons, ttft, end - job.arrival))
-        log = self.s.request_log
+        self.serving.metrics.observe(FinishedSequence(len(job.token_ids), cached, n_out, reasons, ttft, e2e))
+        log = self.serving.request_log
         if log is not None:
             log.write(RequestRecord(
                 timestamp=round(job.arrival_wall, 6),
                 request_id=job.request_id,
                 endpoint="chat" if self.chat else "completions",
-                model=self.s.info.name,
+                model=self.serving.info.name,
                 tenant=pseudonym(self.caller.tenant_label),
                 prompt_tokens=len(job.token_ids),
-                block_size=self.s.info.block_size,
-                hash_algo=self.s.info.hash_algo,
+                block_size=self.serving.info.block_size,
+                hash_algo=self.serving.info.hash_algo,
                 block_hashes=[h.hex() for h in self._block_hashes(job)],
                 cached_tokens=cached,
                 output_tokens=sum(n_out),
                 n=job.n,
                 finish_reasons=reasons,
-                timings={"ttft_s": None if ttft is None else round(ttft, 6), "e2e_s": round(end - job.arrival, 6)},
-                status="aborted" if aborted else "ok",
+                timings={"ttft_s": None if ttft is None else round(ttft, 6), "e2e_s": round(e2e, 6)},
+                status="aborted" if aborted or "abort" in reasons else "ok",
                 salted=self.caller.salt is not None,
                 prompt_cache_key=self.req.prompt_cache_key,
                 user=None if self.req.user is None else pseudonym(self.req.user),
@@ -320,11 +320,11 @@ class _Context:
                 choices.append(c)
         choices.sort(key=lambda c: c["index"])
         return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.s.info.name, "choices": choices, "usage": self._usage()}
+                "created": self.created, "model": self.serving.info.name, "choices": choices, "usage": self._usage()}
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
         chunk = {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                 "created": self.created, "model": self.s.info.name, "choices": choices}
+                 "created": self.created, "model": self.serving.info.name, "choices": choices}
         if self._include_usage:
             chunk["usage"] = usage
         return chunk
@@ -401,4 +401,6 @@ def _engine_error(exc: BaseException) -> APIError:
     # The engine raises ValueError for a request it cannot take (ours are validated first; this is a backstop).
     if isinstance(exc, ValueError):
         return bad_request(str(exc))
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, f"the engine is not running: {exc}", type="server_error", code="engine_dead")
     return APIError(500, f"engine error: {type(exc).__name__}: {exc}", type="server_error")
