@@ -47,11 +47,15 @@ def test_prefix_ended(server: Server) -> None:
     assert "ends at token 48" in d["message"]
 
 
-def test_different_salt_within_the_caller_namespace(server: Server) -> None:
+def test_different_salt_only_points_at_the_unsalted_namespace(server: Server) -> None:
     prompt = _ids(5, 64)
-    _detail(server, prompt, cache_salt="team-a")
-    d = _detail(server, prompt)
+    _detail(server, prompt)
+    d = _detail(server, prompt, cache_salt="team-a")
     assert d["cached_tokens"] == 0 and d["reason"] == "different_salt"
+    # The other way round it stays silent: another cache_salt may be someone else's secret.
+    other = _ids(11, 64)
+    _detail(server, other, cache_salt="team-b")
+    assert _detail(server, other)["reason"] != "different_salt"
 
 
 def test_evicted(tenant_server: Server) -> None:

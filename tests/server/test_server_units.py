@@ -101,6 +101,9 @@ def test_tracker_reasons_from_events() -> None:
     # The other namespace's [1, 2, 3, 0] would match 4 tokens: it must stay invisible.
     assert reason([1, 2, 3, 0, 9], 0)[1] == "diverged at token 3 from the nearest cached prefix"
     assert reason(cached + [9, 9, 9, 9, 9], 8)[0] == "prefix_ended"
+    salted = hasher.with_salt(cache_salt(None, "x"))
+    d = tracker.diagnose(0, cached + [9], salted.hash_blocks(cached + [9]), 0, None, "x", cache_salt(None, "x"))
+    assert d.reason == "different_salt"  # cached without the salt, which the caller could just omit
     tracker.on_event(BlockRemoved([hashes[1]]))
     assert reason(cached + [9], 4)[0] == "evicted"
     tracker.on_event(AllBlocksCleared())

@@ -17,7 +17,6 @@ from kvprefix.cache import AllBlocksCleared, BlockHash, BlockHasher, BlockRemove
 from kvprefix.server.tenancy import cache_salt
 
 _MAX_EVICTED = 65536  # remembered evicted hashes (32 bytes each)
-_MAX_SALTS_PER_TENANT = 8
 
 
 @dataclass
@@ -40,7 +39,7 @@ REASONS = {
     "diverged": "diverged at token {n} from the nearest cached prefix",
     "prefix_ended": "the nearest cached prefix ends at token {n}; nothing cached continues it",
     "evicted": "blocks were evicted: the block at token {n} was cached earlier but evicted to make room",
-    "different_salt": "different tenant/salt: this prompt is cached under another cache_salt of your tenant",
+    "different_salt": "different tenant/salt: this prompt is cached in your tenant's namespace without cache_salt",
     "not_cached": "nothing in your tenant/salt cache starts like this prompt",
     "caching_disabled": "prefix caching is disabled on this server",
 }
@@ -68,7 +67,6 @@ class CacheTracker:
         self._children: dict[BlockHash | None, set[BlockHash]] = {}
         self._evicted: OrderedDict[BlockHash, None] = OrderedDict()
         self._hashers: OrderedDict[str | None, BlockHasher] = OrderedDict()
-        self._tenant_salts: dict[str | None, OrderedDict[str | None, None]] = {}
 
     # -- event side -------------------------------------------------------------------------------------
 
@@ -137,15 +135,6 @@ class CacheTracker:
                 self._parent[first_block] = root
                 self._children.setdefault(root, set()).add(first_block)
 
-    def note_salt(self, tenant: str | None, client_salt: str | None) -> None:
-        """Remembers a tenant's recent cache_salts, the only other namespaces a diagnosis may look into."""
-        with self._lock:
-            salts = self._tenant_salts.setdefault(tenant, OrderedDict())
-            salts[client_salt] = None
-            salts.move_to_end(client_salt)
-            while len(salts) > _MAX_SALTS_PER_TENANT:
-                salts.popitem(last=False)
-
     def diagnose(
         self,
         prompt_index: int,
@@ -175,13 +164,13 @@ class CacheTracker:
         with self._lock:
             if own in self._evicted:
                 return detail("evicted")
-            other_salts = [s for s in self._tenant_salts.get(tenant, {}) if s != client_salt]
-        # Checked before divergence: every prompt of a namespace shares the chat template's first tokens, so a
-        # first block always "diverges" somewhere, while a whole first block cached under another salt of the
-        # same tenant is the real explanation.
-        if i == 0 and any(self._is_cached(self.hasher_for(cache_salt(tenant, other)).hash_blocks(token_ids[:bs])[0])
-                          for other in other_salts):
-            return detail("different_salt")
+        # The only other namespace looked at is the tenant's unsalted one, which the caller can query directly
+        # anyway; other cache_salts may be secrets of other users (docs/security.md). Checked before divergence:
+        # every prompt shares the chat template's first tokens, so a first block always "diverges" somewhere.
+        if i == 0 and client_salt is not None:
+            first = self.hasher_for(cache_salt(tenant, None)).hash_blocks(token_ids[:bs])[0]
+            if self._is_cached(first):
+                return detail("different_salt")
         parent = block_hashes[i - 1] if i else self.hasher_for(salt).root
         block = token_ids[i * bs : (i + 1) * bs]
         with self._lock:

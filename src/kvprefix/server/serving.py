@@ -159,7 +159,6 @@ class Serving:
             raise bad_request(f"'{param}' is empty after tokenization", param=param)
         max_tokens = min(self._max_tokens(len(ids), requested_max, param) for ids, _ in prompts)
         params = self._sampling(req, max_tokens)
-        self.tracker.note_salt(caller.tenant, caller.client_salt)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         now, wall = time.monotonic(), time.time()
         jobs = [_Job(i, f"{rid}-{i}", ids, text, now, wall, req.n, sent_text=[0] * req.n)
