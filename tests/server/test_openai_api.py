@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from server_helpers import LONG_PREFIX, Server
+from server_helpers import LONG_PREFIX, Server, start_server, stop_server
 
 
 def test_models_and_health(server: Server) -> None:
@@ -113,3 +113,17 @@ def test_shared_prefix_hits_and_output_equals_caching_off(server: Server, server
     assert all(c == 0 for _, c in off)
     server.wait_idle()
     server_nocache.wait_idle()
+
+
+def test_serves_a_checkpoint_given_by_path(server_tmp, tiny_llama_path: str) -> None:
+    """--model with a Hugging Face checkpoint directory (tiny random Llama with a chat template)."""
+    s = start_server(server_tmp, "--model", tiny_llama_path, "--num-gpu-blocks", "256", "--served-model-name", "tiny")
+    try:
+        assert [m.id for m in s.client().models.list().data] == ["tiny"]
+        r = s.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello"}],
+                                               max_tokens=4, temperature=0)
+        assert r.usage.completion_tokens <= 4 and r.choices[0].message.role == "assistant"
+        assert s.post("/v1/completions", {"model": "default-model-v1", "prompt": "x"}).status_code == 404
+        s.wait_idle()
+    finally:
+        assert stop_server(s) in (0, -15)

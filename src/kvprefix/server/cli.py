@@ -68,7 +68,9 @@ def run(args: argparse.Namespace) -> int:
         # A crafted prompt that collides with another tenant's block hash would be served that block's KV.
         raise SystemExit(f"kvprefix serve: with API keys (tenants), --prefix-caching-hash-algo must be collision "
                          f"resistant: one of {', '.join(COLLISION_SAFE_ALGOS)}")
-    engine_args = EngineArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)})
+    # Every engine option we expose has EngineArgs' field name; a field without an option keeps its default.
+    engine_args = EngineArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)
+                                if hasattr(args, f.name)})
     engine = AsyncLLM(engine_args)
     config = ServerConfig(
         served_model_name=args.served_model_name,
