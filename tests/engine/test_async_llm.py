@@ -129,3 +129,25 @@ def test_a_failing_step_fails_streams_not_the_process(tiny_llama_path):
         await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_streamed_text_only_grows_even_with_stop_strings(tiny_llama_path):
+    full = LLM(**vars(engine_args(tiny_llama_path))).generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=24))
+    text = full[0].outputs[0].text
+    stop = text[8:11]
+    params = SamplingParams(n=2, temperature=0, max_tokens=24, stop=[stop])
+
+    async def main():
+        engine = AsyncLLM(engine_args(tiny_llama_path))
+        try:
+            return await collect(engine, PROMPTS[0], params, "s")
+        finally:
+            await engine.shutdown()
+
+    stream = asyncio.run(main())
+    final = stream[-1]
+    assert [c.text for c in final.outputs] == [text[: text.find(stop)]] * 2
+    assert all(c.finish_reason == "stop" and c.stop_reason == stop for c in final.outputs)
+    for earlier in stream:
+        for c, f in zip(earlier.outputs, final.outputs, strict=True):
+            assert f.text.startswith(c.text)  # never a character that a later stop string takes back

@@ -112,3 +112,8 @@ def test_bad_engine_arguments_are_rejected_clearly(tiny_llama_path):
         LLM(tiny_llama_path, max_num_seqs=0, num_gpu_blocks=8)
     with pytest.raises(ValueError, match="less than one KV block"):
         LLM(tiny_llama_path, kv_cache_memory=100)
+
+
+def test_progress_bar(llm, capsys):
+    assert len(llm.generate([PROMPT, PROMPT[:10]], GREEDY, use_tqdm=True)) == 2
+    assert "Processed prompts" in capsys.readouterr().err
