@@ -91,6 +91,26 @@ def test_stop_string(server: Server) -> None:
     assert r.choices[0].text == free[: free.index(stop)]  # OpenAI semantics: the stop string is not returned
 
 
+def test_logprobs(server: Server) -> None:
+    client = server.client()
+    r = client.chat.completions.create(model="default-model-v1", messages=[{"role": "user", "content": "lp"}],
+                                       max_tokens=5, temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for tok in content:
+        assert len(tok.top_logprobs) == 3 and tok.logprob <= 0
+        assert tok.top_logprobs[0].logprob == pytest.approx(tok.logprob)  # greedy: the sampled token ranks first
+    chunks = list(client.chat.completions.create(
+        model="default-model-v1", messages=[{"role": "user", "content": "lp"}], max_tokens=5, temperature=0,
+        logprobs=True, stream=True))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [t.token for t in streamed] == [t.token for t in content]
+    c = client.completions.create(model="default-model-v1", prompt="lp", max_tokens=4, temperature=0, logprobs=2)
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == c.usage.completion_tokens
+    assert lp.text_offset[0] == 0 and all(len(t) <= 2 for t in lp.top_logprobs)
+
+
 @pytest.mark.parametrize("chat", [False, True])
 def test_shared_prefix_hits_and_output_equals_caching_off(server: Server, server_nocache: Server, chat: bool) -> None:
     prompts = [LONG_PREFIX + f" Question {i}: what is {i} + {i}?" for i in range(3)]

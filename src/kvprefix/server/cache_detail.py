@@ -64,7 +64,7 @@ class CacheTracker:
         self._lock = threading.Lock()
         self._parent: dict[BlockHash, BlockHash | None] = {}
         self._tokens: dict[BlockHash, tuple[int, ...]] = {}
-        self._children: dict[BlockHash | None, set[BlockHash]] = {}
+        self._children: dict[BlockHash, set[BlockHash]] = {}  # parent (a salted root for first blocks) -> kids
         self._evicted: OrderedDict[BlockHash, None] = OrderedDict()
         self._hashers: OrderedDict[str | None, BlockHasher] = OrderedDict()
 

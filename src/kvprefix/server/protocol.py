@@ -52,7 +52,6 @@ class _SamplingFields(_Body):
     # kvprefix extension (docs/server.md): per-prompt cache diagnosis in usage.cache_detail.
     cache_detail: bool = False
     # Accepted so that clients sending OpenAI defaults work; a non-default value is refused in check_supported().
-    logprobs: Any = None
     logit_bias: dict[str, Any] | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -72,9 +71,13 @@ class CompletionRequest(_SamplingFields):
         | Annotated[list[TokenIds], Field(min_length=1)]
     )
     max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=5)  # top alternatives per token, as in OpenAI's legacy API
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     def prompts(self) -> list[str] | list[list[int]]:
         """The prompts as a batch: strings or token-id lists."""
@@ -108,13 +111,17 @@ class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    top_logprobs: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: dict[str, Any] | None = None
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -123,7 +130,6 @@ class ChatCompletionRequest(_SamplingFields):
 def check_supported(req: CompletionRequest | ChatCompletionRequest) -> None:
     """Refuses parameters that we parse but do not implement, instead of silently ignoring them."""
     unsupported: dict[str, bool] = {
-        "logprobs": req.logprobs not in (None, False, 0),
         "logit_bias": bool(req.logit_bias),
         "stream_options": req.stream_options is not None and not req.stream,
     }
@@ -134,8 +140,9 @@ def check_supported(req: CompletionRequest | ChatCompletionRequest) -> None:
             "best_of": req.best_of not in (None, req.n),
         }
     else:
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "'top_logprobs' requires 'logprobs': true", param="top_logprobs")
         unsupported |= {
-            "top_logprobs": req.top_logprobs is not None,
             "tools": bool(req.tools),
             "tool_choice": req.tool_choice not in (None, "none"),
             "functions": bool(req.functions),

@@ -16,10 +16,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
-from kvprefix.engine import EngineDeadError, RequestOutput, SamplingParams
+from kvprefix.engine import CompletionOutput, EngineDeadError, RequestOutput, SamplingParams
 from kvprefix.server.admission import Admission, Ticket
 from kvprefix.server.cache_detail import CacheDetail, CacheTracker
 from kvprefix.server.errors import APIError, bad_request
+from kvprefix.server.logprobs import chat_logprobs, completion_logprobs
 from kvprefix.server.metrics import FinishedSequence, ServerMetrics
 from kvprefix.server.protocol import ChatCompletionRequest, CompletionRequest, check_supported
 from kvprefix.server.request_log import RequestLog, RequestRecord
@@ -54,7 +55,8 @@ class _Job:
     finished: bool = False
     detail: CacheDetail | None = None
     block_hashes: list[bytes] | None = None  # salted, computed once at the first output
-    sent_text: list[int] = field(default_factory=list)  # streaming: characters already sent, per sample
+    sent_text: list[int] = field(default_factory=list)  # streaming, per sample: characters already sent
+    sent_tokens: list[int] = field(default_factory=list)  # streaming, per sample: tokens whose logprobs went out
 
 
 class Serving:
@@ -134,7 +136,8 @@ class Serving:
         }
         try:
             return SamplingParams(n=req.n, max_tokens=max_tokens, stop=req.stop_list() or None,
-                                  stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, **kwargs)
+                                  stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
+                                  logprobs=req.num_logprobs(), **kwargs)
         except ValueError as exc:  # the engine's own range checks, should ours ever be looser
             raise bad_request(str(exc)) from None
 
@@ -161,7 +164,7 @@ class Serving:
         params = self._sampling(req, max_tokens)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         now, wall = time.monotonic(), time.time()
-        jobs = [_Job(i, f"{rid}-{i}", ids, text, now, wall, req.n, sent_text=[0] * req.n)
+        jobs = [_Job(i, f"{rid}-{i}", ids, text, now, wall, req.n, sent_text=[0] * req.n, sent_tokens=[0] * req.n)
                 for i, (ids, text) in enumerate(prompts)]
         ctx = _Context(self, req, caller, rid, jobs, params, chat)
         # Admission happens before the response starts, so overload is a plain 503 even for streams.
@@ -193,6 +196,7 @@ class _Context:
         self.params = params
         self.chat = chat
         self.created = int(time.time())
+        self.num_logprobs = req.num_logprobs()
 
     # -- driving the engine ------------------------------------------------------------------------------
 
@@ -304,6 +308,20 @@ class _Context:
             usage["cache_detail"] = [j.detail.to_dict() for j in self.jobs if j.detail is not None]
         return usage
 
+    def _logprobs(self, o: CompletionOutput, start: int, text_start: int) -> dict | None:
+        """OpenAI logprobs of the sample's tokens from ``start`` on, whose text begins at character ``text_start``
+        (None unless the request asked for logprobs)."""
+        if self.num_logprobs is None or o.logprobs is None:
+            return None
+        decode = self._decode_one
+        ids, entries = o.token_ids[start:], o.logprobs[start:]
+        if self.chat:
+            return chat_logprobs(decode, ids, entries, self.num_logprobs)
+        return completion_logprobs(decode, ids, entries, self.num_logprobs, text_start)
+
+    def _decode_one(self, token_id: int) -> str:
+        return self.serving.engine.tokenizer.decode([token_id])
+
     def _choice_index(self, job: _Job, sample: int) -> int:
         return job.index * self.req.n + sample
 
@@ -311,7 +329,8 @@ class _Context:
         choices = []
         for job in self.jobs:
             for o in job.last.outputs:
-                c = {"index": self._choice_index(job, o.index), "logprobs": None, "finish_reason": o.finish_reason}
+                c = {"index": self._choice_index(job, o.index), "logprobs": self._logprobs(o, 0, 0),
+                     "finish_reason": o.finish_reason}
                 if self.chat:
                     c["message"] = {"role": "assistant", "content": o.text}
                 else:
@@ -377,13 +396,15 @@ class _Context:
         finally:
             ticket.release()
 
-    def _delta(self, job: _Job, o) -> dict | None:
-        sent = job.sent_text[o.index]
+    def _delta(self, job: _Job, o: CompletionOutput) -> dict | None:
+        sent, sent_tokens = job.sent_text[o.index], job.sent_tokens[o.index]
         delta = o.text[sent:]
-        job.sent_text[o.index] = len(o.text)
-        if not delta and o.finish_reason is None:
+        new_tokens = len(o.token_ids) > sent_tokens
+        job.sent_text[o.index], job.sent_tokens[o.index] = len(o.text), len(o.token_ids)
+        if not delta and o.finish_reason is None and not (new_tokens and self.num_logprobs is not None):
             return None
-        c = {"index": self._choice_index(job, o.index), "logprobs": None, "finish_reason": o.finish_reason}
+        logprobs = self._logprobs(o, sent_tokens, sent) if new_tokens else None
+        c = {"index": self._choice_index(job, o.index), "logprobs": logprobs, "finish_reason": o.finish_reason}
         if self.chat:
             c["delta"] = {"content": delta} if delta else {}
         else:
