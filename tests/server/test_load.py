@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import random
 
+import httpx
+import pytest
 from server_helpers import Server
 
 CLIENTS = 64
@@ -64,3 +66,13 @@ def test_64_streaming_clients_some_disconnecting(server: Server) -> None:
                                                             for r in done)
     assert delta("kvprefix:e2e_request_latency_seconds_count") == CLIENTS
     assert delta("kvprefix:server_rejected_requests_total{overloaded}") == 0
+
+
+def test_non_streaming_client_that_gives_up_is_aborted(server: Server) -> None:
+    """4,000 tokens would take many seconds; the client leaves after 0.5 s and the server must notice."""
+    before = server.wait_idle()
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/completions", timeout=0.5,
+                   json={"prompt": "never read", "max_tokens": 4000, "ignore_eos": True})
+    after = server.wait_idle(timeout=5)
+    assert after["kvprefix:request_success_total{abort}"] == before["kvprefix:request_success_total{abort}"] + 1
