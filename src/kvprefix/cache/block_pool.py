@@ -85,7 +85,6 @@ class BlockPool:
         self,
         num_blocks: int,
         block_size: int,
-        enable_caching: bool = True,
         free_queue_cls: type[FreeBlockQueue] = FreeBlockQueue,
     ):
         """``free_queue_cls`` is the eviction policy: its ``popleft`` picks the victim (default LRU)."""
@@ -93,7 +92,6 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = free_queue_cls(self.blocks)
         self.cached_blocks: dict[Hashable, KVCacheBlock] = {}

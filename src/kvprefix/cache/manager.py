@@ -32,7 +32,7 @@ class KVCacheManager:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching, free_queue_cls)
+        self.pool = BlockPool(num_blocks, block_size, free_queue_cls)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are registered (or were found cached).
         self._num_cached_blocks: dict[str, int] = {}
