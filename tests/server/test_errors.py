@@ -86,6 +86,19 @@ def test_not_found_and_method(server: Server) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "timeout"
 
 
+def test_oversized_body(server: Server) -> None:
+    big = b'{"prompt": "' + b"a" * (17 * 2**20) + b'"}'
+    r = server.post(C, big)
+    assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+
+    def chunked():  # no Content-Length: the limit must hold while streaming the body in
+        for _ in range(17):
+            yield b"a" * 2**20
+
+    r = httpx.post(server.url + C, content=chunked(), headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 413
+
+
 def test_still_serves_and_no_leak_after_bad_inputs(server: Server) -> None:
     for _, path, body, *_ in CASES:
         server.post(path, body if isinstance(body, bytes) else {**(OK_C if path == C else OK_CHAT), **body})

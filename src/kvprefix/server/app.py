@@ -43,9 +43,18 @@ class ServerConfig:
 
 async def _parse(raw: Request, model: type[BaseModel]) -> Any:
     """Reads and validates a JSON body, turning every way it can be wrong into a 400 that says what is wrong."""
-    body = await raw.body()
-    if len(body) > MAX_BODY_BYTES:
-        raise APIError(413, f"request body is {len(body)} bytes; the limit is {MAX_BODY_BYTES}")
+    too_big = APIError(413, f"request body is over the limit of {MAX_BODY_BYTES} bytes")
+    declared = raw.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_big
+    # Read in chunks and stop at the limit: never hold an oversized (or unannounced chunked) body in memory.
+    chunks, size = [], 0
+    async for chunk in raw.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise too_big
+        chunks.append(chunk)
+    body = b"".join(chunks)
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
