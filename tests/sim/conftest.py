@@ -1,5 +1,6 @@
 """Fixtures for the planner tests: the shared traces and a one-call replay."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -9,13 +10,15 @@ from kvprefix.sim.metrics import ReplaySummary, summarize
 from kvprefix.sim.replay import ReplayConfig, replay
 from kvprefix.sim.trace import Trace
 
-TRACES = Path(__file__).parents[3] / "shared" / "traces"
+# The traces live beside the project (../shared/traces), never inside it; KVPREFIX_TRACES_DIR overrides.
+TRACES = Path(os.environ.get("KVPREFIX_TRACES_DIR", Path(__file__).parents[3] / "shared" / "traces"))
 
 
 @pytest.fixture(scope="session")
 def traces_dir() -> Path:
+    # Fail, not skip: the published-number oracles are the point of these tests and must not vanish quietly.
     if not TRACES.is_dir():
-        pytest.skip(f"shared traces not found at {TRACES}")
+        pytest.fail(f"shared traces not found at {TRACES}; put ../shared beside the checkout or set KVPREFIX_TRACES_DIR")
     return TRACES
 
 
