@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from kvprefix.cache import KVCacheEvent
 from kvprefix.engine.args import EngineArgs
 from kvprefix.engine.llm_engine import LLMEngine, PromptType
 from kvprefix.engine.outputs import RequestOutput
@@ -48,6 +49,11 @@ class AsyncLLM:
         self.model_config = self.engine.model_config
         self.max_model_len = self.engine.max_model_len
         self.uses_default_model = self.engine.uses_default_model
+        # The cache as servers report and diagnose it; fixed for the engine's lifetime. ``hasher`` is unsalted
+        # (its block_size and algo are the cache's); a tenant's chain is ``hasher.with_salt(salt)``.
+        self.hasher = self.engine.hasher
+        self.num_kv_blocks = self.engine.manager.pool.num_blocks
+        self.enable_prefix_caching = self.engine.manager.enable_prefix_caching
         self._streams: dict[str, _Stream] = {}
         self._commands: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []
         self._wake = threading.Condition()
@@ -100,6 +106,11 @@ class AsyncLLM:
             self._streams.pop(request_id, None)
             if not finished:
                 self._submit(lambda: self.engine.abort_request(request_id))
+
+    def subscribe_kv_events(self, callback: Callable[[KVCacheEvent], None]) -> Callable[[], None]:
+        """Calls ``callback`` with every BlockStored / BlockRemoved / AllBlocksCleared event, on the engine thread
+        (so it must be thread-safe and quick). Returns a function that unsubscribes."""
+        return self.engine.manager.events.subscribe(callback)
 
     async def abort(self, request_id: str) -> None:
         """Stops the request and frees its blocks (done when this returns); its stream ends with finish_reason

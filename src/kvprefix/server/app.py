@@ -68,23 +68,19 @@ async def _parse(raw: Request, model: type[BaseModel]) -> Any:
 
 
 def _model_info(engine, name: str) -> ModelInfo:
-    # The block size, pool and hasher are not on AsyncLLM's API; its LLMEngine (``engine.engine``) holds them.
-    # Read once, here; the cache tracker also subscribes to the manager's events (see create_app).
-    inner = engine.engine
-    capacity = inner.manager.pool.num_blocks * inner.manager.block_size
+    block_size = engine.hasher.block_size
     return ModelInfo(
         name=name,
-        max_model_len=min(engine.max_model_len, capacity),
+        max_model_len=min(engine.max_model_len, engine.num_kv_blocks * block_size),
         vocab_size=engine.model_config.vocab_size,
-        block_size=inner.manager.block_size,
-        hash_algo=inner.hasher.algo,
-        enable_prefix_caching=inner.manager.enable_prefix_caching,
+        block_size=block_size,
+        hash_algo=engine.hasher.algo,
+        enable_prefix_caching=engine.enable_prefix_caching,
     )
 
 
 def _log_startup(engine, info: ModelInfo, config: ServerConfig) -> None:
-    inner = engine.engine
-    pool = inner.manager.pool
+    num_blocks = engine.num_kv_blocks
     log.info("serving model %s (max_model_len %d tokens)", info.name, info.max_model_len)
     if engine.uses_default_model:
         log.warning("the built-in default model has RANDOM weights: its text is meaningless; use --model for a real "
@@ -92,8 +88,8 @@ def _log_startup(engine, info: ModelInfo, config: ServerConfig) -> None:
     log.info(
         "prefix cache: %s, block size %d tokens (the minimum shareable prefix; only full blocks are cached), "
         "%d blocks = %d tokens of KV, hash %s",
-        "on" if info.enable_prefix_caching else "OFF", info.block_size, pool.num_blocks,
-        pool.num_blocks * info.block_size, info.hash_algo,
+        "on" if info.enable_prefix_caching else "OFF", info.block_size, num_blocks,
+        num_blocks * info.block_size, info.hash_algo,
     )
     auth = config.auth
     log.info("tenancy: %s; request log: %s; max pending requests %d (per tenant: %s)",
@@ -130,14 +126,14 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     admission = Admission(config.max_pending, config.max_pending_per_tenant,
                           on_reject=lambda reason: metrics.rejected.labels(name, reason).inc())
     metrics.in_flight.labels(name).set_function(lambda: admission.pending)
-    tracker = CacheTracker(engine.engine.hasher, enabled=info.enable_prefix_caching)
+    tracker = CacheTracker(engine.hasher, enabled=info.enable_prefix_caching)
     request_log = RequestLog(config.request_log, config.request_log_prompts) if config.request_log else None
     serving = Serving(engine, info, admission, metrics, tracker, request_log)
     created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
-        unsubscribe = engine.engine.manager.events.subscribe(tracker.on_event)
+        unsubscribe = engine.subscribe_kv_events(tracker.on_event)
         _log_startup(engine, info, config)
         try:
             yield
