@@ -1,0 +1,13 @@
+"""The cache core, the planner and the routing policies import no torch: routers and planning need no model."""
+
+import subprocess
+import sys
+
+
+def test_cache_sim_and_router_import_without_torch():
+    code = (
+        "import sys, kvprefix, kvprefix.cache, kvprefix.sim.replay, kvprefix.router.policies, kvprefix.cli; "
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
