@@ -67,6 +67,16 @@ def test_context_fields_cannot_be_shifted_into_each_other():
     assert a.root != b.root
 
 
+def test_salted_hashers_are_memoized_and_bounded():
+    hasher = BlockHasher(BS)
+    a = hasher.with_salt("a")
+    assert hasher.with_salt("a") is a and hasher.with_salt("") is hasher
+    for i in range(2000):  # client-chosen salts must not grow memory without bound
+        hasher.with_salt(f"s{i}")
+    again = hasher.with_salt("a")
+    assert again is not a and again.root == a.root
+
+
 def test_with_salt_changes_only_the_salt():
     ctx = ExecutionContext("m", "r", "t", "c", "bf16", "")
     hasher = BlockHasher(BS, context=ctx)

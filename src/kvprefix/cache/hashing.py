@@ -10,7 +10,9 @@ from __future__ import annotations
 import hashlib
 import struct
 import sys
+import threading
 from array import array
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -30,6 +32,7 @@ _LORA_TAG = b"L"
 _MM_TAG = b"M"
 _EMBEDS_TAG = b"E"
 _MAX_TOKEN_ID = 2**32 - 1
+_MAX_SALTED_HASHERS = 1024  # per base hasher, least recently used dropped first
 
 
 def _u32(n: int) -> bytes:
@@ -174,6 +177,8 @@ class BlockHasher:
         self._digest = _digest_fn(algo)
         self._token_header = _TOKEN_TAG + _u32(block_size)
         self.root = self._root_hash()
+        self._salted: OrderedDict[str, BlockHasher] = OrderedDict()
+        self._salted_lock = threading.Lock()
 
     def _root_hash(self) -> BlockHash:
         if self._cbor:
@@ -186,12 +191,26 @@ class BlockHasher:
         return self._digest(payload)
 
     def with_salt(self, salt: str) -> BlockHasher:
+        """The hasher for the same context under ``salt``. Memoized (bounded, thread-safe): salts come from
+        clients, and each new hasher hashes its root."""
+        if salt == self.context.salt:
+            return self
+        with self._salted_lock:
+            hasher = self._salted.get(salt)
+            if hasher is not None:
+                self._salted.move_to_end(salt)
+                return hasher
         ctx = self.context
-        return BlockHasher(
+        hasher = BlockHasher(
             self.block_size,
             self.algo,
             ExecutionContext(ctx.model, ctx.revision, ctx.tokenizer, ctx.chat_template, ctx.kv_dtype, salt),
         )
+        with self._salted_lock:
+            self._salted[salt] = hasher
+            if len(self._salted) > _MAX_SALTED_HASHERS:
+                self._salted.popitem(last=False)
+        return hasher
 
     def hash_blocks(
         self,

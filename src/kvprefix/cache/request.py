@@ -75,11 +75,6 @@ class CacheRequest:
         self._num_tokens = len(self.token_ids)
         self._update_block_hashes()
 
-    def block_token_ids(self, block_index: int, block_size: int) -> list[int] | None:
-        if self.token_ids is None:
-            return None
-        return self.token_ids[block_index * block_size : (block_index + 1) * block_size]
-
     def _update_block_hashes(self) -> None:
         if self.hasher is None:
             return

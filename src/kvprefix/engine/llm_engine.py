@@ -71,7 +71,6 @@ class LLMEngine:
             kv_dtype=str(dtype).removeprefix("torch."),
         )
         self.hasher = BlockHasher(args.block_size, args.prefix_caching_hash_algo, context)
-        self._hashers: dict[str, BlockHasher] = {"": self.hasher}
         model = load_model(path, dtype, device)  # first: on CUDA the KV budget is what the weights leave free
         num_blocks = num_kv_blocks(
             self.model_config,
@@ -169,11 +168,7 @@ class LLMEngine:
 
     def _hasher_for(self, cache_salt: str | None) -> BlockHasher:
         """Requests with a salt hash under their own root, so they only ever hit blocks of the same salt."""
-        salt = cache_salt or ""
-        hasher = self._hashers.get(salt)
-        if hasher is None:
-            hasher = self._hashers[salt] = self.hasher.with_salt(salt)
-        return hasher
+        return self.hasher.with_salt(cache_salt or "")
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stops a request and frees its blocks; returns its final output (finish_reason "abort"), or None if it

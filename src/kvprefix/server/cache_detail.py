@@ -66,7 +66,6 @@ class CacheTracker:
         self._tokens: dict[BlockHash, tuple[int, ...]] = {}
         self._children: dict[BlockHash, set[BlockHash]] = {}  # parent (a salted root for first blocks) -> kids
         self._evicted: OrderedDict[BlockHash, None] = OrderedDict()
-        self._hashers: OrderedDict[str | None, BlockHasher] = OrderedDict()
 
     # -- event side -------------------------------------------------------------------------------------
 
@@ -116,15 +115,8 @@ class CacheTracker:
     # -- request side -----------------------------------------------------------------------------------
 
     def hasher_for(self, salt: str | None) -> BlockHasher:
-        """The hasher the engine uses for this salt (cached: building one hashes the root)."""
-        with self._lock:
-            hasher = self._hashers.get(salt)
-            if hasher is None:
-                hasher = self.hasher if salt is None else self.hasher.with_salt(salt)
-                self._hashers[salt] = hasher
-                if len(self._hashers) > 1024:
-                    self._hashers.popitem(last=False)
-            return hasher
+        """The hasher the engine uses for this salt."""
+        return self.hasher.with_salt(salt or "")
 
     def note_first_block(self, salt: str | None, first_block: BlockHash) -> None:
         """Files a request's first block under its namespace's root, if it is cached (the request hit or stored

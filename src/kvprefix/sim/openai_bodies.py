@@ -50,7 +50,6 @@ def read_openai_bodies(
 ) -> Trace:
     tokenizer = load_tokenizer(tokenizer_path)
     base = BlockHasher(block_size, context=ExecutionContext(tokenizer=str(tokenizer_path)))
-    hashers: dict[str, BlockHasher] = {}
     check_time = TimestampCheck(path)
     requests = []
     for line, row in iter_rows(path):
@@ -64,7 +63,7 @@ def read_openai_bodies(
             if row.get(key) is not None:
                 out = require(row, key, path, line, minimum=1)
         salt = row.get("cache_salt") or ""
-        hasher = hashers.get(salt) or hashers.setdefault(salt, base.with_salt(salt))
+        hasher = base.with_salt(salt)
         requests.append(
             TraceRequest(
                 timestamp=ts / 1000.0,
