@@ -52,10 +52,11 @@ def test_different_salt_only_points_at_the_unsalted_namespace(server: Server) ->
     _detail(server, prompt)
     d = _detail(server, prompt, cache_salt="team-a")
     assert d["cached_tokens"] == 0 and d["reason"] == "different_salt"
-    # The other way round it stays silent: another cache_salt may be someone else's secret.
+    # Cached under another salt it stays silent: another cache_salt may be someone else's secret.
     other = _ids(11, 64)
     _detail(server, other, cache_salt="team-b")
-    assert _detail(server, other)["reason"] != "different_salt"
+    d = _detail(server, other, cache_salt="team-c")
+    assert d["cached_tokens"] == 0 and d["reason"] == "not_cached", d
 
 
 def test_evicted(tenant_server: Server) -> None:

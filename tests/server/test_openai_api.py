@@ -4,14 +4,37 @@ cached tokens that change nothing in the output."""
 from __future__ import annotations
 
 import httpx
+import openai
 import pytest
 from server_helpers import LONG_PREFIX, Server, start_server, stop_server
 
 
 def test_models_and_health(server: Server) -> None:
-    models = server.client().models.list()
+    client = server.client()
+    models = client.models.list()
     assert [m.id for m in models.data] == ["default-model-v1"]
+    assert client.models.retrieve("default-model-v1").id == "default-model-v1"
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("gpt-4o")
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_chat_history_from_model_dump(server: Server) -> None:
+    """The common multi-turn pattern: the previous reply goes back as ``message.model_dump()`` (with its null
+    refusal, tool_calls, audio, ... fields), and the second turn hits the first turn's blocks."""
+    client = server.client()
+    messages = [{"role": "system", "content": LONG_PREFIX}, {"role": "user", "content": "First question."}]
+    first = client.chat.completions.create(model="default-model-v1", messages=messages, max_tokens=4,
+                                           temperature=0)
+    messages += [first.choices[0].message.model_dump(), {"role": "user", "content": "And a second one."}]
+    second = client.chat.completions.create(model="default-model-v1", messages=messages, max_tokens=4,
+                                            temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens >= len(LONG_PREFIX) // 8
+    with pytest.raises(openai.BadRequestError, match="tool_calls"):
+        client.chat.completions.create(model="default-model-v1", max_tokens=4, messages=[
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function",
+                                                                   "function": {"name": "f", "arguments": "{}"}}]},
+            {"role": "user", "content": "hi"}])
 
 
 def test_completion(server: Server) -> None:

@@ -41,6 +41,9 @@ class ServerConfig:
     cache_detail: bool = True  # whether the opt-in per-request diagnosis may be asked for at all
 
 
+_PARSE_INLINE_BYTES = 256 * 1024
+
+
 async def _parse(raw: Request, model: type[BaseModel]) -> Any:
     """Reads and validates a JSON body, turning every way it can be wrong into a 400 that says what is wrong."""
     too_big = APIError(413, f"request body is over the limit of {MAX_BODY_BYTES} bytes")
@@ -62,7 +65,10 @@ async def _parse(raw: Request, model: type[BaseModel]) -> Any:
     if not text.strip():
         raise bad_request("request body is empty; send a JSON object")
     try:
-        return model.model_validate_json(text)
+        if len(body) < _PARSE_INLINE_BYTES:
+            return model.model_validate_json(text)
+        # A body of millions of token ids takes a second to validate: off the event loop, so streams keep flowing.
+        return await asyncio.to_thread(model.model_validate_json, text)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
 
@@ -162,11 +168,21 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
             return APIError(503, "the engine is not running", type="server_error").response()
         return Response(status_code=200)
 
+    model_card = {"id": name, "object": "model", "created": created, "owned_by": "kvprefix",
+                  "max_model_len": info.max_model_len}
+
     @app.get("/v1/models")
     async def models(raw: Request) -> dict:
         tenant(raw)
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "kvprefix",
-                                            "max_model_len": info.max_model_len}]}
+        return {"object": "list", "data": [model_card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, raw: Request) -> dict:
+        tenant(raw)
+        if model_id != name:
+            raise APIError(404, f"the model '{model_id}' does not exist; this server serves '{name}'",
+                           param="model", code="model_not_found")
+        return model_card
 
     @app.get("/metrics")
     async def metrics_endpoint(raw: Request) -> Response:

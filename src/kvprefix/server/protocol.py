@@ -98,6 +98,13 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | Annotated[list[TextPart], Field(min_length=1)] | None = None
     name: str | None = None
+    # What the openai client's message.model_dump() carries back into the next turn; tool calls and audio are
+    # refused in check_supported(), refusal and annotations are metadata with nothing to render.
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    tool_calls: list[Any] | None = None
+    function_call: Any = None
+    audio: Any = None
 
     def text(self) -> str:
         if self.content is None:
@@ -147,6 +154,9 @@ def check_supported(req: CompletionRequest | ChatCompletionRequest) -> None:
             "tool_choice": req.tool_choice not in (None, "none"),
             "functions": bool(req.functions),
             "function_call": req.function_call not in (None, "none"),
+            "messages[].tool_calls": any(m.tool_calls for m in req.messages),
+            "messages[].function_call": any(m.function_call is not None for m in req.messages),
+            "messages[].audio": any(m.audio is not None for m in req.messages),
             "response_format": req.response_format not in (None, {"type": "text"}),
         }
     for name, bad in unsupported.items():
