@@ -50,7 +50,7 @@ class ReplaySummary:
     mean_ttft_without_cache_s: float  # prefill time only, at prefill_tps; queueing not included
     mean_ttft_with_cache_s: float
     ttft_gain: float  # 1 - with / without
-    waited: int  # timed mode: requests that queued for blocks
+    waited: int  # timed mode: requests that queued, for blocks or behind another prefill on their replica
     mean_wait_s: float
     max_wait_s: float
     block_refs: int
