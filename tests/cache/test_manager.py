@@ -340,3 +340,19 @@ def test_double_free_is_an_error_not_a_negative_ref_count():
     with pytest.raises(RuntimeError, match="double free"):
         manager.pool.free(blocks[:1])
     assert all(b.ref_cnt == 0 for b in manager.pool.blocks)
+
+
+def test_unsubscribing_during_publish_skips_no_subscriber():
+    """Subscribers are copy-on-write: publish iterates the list it started with, so a callback (or another thread)
+    that unsubscribes does not make it skip the next subscriber."""
+    from kvprefix.cache import EventPublisher
+
+    publisher = EventPublisher()
+    seen = []
+    unsubscribe_first = publisher.subscribe(lambda e: (seen.append("first"), unsubscribe_first()))
+    publisher.subscribe(lambda e: seen.append("second"))
+    publisher.publish(AllBlocksCleared())
+    assert seen == ["first", "second"]
+    publisher.publish(AllBlocksCleared())
+    assert seen == ["first", "second", "second"]
+    assert publisher.active

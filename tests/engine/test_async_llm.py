@@ -26,7 +26,8 @@ async def wait_until_idle(engine: AsyncLLM, timeout: float = 5.0) -> dict:
     """The abort of a closed stream is queued; poll until the engine has applied it."""
     for _ in range(int(timeout / 0.01)):
         metrics = engine.get_metrics()
-        if metrics["num_free_blocks"] == metrics["num_blocks"] and not metrics["num_requests_running"]:
+        idle = not metrics["num_requests_running"] and not metrics["num_requests_waiting"]
+        if idle and metrics["num_free_blocks"] == metrics["num_blocks"]:
             return metrics
         await asyncio.sleep(0.01)
     raise AssertionError(f"blocks still in use: {engine.get_metrics()}")
@@ -151,3 +152,157 @@ def test_streamed_text_only_grows_even_with_stop_strings(tiny_llama_path):
     for earlier in stream:
         for c, f in zip(earlier.outputs, final.outputs, strict=True):
             assert f.text.startswith(c.text)  # never a character that a later stop string takes back
+
+
+# ---- regressions: cancellation, id reuse -----------------------------------------------------------------------
+
+
+async def wait_for_no_streams(engine: AsyncLLM, timeout: float = 5.0) -> None:
+    """A closed stream is unregistered on the engine thread; poll until it has been."""
+    for _ in range(int(timeout / 0.01)):
+        if not engine._streams:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"streams still registered: {list(engine._streams)}")
+
+
+def test_cancelling_generate_while_its_request_is_queued_keeps_the_engine_alive(tiny_llama_path):
+    """Regression: the engine thread ran the cancelled add_request, set_result raised InvalidStateError and the
+    thread died silently (errored False, other streams hung, blocks leaked)."""
+    import threading
+
+    async def main():
+        engine = AsyncLLM(engine_args(tiny_llama_path))
+        try:
+            gate = threading.Event()
+            engine._submit(gate.wait)  # holds the engine thread, so the next command stays queued
+            task = asyncio.create_task(collect(engine, PROMPTS[0], LONG, "cancelled"))
+            await asyncio.sleep(0.05)  # generate() has submitted its add_request
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            gate.set()
+            outputs = await asyncio.wait_for(collect(engine, PROMPTS[1], GREEDY, "after"), 10)
+            assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 12
+            assert engine._thread.is_alive() and not engine.errored
+            await wait_for_no_streams(engine)
+            return await wait_until_idle(engine)
+        finally:
+            await engine.shutdown()
+
+    metrics = asyncio.run(main())
+    assert metrics["requests_finished"] == 1 and metrics["requests_aborted"] == 0  # the cancelled one never ran
+
+
+def test_cancelling_generate_while_its_request_is_being_added_aborts_it(tiny_llama_path):
+    """Regression: a cancel that lands once add_request is running left the request orphaned (it ran to the end
+    with nobody listening)."""
+    import threading
+
+    async def main():
+        engine = AsyncLLM(engine_args(tiny_llama_path))
+        try:
+            started, gate = threading.Event(), threading.Event()
+            add_request = engine.engine.add_request
+
+            def slow_add_request(*args):
+                add_request(*args)
+                started.set()
+                gate.wait()
+
+            engine.engine.add_request = slow_add_request
+            task = asyncio.create_task(collect(engine, PROMPTS[0], LONG, "orphan"))
+            await asyncio.to_thread(started.wait, 5)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            gate.set()
+            metrics = await wait_until_idle(engine)
+            await wait_for_no_streams(engine)
+            assert not engine.errored
+            return metrics
+        finally:
+            await engine.shutdown()
+
+    metrics = asyncio.run(main())
+    assert metrics["requests_aborted"] == 1 and metrics["requests_finished"] == 0
+    assert metrics["generation_tokens"] < 400
+
+
+def test_a_reused_id_never_gets_the_previous_requests_outputs(tiny_llama_path):
+    """Regression: streams were registered on the loop thread while the closed stream's abort was still queued,
+    so the engine's next output of the old request went to the new stream."""
+    import queue
+    import threading
+
+    new_prompt = list(range(200, 230))
+
+    async def main():
+        engine = AsyncLLM(engine_args(tiny_llama_path))
+        try:
+            holds: queue.SimpleQueue[threading.Event] = queue.SimpleQueue()
+            paused = threading.Semaphore(0)
+            step = engine.engine.step
+
+            def held_step():  # a queued hold makes the next step wait until it is set
+                try:
+                    release = holds.get_nowait()
+                except queue.Empty:
+                    pass
+                else:
+                    paused.release()
+                    release.wait()
+                return step()
+
+            engine.engine.step = held_step
+            old = engine.generate(PROMPTS[0], LONG, "X")
+            async for out in old:
+                if len(out.outputs[0].token_ids) >= 3:
+                    break
+            first, second = threading.Event(), threading.Event()
+            holds.put(first)
+            await asyncio.to_thread(paused.acquire, timeout=5)  # the engine is about to step the old "X"
+            await old.aclose()  # queues the abort of the old "X"
+            new = asyncio.create_task(collect(engine, new_prompt, GREEDY, "X"))
+            await asyncio.sleep(0.05)  # the new generate() has submitted its add_request
+            holds.put(second)
+            first.set()  # the step yields an output of the old "X"; then the abort and the add run
+            await asyncio.to_thread(paused.acquire, timeout=5)  # ... and the next step waits
+            await asyncio.sleep(0.1)  # the new stream's consumer reads whatever reached it: only a stale output
+            second.set()
+            outputs = await asyncio.wait_for(new, 10)
+            await wait_for_no_streams(engine)
+            await wait_until_idle(engine)
+            return outputs
+        finally:
+            await engine.shutdown()
+
+    outputs = asyncio.run(main())
+    assert all(out.prompt_token_ids == new_prompt for out in outputs)
+    assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "length"
+
+
+def test_closing_a_stale_stream_does_not_abort_a_new_request_with_its_id(tiny_llama_path):
+    """Once a request finished, its id may be reused even before its stream is closed; closing the old stream
+    afterwards must not abort (or unregister) the new request."""
+
+    async def main():
+        engine = AsyncLLM(engine_args(tiny_llama_path))
+        try:
+            old = engine.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), "Y")
+            await old.__anext__()
+            while engine.get_metrics()["requests_finished"] < 1:  # finished in the engine, not yet read
+                await asyncio.sleep(0.01)
+            new = engine.generate(PROMPTS[1], GREEDY, "Y")
+            outputs = [await new.__anext__()]
+            await old.aclose()  # the old consumer walks away without having seen its final output
+            outputs += [out async for out in new]
+            await wait_for_no_streams(engine)
+            await wait_until_idle(engine)
+            return outputs
+        finally:
+            await engine.shutdown()
+
+    outputs = asyncio.run(main())
+    assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "length"
+    assert len(outputs[-1].outputs[0].token_ids) == 12

@@ -42,14 +42,19 @@ class EventPublisher:
         self._subscribers: list[EventCallback] = []
         self.active = False
 
+    # Copy-on-write: (un)subscribe may run on another thread (or in a callback) while publish iterates, so they
+    # assign a new list and publish iterates whichever list it read.
+
     def subscribe(self, callback: EventCallback) -> Callable[[], None]:
         """Adds a subscriber; returns a function that removes it."""
-        self._subscribers.append(callback)
+        self._subscribers = [*self._subscribers, callback]
         self.active = True
 
         def unsubscribe() -> None:
-            self._subscribers.remove(callback)
-            self.active = bool(self._subscribers)
+            subscribers = list(self._subscribers)
+            subscribers.remove(callback)
+            self._subscribers = subscribers
+            self.active = bool(subscribers)
 
         return unsubscribe
 

@@ -82,13 +82,19 @@ class AsyncLLM:
         """Streams the request's cumulative outputs until one has ``finished``. Raises ValueError for an invalid
         request, EngineDeadError if the engine stops. Closing the stream early aborts the request."""
         arrival = time.monotonic()
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        stream = self._streams[request_id] = _Stream(asyncio.get_running_loop())
+        stream = _Stream(asyncio.get_running_loop())
+
+        def add() -> None:
+            # Registered on the engine thread once the engine accepted the id: a previous request with this id has
+            # then left the engine (its queued abort ran first), so none of its outputs can reach this stream.
+            self.engine.add_request(request_id, prompt, sampling_params, cache_salt, arrival)
+            self._streams[request_id] = stream
+
         try:
-            await self._call(lambda: self.engine.add_request(request_id, prompt, sampling_params, cache_salt, arrival))
+            await self._call(add)
         except BaseException:
-            self._streams.pop(request_id, None)
+            # Cancelled after add() started: the request exists but nobody listens; release it like a closed stream.
+            self._release(request_id, stream)
             raise
         finished = False
         try:
@@ -103,9 +109,7 @@ class AsyncLLM:
                 finished = item.finished
                 yield item
         finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self._submit(lambda: self.engine.abort_request(request_id))
+            self._release(request_id, stream)
 
     def subscribe_kv_events(self, callback: Callable[[KVCacheEvent], None]) -> Callable[[], None]:
         """Calls ``callback`` with every BlockStored / BlockRemoved / AllBlocksCleared event, on the engine thread
@@ -151,6 +155,20 @@ class AsyncLLM:
     async def _call(self, fn: Callable[[], Any]) -> Any:
         return await asyncio.wrap_future(self._submit(fn))
 
+    def _release(self, request_id: str, stream: _Stream) -> None:
+        """Unregisters ``stream`` and aborts its request (a no-op once it finished), on the engine thread. Only if
+        the id is still this stream's: after it finished, a new request may reuse the id."""
+
+        def release() -> None:
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
+                self.engine.abort_request(request_id)
+
+        future = self._submit(release)
+        if future.done() and isinstance(future.exception(), EngineDeadError):  # refused: no engine thread to do it
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
+
     def _abort_and_deliver(self, request_id: str) -> None:
         out = self.engine.abort_request(request_id)
         stream = self._streams.get(request_id)
@@ -158,6 +176,12 @@ class AsyncLLM:
             stream.put(out)
 
     def _run_loop(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # never die silently: fail every stream and refuse new work
+            self._fail(e)
+
+    def _serve(self) -> None:
         engine = self.engine
         while True:
             with self._wake:
@@ -166,10 +190,16 @@ class AsyncLLM:
                 commands, self._commands = self._commands, []
                 stopping = self._stopping
             for fn, future in commands:
+                # The caller may have cancelled (wrap_future cancels the future): then skip the command, since
+                # setting a result on a cancelled future raises. Once running, it can no longer be cancelled.
+                if not future.set_running_or_notify_cancel():
+                    continue
                 try:
-                    future.set_result(fn())
+                    result = fn()
                 except BaseException as e:  # a bad request fails its caller, not the engine
                     future.set_exception(e)
+                else:
+                    future.set_result(result)
             if stopping:
                 for out in engine.abort_all():
                     if (stream := self._streams.get(out.request_id)) is not None:
@@ -177,11 +207,7 @@ class AsyncLLM:
                 return
             if not engine.has_unfinished_requests():
                 continue
-            try:
-                outputs = engine.step()
-            except BaseException as e:
-                self._fail(e)
-                return
+            outputs = engine.step()
             for out in outputs:
                 stream = self._streams.get(out.request_id)
                 if stream is not None:
@@ -195,6 +221,7 @@ class AsyncLLM:
         dead = EngineDeadError(f"the engine failed: {error!r}")
         dead.__cause__ = error
         for _, future in pending:
-            future.set_exception(dead)
+            if future.set_running_or_notify_cancel():  # a cancelled future takes no exception
+                future.set_exception(dead)
         for stream in list(self._streams.values()):
             stream.put(dead)

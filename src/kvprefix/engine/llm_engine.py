@@ -19,13 +19,11 @@ from kvprefix.engine.sampler import Sampler
 from kvprefix.engine.sampling_params import SamplingParams
 from kvprefix.engine.scheduler import Scheduler
 from kvprefix.model import ModelConfig, Tokenizer, default_model_path, load_model
-from kvprefix.model.default_model import DEFAULT_MODEL_NAME, NOTICE
+from kvprefix.model.default_model import DEFAULT_MODEL_NAME
 from kvprefix.model.loader import resolve_dtype, resolve_model_path
 
 # A prompt: text, token ids, or a dict with "prompt_token_ids" or "prompt" (vLLM's input forms).
 PromptType = str | list[int] | dict[str, Any]
-
-DEFAULT_MODEL_NOTICE = NOTICE
 
 
 @dataclasses.dataclass
@@ -118,6 +116,12 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
+        # Samples of n > 1 are named f"{i}_{request_id}", which can equal another request's (sample) id; the
+        # scheduler and cache key everything by sample id, so a clash would corrupt both.
+        sample_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
+        for sample_id in sample_ids:
+            if sample_id in self._user_request_of:
+                raise ValueError(f"request {request_id!r}: sample id {sample_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
         self._check_prompt(request_id, ids)
         capacity = self.manager.pool.num_blocks * self.manager.block_size
@@ -132,7 +136,7 @@ class LLMEngine:
                 sample_params = dataclasses.replace(params, n=1, seed=seed)
             samples.append(
                 Request(
-                    request_id if params.n == 1 else f"{i}_{request_id}",
+                    sample_ids[i],
                     ids,
                     sample_params,
                     hasher,
@@ -199,6 +203,11 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Runs one batch; returns the outputs of requests that produced a token or finished in it."""
+        if self._requests and not self.scheduler.has_unfinished():
+            # Unfinished requests that the scheduler lost can never progress: callers would loop forever.
+            raise RuntimeError(
+                f"engine state is inconsistent: requests {sorted(self._requests)} are unfinished but none is scheduled"
+            )
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
