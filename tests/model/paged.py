@@ -1,4 +1,5 @@
-"""A minimal driver for the model over the paged KV cache: what the engine's runner does, without a scheduler."""
+"""A minimal driver for the model over the paged KV cache: what the engine's runner does, without a scheduler
+(both build their metadata with ``AttentionMetadata.for_chunks``)."""
 
 from __future__ import annotations
 
@@ -21,23 +22,11 @@ class Chunk:
 
 def run_batch(model: CausalLM, kv_caches: KVCache, block_size: int, chunks: list[Chunk]) -> torch.Tensor:
     """One forward over the chunks flattened into a batch; float32 logits [len(chunks), vocab]."""
-    input_ids, positions, slots, starts, seq_lens = [], [], [], [0], []
-    for c in chunks:
-        span = range(c.num_computed, c.num_computed + c.num_new)
-        input_ids += [c.token_ids[p] for p in span]
-        positions += list(span)
-        slots += [c.block_ids[p // block_size] * block_size + p % block_size for p in span]
-        starts.append(starts[-1] + c.num_new)
-        seq_lens.append(c.num_computed + c.num_new)
-    width = max(len(c.block_ids) for c in chunks)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots),
-        query_start_loc=torch.tensor(starts),
-        seq_lens=seq_lens,
-        block_tables=torch.tensor([c.block_ids + [0] * (width - len(c.block_ids)) for c in chunks]),
-        logits_indices=torch.tensor(starts[1:]) - 1,
+    meta, positions = AttentionMetadata.for_chunks(
+        [(c.num_computed, c.num_new, c.block_ids) for c in chunks], block_size
     )
-    hidden = model(torch.tensor(input_ids), torch.tensor(positions), meta, kv_caches)
+    input_ids = [c.token_ids[p] for c in chunks for p in range(c.num_computed, c.num_computed + c.num_new)]
+    hidden = model(torch.tensor(input_ids), positions, meta, kv_caches)
     return model.compute_logits(hidden[meta.logits_indices])
 
 

@@ -3,7 +3,6 @@ returns the logits of the sequences whose last token was computed (those that sa
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from kvprefix.cache import KVCacheManager
@@ -58,35 +57,15 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, sample_rows: list[int]) -> torch.Tensor | None:
         """Computes every scheduled token; returns float32 logits [len(sample_rows), vocab] for those rows."""
-        bs = self.block_size
-        token_chunks, position_chunks, slot_chunks, tables, seq_lens = [], [], [], [], []
-        starts = [0]
+        chunks, token_ids = [], []
         for s in sched.scheduled:
             req = s.request
             start = req.num_computed_tokens
-            end = start + s.num_new_tokens
-            table = np.asarray(self.manager.get_block_ids(req.request_id), dtype=np.int64)
-            positions = np.arange(start, end, dtype=np.int64)
-            token_chunks.append(req.token_ids[start:end])
-            position_chunks.append(positions)
-            slot_chunks.append(table[positions // bs] * bs + positions % bs)
-            tables.append(table)
-            seq_lens.append(end)
-            starts.append(starts[-1] + s.num_new_tokens)
-        block_tables = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int64)
-        for i, t in enumerate(tables):
-            block_tables[i, : len(t)] = t
+            chunks.append((start, s.num_new_tokens, self.manager.get_block_ids(req.request_id)))
+            token_ids += req.token_ids[start : start + s.num_new_tokens]
         dev = self.device
-        query_start_loc = torch.tensor(starts, dtype=torch.long)
-        input_ids = torch.tensor([t for chunk in token_chunks for t in chunk], dtype=torch.long, device=dev)
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slot_chunks)).to(dev),
-            query_start_loc=query_start_loc.to(dev),
-            seq_lens=seq_lens,
-            block_tables=torch.from_numpy(block_tables).to(dev),
-            logits_indices=(query_start_loc[1:] - 1).to(dev),
-        )
-        positions = torch.from_numpy(np.concatenate(position_chunks)).to(dev)
+        meta, positions = AttentionMetadata.for_chunks(chunks, self.block_size, dev)
+        input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
         hidden = self.model(input_ids, positions, meta, self.kv_caches)
         if not sample_rows:
             return None

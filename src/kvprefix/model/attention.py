@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kvprefix.cache import cdiv
 from kvprefix.model.config import ModelConfig
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
@@ -32,6 +35,34 @@ class AttentionMetadata:
     logits_indices: torch.Tensor  # int64 [S]: each sequence's last new token
     # Derived once per forward and shared by all layers (built on first use).
     _plan: _BatchPlan | None = field(default=None, init=False, repr=False)
+
+    @classmethod
+    def for_chunks(
+        cls, chunks: Sequence[tuple[int, int, Sequence[int]]], block_size: int, device: torch.device | str = "cpu"
+    ) -> tuple[AttentionMetadata, torch.Tensor]:
+        """Metadata and token positions [T] for a batch of chunks, each (tokens already in the cache, new tokens,
+        the sequence's block ids)."""
+        position_chunks, slot_chunks, tables, seq_lens, starts = [], [], [], [], [0]
+        for num_computed, num_new, block_ids in chunks:
+            table = np.asarray(block_ids, dtype=np.int64)
+            positions = np.arange(num_computed, num_computed + num_new, dtype=np.int64)
+            position_chunks.append(positions)
+            slot_chunks.append(table[positions // block_size] * block_size + positions % block_size)
+            tables.append(table)
+            seq_lens.append(num_computed + num_new)
+            starts.append(starts[-1] + num_new)
+        block_tables = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int64)
+        for i, t in enumerate(tables):
+            block_tables[i, : len(t)] = t
+        query_start_loc = torch.tensor(starts, dtype=torch.long)
+        meta = cls(
+            slot_mapping=torch.from_numpy(np.concatenate(slot_chunks)).to(device),
+            query_start_loc=query_start_loc.to(device),
+            seq_lens=seq_lens,
+            block_tables=torch.from_numpy(block_tables).to(device),
+            logits_indices=(query_start_loc[1:] - 1).to(device),
+        )
+        return meta, torch.from_numpy(np.concatenate(position_chunks)).to(device)
 
     def plan(self, block_size: int) -> _BatchPlan:
         if self._plan is None:
@@ -80,13 +111,13 @@ class _BatchPlan:
             if end - start == 1:
                 decodes.append(i)
             else:
-                num_blocks = -(-seq_len // block_size)
+                num_blocks = cdiv(seq_len, block_size)
                 prefills.append(_Prefill(start, end, seq_len, meta.block_tables[i, :num_blocks]))
         if not decodes:
             return cls(prefills, None, None, None)
         device = meta.block_tables.device
         lens = [meta.seq_lens[i] for i in decodes]
-        num_blocks = -(-max(lens) // block_size)
+        num_blocks = cdiv(max(lens), block_size)
         rows = torch.tensor(decodes, device=device)
         return cls(
             prefills,
