@@ -48,6 +48,7 @@ class AsyncLLM:
         self.model_name = self.engine.model_name
         self.model_config = self.engine.model_config
         self.max_model_len = self.engine.max_model_len
+        self.max_sequence_tokens = self.engine.max_sequence_tokens
         self.uses_default_model = self.engine.uses_default_model
         # The cache as servers report and diagnose it; fixed for the engine's lifetime. ``hasher`` is unsalted
         # (its block_size and algo are the cache's); a tenant's chain is ``hasher.with_salt(salt)``.

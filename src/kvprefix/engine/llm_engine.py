@@ -80,6 +80,8 @@ class LLMEngine:
             args.gpu_memory_utilization,
         )
         self.manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        # The longest a request (prompt + output) may grow: the model's limit, or the whole KV cache if smaller.
+        self.max_sequence_tokens = min(self.max_model_len, num_blocks * args.block_size)
         self.scheduler = Scheduler(self.manager, args.max_num_seqs, args.max_num_batched_tokens)
         self.runner = ModelRunner.create(model, num_blocks, self.manager, dtype, device)
         self.sampler = Sampler(args.seed, device, self.tokenizer.decode)
@@ -124,8 +126,7 @@ class LLMEngine:
                 raise ValueError(f"request {request_id!r}: sample id {sample_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
         self._check_prompt(request_id, ids)
-        capacity = self.manager.pool.num_blocks * self.manager.block_size
-        room = min(self.max_model_len, capacity) - len(ids)
+        room = self.max_sequence_tokens - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         hasher = self._hasher_for(cache_salt)
         samples: list[Request] = []
@@ -162,8 +163,7 @@ class LLMEngine:
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"request {request_id!r}: token id {bad} is outside the vocabulary [0, {vocab})")
-        capacity = self.manager.pool.num_blocks * self.manager.block_size
-        limit = min(self.max_model_len, capacity)
+        limit = self.max_sequence_tokens
         if len(ids) >= limit:
             what = "max_model_len" if limit == self.max_model_len else "the KV cache capacity in tokens"
             raise ValueError(

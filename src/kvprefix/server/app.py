@@ -77,7 +77,7 @@ def _model_info(engine, name: str) -> ModelInfo:
     block_size = engine.hasher.block_size
     return ModelInfo(
         name=name,
-        max_model_len=min(engine.max_model_len, engine.num_kv_blocks * block_size),
+        max_model_len=engine.max_sequence_tokens,
         vocab_size=engine.model_config.vocab_size,
         block_size=block_size,
         hash_algo=engine.hasher.algo,
