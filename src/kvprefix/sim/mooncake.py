@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from kvprefix.cache import cdiv
 from kvprefix.sim.trace import (
     TimestampCheck,
     Trace,
@@ -41,7 +42,7 @@ def read_mooncake(path: str | Path, source_block_size: int | None = None, block_
         n = require(row, "input_length", path, line, minimum=1)
         out = require(row, "output_length", path, line)
         ids = require(row, "hash_ids", path, line, list, minimum=None)
-        expected = -(-n // src)
+        expected = cdiv(n, src)
         if len(ids) != expected:
             raise TraceError(
                 path,
@@ -58,7 +59,7 @@ def read_mooncake(path: str | Path, source_block_size: int | None = None, block_
                 input_length=n,
                 output_length=out,
                 block_hashes=coarsen(ids, factor, n // bs),
-                num_blocks=-(-n // bs),
+                num_blocks=cdiv(n, bs),
                 session=row.get("session_id"),
                 extra=extra,
             )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvprefix.cache import BlockHasher, ExecutionContext
+from kvprefix.cache import BlockHasher, ExecutionContext, cdiv
 from kvprefix.sim.trace import TimestampCheck, Trace, TraceError, TraceRequest, iter_rows, require
 
 
@@ -70,7 +70,7 @@ def read_openai_bodies(
                 input_length=len(token_ids),
                 output_length=out,
                 block_hashes=hasher.hash_blocks(token_ids),
-                num_blocks=-(-len(token_ids) // block_size),
+                num_blocks=cdiv(len(token_ids), block_size),
                 session=row.get("user"),
                 extra={k: row[k] for k in ("model", "user") if k in row},
             )

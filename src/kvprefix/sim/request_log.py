@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvprefix.cache import cdiv
 from kvprefix.sim.trace import Trace, TraceError, TraceRequest, coarsen, coarsening_factor, iter_rows, require
 
 KEPT_FIELDS = ("tenant", "cached_tokens", "timings", "status")
@@ -50,7 +51,7 @@ def read_request_log(path: str | Path, source_block_size: int | None = None, blo
                 input_length=n,
                 output_length=out,
                 block_hashes=coarsen(hashes, coarsening_factor(path, src, block_size, line), n // block_size),
-                num_blocks=-(-n // block_size),
+                num_blocks=cdiv(n, block_size),
                 session=session,
                 extra={k: row[k] for k in KEPT_FIELDS if k in row},
             )
