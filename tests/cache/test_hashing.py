@@ -231,3 +231,18 @@ def test_hashes_are_the_same_in_a_fresh_process_with_another_hash_seed():
         env = {**os.environ, "PYTHONHASHSEED": seed}
         out = subprocess.run([sys.executable, "-c", code, here], env=env, capture_output=True, text=True, check=True)
         assert json.loads(out.stdout) == golden_hashes()
+
+
+@pytest.mark.parametrize("algo", HASH_ALGOS)
+@pytest.mark.parametrize("bad", [-1, 2**32, 1.5, "7", None])
+def test_every_algorithm_refuses_the_same_token_ids(algo, bad):
+    with pytest.raises(ValueError, match="not an integer in"):
+        BlockHasher(BS, algo).hash_blocks([bad, 1, 2, 3])
+
+
+@pytest.mark.parametrize("algo", HASH_ALGOS)
+def test_numpy_token_ids_hash_like_python_ints(algo):
+    hasher = BlockHasher(BS, algo)
+    assert hasher.hash_blocks(np.array(TOKENS, dtype=np.int64)) == hasher.hash_blocks(TOKENS)
+    assert hasher.hash_blocks(list(np.array(TOKENS, dtype=np.uint32))) == hasher.hash_blocks(TOKENS)
+    assert hasher.hash_blocks([0, 2**32 - 1, 0, 1]) != []

@@ -209,12 +209,15 @@ def test_evicted_and_reused_block_carries_no_stale_hash():
     assert [blk.block_hash for blk in manager.req_to_blocks["b"]] == b.block_hashes
 
 
-def test_same_content_computed_twice_keeps_one_cached_copy():
-    manager, hasher = make(manager_blocks=8)
+def test_same_content_computed_twice_stays_cached_while_any_copy_lives():
+    """Two requests admitted in one step compute the same blocks: evicting one copy must not drop the hash while
+    the other copy is live, and the blocks the second copy computes afterwards must be reachable."""
+    manager, hasher = make(manager_blocks=6)
+    events = []
+    manager.events.subscribe(events.append)
     tokens = [4] * 9
     a, b = CacheRequest("a", tokens, hasher), CacheRequest("b", tokens, hasher)
-    # Both admitted before either registered (same scheduler step): both compute the same blocks.
-    for r in (a, b):
+    for r in (a, b):  # both admitted before either registered (same scheduler step)
         hits, n = manager.get_computed_blocks(r)
         assert n == 0
         manager.allocate_slots(r, r.num_tokens, hits)
@@ -222,16 +225,42 @@ def test_same_content_computed_twice_keeps_one_cached_copy():
         r.num_computed_tokens = r.num_tokens
         manager.cache_blocks(r, r.num_tokens)
     h = a.block_hashes
-    assert manager.pool.get_cached_block(h[0]) in manager.req_to_blocks["a"]
-    dup_blocks = manager.req_to_blocks["b"][:2]
-    assert all(blk.block_hash is None for blk in dup_blocks)
+    assert [e.block_hashes for e in events if isinstance(e, BlockStored)] == [h[:2]]  # the hash appeared once
     manager.free(a)
+    # Evict a's copies: the filler takes every free block (a's three, then the unused ones).
+    filler = CacheRequest("f", [9] * 12, hasher)
+    assert manager.allocate_slots(filler, 12) is not None
+    assert not any(isinstance(e, BlockRemoved) for e in events)  # b's copies still serve both hashes
+    c = CacheRequest("c", tokens, hasher)
+    hits, n = manager.get_computed_blocks(c)
+    assert n == 8 and hits == manager.req_to_blocks["b"][:2]
+    # b goes on to fill its third block: it chains on b's copies and is reachable.
+    b.append_token_ids([5, 6, 7])
+    manager.allocate_slots(b, 3)
+    b.num_computed_tokens = b.num_tokens
+    manager.cache_blocks(b, b.num_tokens)
+    d = CacheRequest("d", [*tokens, 5, 6, 7, 8], hasher)
+    assert manager.get_computed_blocks(d)[1] == 12
+    manager.free(filler)
     manager.free(b)
-    # Reusing the duplicate blocks must not drop the cached original.
-    filler = CacheRequest("f", [9] * 4, hasher)
-    manager.allocate_slots(filler, 4)
-    assert manager.pool.get_cached_block(h[0]) is not None
-    assert manager.pool.num_free_blocks == 7
+    assert manager.pool.num_free_blocks == 6
+
+
+def test_evicting_every_copy_removes_the_hash_once():
+    manager, hasher = make(manager_blocks=4)
+    events = []
+    manager.events.subscribe(events.append)
+    a, b = CacheRequest("a", [4] * 5, hasher), CacheRequest("b", [4] * 5, hasher)
+    for r in (a, b):
+        manager.allocate_slots(r, 5)
+    for r in (a, b):
+        r.num_computed_tokens = 5
+        manager.cache_blocks(r, 5)
+        manager.free(r)
+    manager.allocate_slots(CacheRequest("f", [9] * 16, hasher), 16)
+    assert [e for e in events if isinstance(e, BlockRemoved)] == [BlockRemoved([a.block_hashes[0]])]
+    assert manager.pool.get_cached_block(a.block_hashes[0]) is None
+    assert manager.stats.evictions == 2  # blocks whose hash was dropped
 
 
 def test_reset_refuses_while_blocks_are_held_and_emits_clear_after():
@@ -259,10 +288,11 @@ def test_events_match_what_happened():
     assert events == [
         BlockStored(
             block_hashes=a.block_hashes[:2],
-            parent_block_hash=None,
+            parent_block_hash=hasher.root,  # the first block's parent is its namespace's root
             token_ids=list(range(8)),
             block_size=BS,
             extra_keys=None,
+            namespace=hasher.namespace_id,
         )
     ]
     # Generated tokens that complete the third block are registered too, with the second block as parent.
@@ -270,7 +300,9 @@ def test_events_match_what_happened():
     manager.allocate_slots(a, 3)
     a.num_computed_tokens = a.num_tokens
     manager.cache_blocks(a, a.num_computed_tokens)
-    assert events[1] == BlockStored([a.block_hashes[2]], a.block_hashes[1], [8, 100, 101, 102], BS, None)
+    assert events[1] == BlockStored(
+        [a.block_hashes[2]], a.block_hashes[1], [8, 100, 101, 102], BS, None, hasher.namespace_id
+    )
     manager.free(a)
     b = CacheRequest("b", [50] * 4, hasher)
     manager.allocate_slots(b, 4)
@@ -352,7 +384,66 @@ def test_unsubscribing_during_publish_skips_no_subscriber():
     unsubscribe_first = publisher.subscribe(lambda e: (seen.append("first"), unsubscribe_first()))
     publisher.subscribe(lambda e: seen.append("second"))
     publisher.publish(AllBlocksCleared())
+    publisher.flush()
     assert seen == ["first", "second"]
     publisher.publish(AllBlocksCleared())
+    publisher.flush()
     assert seen == ["first", "second", "second"]
     assert publisher.active
+
+
+def test_salted_stored_events_name_the_namespace_not_the_salt():
+    manager, hasher = make()
+    events = []
+    manager.events.subscribe(events.append)
+    salted = hasher.with_salt("secret-salt")
+    admit_and_run(manager, CacheRequest("a", list(range(9)), salted))
+    (event,) = events
+    assert event.namespace == salted.namespace_id != hasher.namespace_id
+    assert event.parent_block_hash == salted.root
+    assert "secret-salt" not in repr(event)
+
+
+def test_a_subscriber_that_raises_leaks_no_blocks():
+    """Events reach subscribers only after the manager recorded the blocks, so freeing the request frees them."""
+    manager, hasher = make(manager_blocks=3)
+
+    def failing(event):
+        raise RuntimeError("subscriber bug")
+
+    manager.events.subscribe(failing)
+    a = CacheRequest("a", list(range(9)), hasher)
+    with pytest.raises(RuntimeError, match="subscriber bug"):
+        admit_and_run(manager, a)  # BlockStored raises in cache_blocks
+    manager.free(a)
+    b = CacheRequest("b", [50] * 12, hasher)
+    with pytest.raises(RuntimeError, match="subscriber bug"):
+        manager.allocate_slots(b, 12)  # evicting a's blocks: BlockRemoved raises
+    assert manager.get_block_ids("b") != []
+    manager.free(b)
+    assert manager.pool.num_free_blocks == 3
+    assert all(blk.ref_cnt == 0 for blk in manager.pool.blocks)
+
+
+def test_a_request_hashed_in_another_block_size_is_refused():
+    manager = KVCacheManager(16, 16)
+    request = CacheRequest("a", list(range(40)), BlockHasher(4))
+    with pytest.raises(ValueError, match="4-token blocks, but this cache's blocks hold 16"):
+        manager.get_computed_blocks(request)
+    trace_request = CacheRequest.from_block_hashes("t", [1, 2], num_tokens=8, block_size=4)
+    with pytest.raises(ValueError, match="4-token blocks"):
+        manager.get_computed_blocks(trace_request)
+
+
+def test_a_preempted_request_is_counted_once():
+    """Re-admission after preemption is no prefix sharing: it goes to the preempted counters."""
+    manager, hasher = make()
+    a = CacheRequest("a", list(range(10)), hasher)
+    admit_and_run(manager, a)
+    manager.free(a)  # preempted: its blocks stay cached
+    a.num_computed_tokens = 0
+    admit_and_run(manager, a)
+    s = manager.stats
+    assert (s.requests, s.queries, s.hits) == (1, 10, 0)
+    assert (s.preempted_requests, s.preempted_queries, s.preempted_hits) == (1, 10, 8)
+    assert a.num_cached_tokens == 0

@@ -11,10 +11,15 @@ from kvprefix.cache.hashing import (
     BlockExtras,
     BlockHash,
     BlockHasher,
-    ExecutionContext,
     LoraKey,
     MultiModalItem,
     prompt_embeds_block_digests,
+)
+from kvprefix.cache.identity import (
+    ExecutionContext,
+    context_for_checkpoint,
+    namespace_id,
+    namespace_salt,
 )
 from kvprefix.cache.manager import KVCacheManager, cdiv
 from kvprefix.cache.request import CacheRequest
@@ -41,5 +46,8 @@ __all__ = [
     "MultiModalItem",
     "PrefixCacheStats",
     "cdiv",
+    "context_for_checkpoint",
+    "namespace_id",
+    "namespace_salt",
     "prompt_embeds_block_digests",
 ]

@@ -94,7 +94,11 @@ class BlockPool:
         self.block_size = block_size
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = free_queue_cls(self.blocks)
+        # hash -> the block hits are served from. Two requests that compute the same content in one step make two
+        # blocks of one hash: the later ones wait in _duplicates and take over when the served one is evicted,
+        # so the hash stays cached while any copy lives.
         self.cached_blocks: dict[Hashable, KVCacheBlock] = {}
+        self._duplicates: dict[Hashable, list[KVCacheBlock]] = {}
         self.events = EventPublisher()
         self.stats = PrefixCacheStats()
 
@@ -129,24 +133,36 @@ class BlockPool:
         popleft = self.free_queue.popleft
         out = []
         evicted = []
+        num_evicted = 0
         for _ in range(num_blocks):
             block = popleft()
             if block.block_hash is not None:
-                evicted.append(self._evict(block))
+                num_evicted += 1
+                gone = self._evict(block)
+                if gone is not None:
+                    evicted.append(gone)
             block.ref_cnt = 1
             out.append(block)
-        if evicted:
-            self.stats.evictions += len(evicted)
-            if self.events.active:
-                self.events.publish(BlockRemoved(evicted))
+        self.stats.evictions += num_evicted
+        if evicted and self.events.active:
+            self.events.publish(BlockRemoved(evicted))
         return out
 
-    def _evict(self, block: KVCacheBlock) -> Hashable:
+    def _evict(self, block: KVCacheBlock) -> Hashable | None:
+        """Drops the block's hash; returns the hash if no other copy serves it any more."""
         block_hash = block.block_hash
         block.block_hash = None
-        # cache_full_blocks() gives a block a hash only while the map points at it (duplicates hold none).
-        del self.cached_blocks[block_hash]
-        return block_hash
+        copies = self._duplicates.get(block_hash)
+        if copies is None:
+            del self.cached_blocks[block_hash]
+            return block_hash
+        if self.cached_blocks[block_hash] is block:
+            self.cached_blocks[block_hash] = copies.pop()
+        else:
+            copies.remove(block)
+        if not copies:
+            del self._duplicates[block_hash]
+        return None
 
     def cache_full_blocks(
         self, request: CacheRequest, blocks: Sequence[KVCacheBlock], num_cached_blocks: int, num_full_blocks: int
@@ -154,15 +170,19 @@ class BlockPool:
         """Registers ``blocks[num_cached_blocks:num_full_blocks]`` under the request's block hashes.
 
         A block whose hash another block already serves (two requests computed the same content in one step) is
-        left unregistered: it is freed as a plain block, and the hash keeps pointing at the first copy.
+        kept as a copy: hits go to the first, and the hash stays cached until the last copy is evicted.
         """
         cached = self.cached_blocks
         stored: list[int] = []
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
+            if block.block_hash is not None:  # a hit block, registered already
+                continue
             block_hash = request.block_hashes[i]
-            if block.block_hash is None and block_hash not in cached:
-                block.block_hash = block_hash
+            block.block_hash = block_hash
+            if block_hash in cached:
+                self._duplicates.setdefault(block_hash, []).append(block)
+            else:
                 cached[block_hash] = block
                 stored.append(i)
         if stored and self.events.active:
@@ -172,6 +192,8 @@ class BlockPool:
         """One BlockStored per run of consecutive block indices, so each event has a single parent."""
         bs = self.block_size
         extras = request.extras if request.extras is not None and not request.extras.is_empty() else None
+        hasher = request.hasher
+        root, namespace = (hasher.root, hasher.namespace_id) if hasher is not None else (None, "")
         run_start = 0
         for k in range(1, len(indices) + 1):
             if k < len(indices) and indices[k] == indices[k - 1] + 1:
@@ -180,10 +202,11 @@ class BlockPool:
             self.events.publish(
                 BlockStored(
                     block_hashes=request.block_hashes[first : last + 1],
-                    parent_block_hash=request.block_hashes[first - 1] if first else None,
+                    parent_block_hash=request.block_hashes[first - 1] if first else root,
                     token_ids=request.token_ids[first * bs : (last + 1) * bs] if request.token_ids else None,
                     block_size=bs,
                     extra_keys=[extras.keys_for_block(i, bs) for i in range(first, last + 1)] if extras else None,
+                    namespace=namespace,
                 )
             )
             run_start = k
@@ -211,7 +234,11 @@ class BlockPool:
             return False
         for block in self.cached_blocks.values():
             block.block_hash = None
+        for copies in self._duplicates.values():
+            for block in copies:
+                block.block_hash = None
         self.cached_blocks.clear()
+        self._duplicates.clear()
         self.stats.resets += 1
         if self.events.active:
             self.events.publish(AllBlocksCleared())

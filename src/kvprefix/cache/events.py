@@ -1,4 +1,8 @@
-"""KV cache events, for routers and other subscribers that mirror which blocks an engine holds."""
+"""KV cache events, for routers and other subscribers that mirror which blocks an engine holds.
+
+The pool queues events while it changes state and the manager delivers them (``EventPublisher.flush``) only once
+its own bookkeeping is complete, so a subscriber that fails can never leave blocks unaccounted for.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +14,18 @@ from kvprefix.cache.hashing import BlockHash
 
 @dataclass(frozen=True)
 class BlockStored:
-    """Consecutive blocks of one request became cached; ``parent_block_hash`` precedes the first of them."""
+    """Consecutive blocks of one request became cached; ``parent_block_hash`` precedes the first of them (the
+    namespace's root for a request's first block; None only for trace replays, which have no root).
+
+    ``namespace`` is the public namespace id (``identity.namespace_id``), never the salt itself.
+    """
 
     block_hashes: list[BlockHash]
     parent_block_hash: BlockHash | None
     token_ids: list[int] | None
     block_size: int
     extra_keys: list[list[tuple]] | None
+    namespace: str = ""
 
 
 @dataclass(frozen=True)
@@ -36,14 +45,16 @@ EventCallback = Callable[[KVCacheEvent], None]
 
 
 class EventPublisher:
-    """Calls subscribers synchronously. Emitters test ``active`` first, so an unwatched pool builds no events."""
+    """Queues events while anyone subscribes and delivers them, in order, on ``flush``. Emitters test ``active``
+    first, so an unwatched pool builds no events."""
 
     def __init__(self) -> None:
         self._subscribers: list[EventCallback] = []
+        self._pending: list[KVCacheEvent] = []
         self.active = False
 
-    # Copy-on-write: (un)subscribe may run on another thread (or in a callback) while publish iterates, so they
-    # assign a new list and publish iterates whichever list it read.
+    # Copy-on-write: (un)subscribe may run on another thread (or in a callback) while flush iterates, so they
+    # assign a new list and flush iterates whichever list it read.
 
     def subscribe(self, callback: EventCallback) -> Callable[[], None]:
         """Adds a subscriber; returns a function that removes it."""
@@ -59,5 +70,16 @@ class EventPublisher:
         return unsubscribe
 
     def publish(self, event: KVCacheEvent) -> None:
-        for callback in self._subscribers:
-            callback(event)
+        """Queues ``event`` for the next ``flush``."""
+        self._pending.append(event)
+
+    def flush(self) -> None:
+        """Delivers the queued events to every subscriber. Taken off the queue first: a subscriber that raises
+        loses its events but can never make another flush deliver them twice."""
+        if not self._pending:
+            return
+        events, self._pending = self._pending, []
+        subscribers = self._subscribers
+        for event in events:
+            for callback in subscribers:
+                callback(event)

@@ -7,7 +7,9 @@ process (or on another machine) computes the same hashes as the engine.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import operator
 import struct
 import sys
 import threading
@@ -18,6 +20,8 @@ from dataclasses import dataclass
 
 import cbor2
 import xxhash
+
+from kvprefix.cache.identity import ExecutionContext, namespace_id, namespace_salt
 
 BlockHash = bytes
 
@@ -42,31 +46,6 @@ def _u32(n: int) -> bytes:
 def _field(data: bytes) -> bytes:
     """Length-prefixed bytes, so that concatenated fields can never be re-split differently."""
     return _u32(len(data)) + data
-
-
-@dataclass(frozen=True)
-class ExecutionContext:
-    """Everything outside the tokens that changes the KV a block holds.
-
-    Any change here changes the root hash and so makes every block miss. ``salt`` isolates tenants.
-    """
-
-    model: str = ""
-    revision: str = ""
-    tokenizer: str = ""
-    chat_template: str = ""
-    kv_dtype: str = ""
-    salt: str = ""
-
-    def fields(self) -> tuple[tuple[str, str], ...]:
-        return (
-            ("model", self.model),
-            ("revision", self.revision),
-            ("tokenizer", self.tokenizer),
-            ("chat_template", self.chat_template),
-            ("kv_dtype", self.kv_dtype),
-            ("salt", self.salt),
-        )
 
 
 @dataclass(frozen=True)
@@ -139,16 +118,30 @@ def _encode_extra_keys(keys: list[tuple]) -> bytes:
     return b"".join(out)
 
 
-def _token_bytes(token_ids: Sequence[int]) -> bytes:
-    """Token ids as little-endian uint32, the same bytes on every machine."""
+def _token_array(token_ids: Sequence[int]) -> array:
+    """Token ids as uint32, the one validation for every algorithm: ints (numpy's too) in [0, 2**32)."""
     try:
         arr = array("I", token_ids)
-    except OverflowError:
-        bad = next(t for t in token_ids if not 0 <= t <= _MAX_TOKEN_ID)
-        raise ValueError(f"token id {bad} is outside [0, 2**32)") from None
+    except (OverflowError, TypeError):
+        bad = next((t for t in token_ids if not (_is_int(t) and 0 <= t <= _MAX_TOKEN_ID)), None)
+        raise ValueError(f"token id {bad!r} is not an integer in [0, 2**32)") from None
     if arr.itemsize != 4:  # pragma: no cover - no mainstream platform has a non-32-bit C unsigned int
-        arr = array("L", token_ids)
+        arr = array("L", arr)
+    return arr
+
+
+def _is_int(t) -> bool:
+    try:
+        operator.index(t)
+    except TypeError:
+        return False
+    return True
+
+
+def _token_bytes(arr: array) -> bytes:
+    """Little-endian uint32, the same bytes on every machine."""
     if sys.byteorder == "big":  # pragma: no cover
+        arr = array(arr.typecode, arr)
         arr.byteswap()
     return arr.tobytes()
 
@@ -177,6 +170,7 @@ class BlockHasher:
         self._digest = _digest_fn(algo)
         self._token_header = _TOKEN_TAG + _u32(block_size)
         self.root = self._root_hash()
+        self.namespace_id = namespace_id(self.root)
         self._salted: OrderedDict[str, BlockHasher] = OrderedDict()
         self._salted_lock = threading.Lock()
 
@@ -200,17 +194,16 @@ class BlockHasher:
             if hasher is not None:
                 self._salted.move_to_end(salt)
                 return hasher
-        ctx = self.context
-        hasher = BlockHasher(
-            self.block_size,
-            self.algo,
-            ExecutionContext(ctx.model, ctx.revision, ctx.tokenizer, ctx.chat_template, ctx.kv_dtype, salt),
-        )
+        hasher = BlockHasher(self.block_size, self.algo, dataclasses.replace(self.context, salt=salt))
         with self._salted_lock:
             self._salted[salt] = hasher
             if len(self._salted) > _MAX_SALTED_HASHERS:
                 self._salted.popitem(last=False)
         return hasher
+
+    def for_namespace(self, tenant: str | None, cache_salt: str | None) -> BlockHasher:
+        """The hasher of a tenant's (and client salt's) namespace: see ``identity.namespace_salt``."""
+        return self.with_salt(namespace_salt(tenant, cache_salt))
 
     def hash_blocks(
         self,
@@ -230,15 +223,16 @@ class BlockHasher:
             return []
         prev = self.root if parent is None else parent
         with_extras = extras is not None and not extras.is_empty()
+        tokens = _token_array(token_ids[: num_full * bs])
         out: list[BlockHash] = []
         if self._cbor:
             for i in range(num_full):
                 keys = extras.keys_for_block(first_block_index + i, bs) if with_extras else []
-                payload = cbor2.dumps([prev, list(token_ids[i * bs : (i + 1) * bs]), keys], canonical=True)
+                payload = cbor2.dumps([prev, tokens[i * bs : (i + 1) * bs].tolist(), keys], canonical=True)
                 prev = self._digest(payload)
                 out.append(prev)
             return out
-        data = _token_bytes(token_ids[: num_full * bs])
+        data = _token_bytes(tokens)
         header, digest, step = self._token_header, self._digest, 4 * bs
         if not with_extras:
             # Hot path: one concatenation and one digest per block.

@@ -57,6 +57,7 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return [], 0
+        self._check_block_size(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         get = self.pool.cached_blocks.get
         hits: list[KVCacheBlock] = []
@@ -96,12 +97,7 @@ class KVCacheManager:
         if admitting:
             req_blocks = self.req_to_blocks[rid] = []
             self._num_cached_blocks[rid] = 0
-            stats = self.pool.stats
-            stats.requests += 1
-            stats.queries += request.num_tokens
-            stats.hits += num_hit_tokens
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit_tokens
+            self._count_admission(request, num_hit_tokens)
         if new_computed_blocks:
             self.pool.touch(new_computed_blocks)
             req_blocks.extend(new_computed_blocks)
@@ -109,7 +105,28 @@ class KVCacheManager:
             request.num_computed_tokens = num_computed
         new_blocks = self.pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
         req_blocks.extend(new_blocks)
+        self.pool.events.flush()  # only now: the request's blocks are recorded, whatever a subscriber does
         return new_blocks
+
+    def _count_admission(self, request: CacheRequest, num_hit_tokens: int) -> None:
+        stats = self.pool.stats
+        if request.num_cached_tokens < 0:  # first admission
+            request.num_cached_tokens = num_hit_tokens
+            stats.requests += 1
+            stats.queries += request.num_tokens
+            stats.hits += num_hit_tokens
+        else:
+            stats.preempted_requests += 1
+            stats.preempted_queries += request.num_tokens
+            stats.preempted_hits += num_hit_tokens
+
+    def _check_block_size(self, request: CacheRequest) -> None:
+        """Hashes of another block size name other token spans: a hit would serve the wrong KV."""
+        if request.block_size is not None and request.block_size != self.block_size:
+            raise ValueError(
+                f"request {request.request_id!r} is hashed in {request.block_size}-token blocks, but this cache's "
+                f"blocks hold {self.block_size} tokens"
+            )
 
     def cache_blocks(self, request: CacheRequest, num_computed_tokens: int) -> None:
         """Registers the request's blocks that are full within its first ``num_computed_tokens`` tokens."""
@@ -120,8 +137,10 @@ class KVCacheManager:
         start = self._num_cached_blocks[rid]
         end = min(num_computed_tokens // self.block_size, len(request.block_hashes), len(req_blocks))
         if end > start:
+            self._check_block_size(request)
             self.pool.cache_full_blocks(request, req_blocks, start, end)
             self._num_cached_blocks[rid] = end
+            self.pool.events.flush()
 
     def free(self, request: CacheRequest) -> None:
         """Releases the request's blocks tail first, so the head of a shared prefix stays cached longest."""
@@ -135,4 +154,6 @@ class KVCacheManager:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
     def reset_prefix_cache(self) -> bool:
-        return self.pool.reset_prefix_cache()
+        ok = self.pool.reset_prefix_cache()
+        self.pool.events.flush()
+        return ok

@@ -28,6 +28,7 @@ class CacheRequest:
         self.num_prompt_tokens = len(self.token_ids)
         self._num_tokens = self.num_prompt_tokens
         self.hasher = hasher
+        self.block_size = hasher.block_size if hasher is not None else None  # of the hashes; None: no hashes
         self.extras = extras
         self.block_hashes: list[BlockHash] = []
         # Tokens whose KV is in the cache (computed, or taken from cached blocks).
@@ -53,6 +54,7 @@ class CacheRequest:
         req.token_ids = None
         req.num_prompt_tokens = req._num_tokens = num_tokens
         req.hasher = None
+        req.block_size = block_size
         req.extras = None
         req.block_hashes = list(block_hashes)
         req.num_computed_tokens = 0

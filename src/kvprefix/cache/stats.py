@@ -7,9 +7,14 @@ from dataclasses import dataclass, fields
 
 @dataclass
 class PrefixCacheStats:
-    queries: int = 0  # prompt tokens looked up at admission (re-admissions after preemption count again)
+    queries: int = 0  # prompt tokens looked up at a request's first admission
     hits: int = 0  # of those, tokens served from cached blocks
-    requests: int = 0  # admissions
+    requests: int = 0  # first admissions
+    # Re-admissions after preemption, counted apart (as vLLM's preempted counters): recomputing a preempted
+    # request's own blocks is no prefix sharing, and counting it as such would inflate the hit rate.
+    preempted_queries: int = 0
+    preempted_hits: int = 0
+    preempted_requests: int = 0
     evictions: int = 0  # cached blocks whose hash was dropped to reuse the block
     resets: int = 0  # successful reset_prefix_cache calls
 
