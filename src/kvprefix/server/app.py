@@ -39,6 +39,7 @@ class ServerConfig:
     request_log: str | None = None
     request_log_prompts: bool = False
     cache_detail: bool = True  # whether the opt-in per-request diagnosis may be asked for at all
+    replica_id: str = "replica-0"  # names this replica in KV events and the request log
 
 
 _PARSE_INLINE_BYTES = 256 * 1024

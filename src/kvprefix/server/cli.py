@@ -19,6 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds to let in-flight requests finish on SIGTERM/SIGINT before aborting them")
     net.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    net.add_argument("--replica-id", default=None,
+                     help="this replica's name in KV events and the request log (default: HOSTNAME:PORT)")
 
     sec = parser.add_argument_group("tenancy and admin (docs/security.md)")
     sec.add_argument("--api-key", default=None, help="one API key; its callers form the tenant 'default'")
@@ -54,6 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import dataclasses
     import logging
+    import socket
 
     from kvprefix.engine import AsyncLLM, EngineArgs
     from kvprefix.server.app import ServerConfig, create_app, serve
@@ -80,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
         request_log=args.request_log,
         request_log_prompts=args.request_log_prompts,
         cache_detail=args.cache_detail,
+        replica_id=args.replica_id or f"{socket.gethostname()}:{args.port}",
     )
     serve(create_app(engine, config), args.host, args.port, args.log_level, args.shutdown_timeout)
     return 0
