@@ -1,12 +1,14 @@
-"""The cache core, the planner and the routing policies import no torch: routers and planning need no model."""
+"""The cache core, the renderer, the request log, the planner and the routing policies import no torch: routers
+and planning need no model."""
 
 import subprocess
 import sys
 
 
-def test_cache_sim_and_router_import_without_torch():
+def test_cache_prompts_logs_sim_and_router_import_without_torch():
     code = (
-        "import sys, kvprefix, kvprefix.cache, kvprefix.sim.replay, kvprefix.router.policies, kvprefix.cli; "
+        "import sys, kvprefix, kvprefix.cache, kvprefix.prompts, kvprefix.logs, kvprefix.sim.replay, "
+        "kvprefix.sim.request_log, kvprefix.sim.openai_bodies, kvprefix.router.policies, kvprefix.cli; "
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

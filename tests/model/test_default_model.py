@@ -9,8 +9,9 @@ import pytest
 import torch
 from paged import greedy_generate
 
-from kvprefix.model import Tokenizer, allocate_kv_cache, default_model_path, load_model
+from kvprefix.model import allocate_kv_cache, default_model_path, load_model
 from kvprefix.model.default_model import write_default_model
+from kvprefix.prompts import Tokenizer
 
 
 def test_same_bytes_every_build(default_model_dir: str, tmp_path) -> None:

@@ -5,7 +5,8 @@ import torch
 import transformers
 from paged import Chunk, greedy_generate, run_batch
 
-from kvprefix.model import Tokenizer, allocate_kv_cache, load_model, write_random_checkpoint
+from kvprefix.model import allocate_kv_cache, load_model, write_random_checkpoint
+from kvprefix.prompts import Tokenizer
 
 BLOCK = 4
 PROMPT = "A prefix cache keeps the keys and values of a shared prompt prefix, computed once. Caché über 🙂!"

@@ -8,17 +8,17 @@ import json
 
 import pytest
 
-from kvprefix.cache import AllBlocksCleared, BlockHasher, BlockRemoved, BlockStored
+from kvprefix.cache import AllBlocksCleared, BlockHasher, BlockRemoved, BlockStored, namespace_salt
 from kvprefix.server.admission import Admission
 from kvprefix.server.cache_detail import CacheTracker
 from kvprefix.server.errors import APIError
-from kvprefix.server.tenancy import Auth, cache_salt, load_keys_file, validate_client_salt
+from kvprefix.server.tenancy import Auth, load_keys_file, validate_client_salt
 
 
 def test_salts_are_unambiguous_and_scoped_by_tenant() -> None:
-    assert cache_salt(None, None) is None  # the shared namespace hashes like the offline LLM
-    salts = {cache_salt("a", None), cache_salt(None, "a"), cache_salt("a", "b"), cache_salt("b", "a"),
-             cache_salt('a","b', None), cache_salt("a", '","b')}
+    assert namespace_salt(None, None) == ""  # the shared namespace hashes like the offline LLM
+    salts = {namespace_salt("a", None), namespace_salt(None, "a"), namespace_salt("a", "b"), namespace_salt("b", "a"),
+             namespace_salt('a","b', None), namespace_salt("a", '","b')}
     assert len(salts) == 6
 
 
@@ -83,15 +83,13 @@ def test_tracker_reasons_from_events() -> None:
     tracker = CacheTracker(hasher)
     cached = [1, 2, 3, 4, 5, 6, 7, 8]
     hashes = hasher.hash_blocks(cached)
-    tracker.on_event(BlockStored(hashes, None, cached, 4, None))
-    tracker.note_first_block(None, hashes[0])  # what the server does at a request's first output
-    other = BlockHasher(4).with_salt("other tenant")  # another namespace's first block: never a sibling
+    tracker.on_event(BlockStored(hashes, hasher.root, cached, 4, None, hasher.namespace_id))
+    other = hasher.for_namespace("other tenant", None)  # another namespace's first block: never a sibling
     foreign = other.hash_blocks([1, 2, 3, 0])
-    tracker.on_event(BlockStored(foreign, None, [1, 2, 3, 0], 4, None))
-    tracker.note_first_block("other tenant", foreign[0])
+    tracker.on_event(BlockStored(foreign, other.root, [1, 2, 3, 0], 4, None, other.namespace_id))
 
     def reason(tokens: list[int], n_cached: int) -> tuple[str, str]:
-        d = tracker.diagnose(0, tokens, hasher.hash_blocks(tokens), n_cached, None, None, None)
+        d = tracker.diagnose(0, tokens, hasher.hash_blocks(tokens), n_cached, None, None)
         return d.reason, d.message
 
     assert reason([1, 2, 3], 0)[0] == "prompt_shorter_than_block"
@@ -101,12 +99,12 @@ def test_tracker_reasons_from_events() -> None:
     # The other namespace's [1, 2, 3, 0] would match 4 tokens: it must stay invisible.
     assert reason([1, 2, 3, 0, 9], 0)[1] == "diverged at token 3 from the nearest cached prefix"
     assert reason(cached + [9, 9, 9, 9, 9], 8)[0] == "prefix_ended"
-    salted = hasher.with_salt(cache_salt(None, "x"))
-    d = tracker.diagnose(0, cached + [9], salted.hash_blocks(cached + [9]), 0, None, "x", cache_salt(None, "x"))
+    salted = hasher.for_namespace(None, "x")
+    d = tracker.diagnose(0, cached + [9], salted.hash_blocks(cached + [9]), 0, None, "x")
     assert d.reason == "different_salt"  # cached without the salt, which the caller could just omit
     tracker.on_event(BlockRemoved([hashes[1]]))
     assert reason(cached + [9], 4)[0] == "evicted"
     tracker.on_event(AllBlocksCleared())
     assert reason(cached + [9], 0)[0] == "not_cached"  # after a reset nothing counts as evicted
-    assert CacheTracker(hasher, enabled=False).diagnose(0, cached, hashes, 0, None, None, None).reason == \
+    assert CacheTracker(hasher, enabled=False).diagnose(0, cached, hashes, 0, None, None).reason == \
         "caching_disabled"

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvprefix.cache import BlockHasher, ExecutionContext
+from kvprefix.cache import BlockHasher, context_for_checkpoint
+from kvprefix.prompts import Tokenizer
 from kvprefix.sim.formats import detect_format, load_trace
 from kvprefix.sim.trace import TraceError, coarsen
 
@@ -84,9 +85,9 @@ def test_unknown_format_names_the_line(tmp_path):
 
 def write_request_log(path: Path, rows: list[tuple]) -> Path:
     """A log written by the server's own writer: (arrival s, tenant, block hashes, prompt tokens, cached)."""
-    from kvprefix.server.request_log import RequestLog, RequestRecord
+    from kvprefix.logs import RequestLogWriter, RequestRecord
 
-    log = RequestLog(str(path))
+    log = RequestLogWriter(str(path))
     for i, (ts, tenant, hashes, n, cached) in enumerate(rows):
         log.write(
             RequestRecord(
@@ -154,7 +155,7 @@ def test_openai_bodies_are_rendered_tokenized_and_hashed(tmp_path, tokenizer_dir
     trace = load_trace(write_jsonl(tmp_path / "bodies.jsonl", rows), tokenizer=tokenizer_dir, block_size=4)
     reqs = trace.requests
     assert reqs[0].input_length == 1 + 40 + 1 + 1 + 1  # "system:", 40 words, "user:", word, "assistant:"
-    hasher = BlockHasher(4, context=ExecutionContext(tokenizer=tokenizer_dir))
+    hasher = BlockHasher(4, context=context_for_checkpoint(tokenizer_dir, "float32", Tokenizer(tokenizer_dir).chat_template))
     assert reqs[0].block_hashes == hasher.hash_blocks([2] + [5 + i % 64 for i in range(40)] + [3, 5, 4])
     assert reqs[0].block_hashes[:10] == reqs[1].block_hashes[:10] == reqs[2].block_hashes[:10]
     assert reqs[3].output_length == 5 and reqs[0].output_length == 256

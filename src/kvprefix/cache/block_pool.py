@@ -95,8 +95,8 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = free_queue_cls(self.blocks)
         # hash -> the block hits are served from. Two requests that compute the same content in one step make two
-        # blocks of one hash: the later ones wait in _duplicates and take over when the served one is evicted,
-        # so the hash stays cached while any copy lives.
+        # blocks of one hash: while in use, the later ones wait in _duplicates and take over should the served one
+        # be evicted, so the hash stays cached while any copy lives; released, a copy gives up its hash.
         self.cached_blocks: dict[Hashable, KVCacheBlock] = {}
         self._duplicates: dict[Hashable, list[KVCacheBlock]] = {}
         self.events = EventPublisher()
@@ -170,7 +170,7 @@ class BlockPool:
         """Registers ``blocks[num_cached_blocks:num_full_blocks]`` under the request's block hashes.
 
         A block whose hash another block already serves (two requests computed the same content in one step) is
-        kept as a copy: hits go to the first, and the hash stays cached until the last copy is evicted.
+        kept as a copy: hits go to the first, and the hash stays cached while any copy lives (see ``free``).
         """
         cached = self.cached_blocks
         stored: list[int] = []
@@ -218,15 +218,31 @@ class BlockPool:
         goes to the front, so it is reused before any cached block.
         """
         queue = self.free_queue
+        duplicates = self._duplicates
         for block in blocks:
             if block.ref_cnt <= 0:
                 raise RuntimeError(f"double free of block {block.block_id}")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                if block.block_hash is None:
+                if duplicates and block.block_hash in duplicates and self._drop_copy(block):
+                    queue.appendleft(block)
+                elif block.block_hash is None:
                     queue.appendleft(block)
                 else:
                     queue.append(block)
+
+    def _drop_copy(self, block: KVCacheBlock) -> bool:
+        """A released duplicate is redundant while the block hits are served from exists: it gives up its hash
+        (returns True). Copies matter only while in use, to take over should the served block be evicted."""
+        block_hash = block.block_hash
+        if self.cached_blocks[block_hash] is block:
+            return False
+        copies = self._duplicates[block_hash]
+        copies.remove(block)
+        if not copies:
+            del self._duplicates[block_hash]
+        block.block_hash = None
+        return True
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached hash. Refuses (returns False, changes nothing) while any block is referenced."""

@@ -105,7 +105,8 @@ def context_for_checkpoint(path: str, kv_dtype: str, chat_template: str | None =
 
 
 def checkpoint_fingerprint(path: str) -> str:
-    """XXH3-128 over the config and every weight file (names, sizes and bytes), in name order."""
+    """XXH3-128 over the config and every weight file (names, sizes and bytes), in name order; "" for a
+    directory with neither (a tokenizer alone, as the planner may be given)."""
     if os.path.isfile(path):
         return _fingerprint_files([path])
     names = sorted(
@@ -113,9 +114,7 @@ def checkpoint_fingerprint(path: str) -> str:
         for n in os.listdir(path)
         if (n.endswith(_WEIGHT_SUFFIXES) and not n.startswith("consolidated")) or n in _CONFIG_FILES
     )
-    if not names:
-        raise FileNotFoundError(f"no config.json or weight files in {path!r} to identify the checkpoint by")
-    return _fingerprint_files([os.path.join(path, n) for n in names])
+    return _fingerprint_files([os.path.join(path, n) for n in names]) if names else ""
 
 
 def tokenizer_fingerprint(path: str) -> str:

@@ -51,7 +51,7 @@ class AsyncLLM:
         self.max_sequence_tokens = self.engine.max_sequence_tokens
         self.uses_default_model = self.engine.uses_default_model
         # The cache as servers report and diagnose it; fixed for the engine's lifetime. ``hasher`` is unsalted
-        # (its block_size and algo are the cache's); a tenant's chain is ``hasher.with_salt(salt)``.
+        # (its block_size and algo are the cache's); a namespace's chain is ``hasher.for_namespace(tenant, salt)``.
         self.hasher = self.engine.hasher
         self.num_kv_blocks = self.engine.manager.pool.num_blocks
         self.enable_prefix_caching = self.engine.manager.enable_prefix_caching
@@ -79,16 +79,18 @@ class AsyncLLM:
         sampling_params: SamplingParams | None,
         request_id: str,
         cache_salt: str | None = None,
+        tenant: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Streams the request's cumulative outputs until one has ``finished``. Raises ValueError for an invalid
-        request, EngineDeadError if the engine stops. Closing the stream early aborts the request."""
+        request, EngineDeadError if the engine stops. Closing the stream early aborts the request. ``tenant`` and
+        ``cache_salt`` pick the cache namespace (see LLMEngine.add_request)."""
         arrival = time.monotonic()
         stream = _Stream(asyncio.get_running_loop())
 
         def add() -> None:
             # Registered on the engine thread once the engine accepted the id: a previous request with this id has
             # then left the engine (its queued abort ran first), so none of its outputs can reach this stream.
-            self.engine.add_request(request_id, prompt, sampling_params, cache_salt, arrival)
+            self.engine.add_request(request_id, prompt, sampling_params, cache_salt, arrival, tenant)
             self._streams[request_id] = stream
 
         try:

@@ -10,7 +10,7 @@ from kvprefix.engine.args import EngineArgs
 from kvprefix.engine.llm_engine import LLMEngine, PromptType
 from kvprefix.engine.outputs import RequestOutput
 from kvprefix.engine.sampling_params import SamplingParams
-from kvprefix.model import Tokenizer
+from kvprefix.prompts import Tokenizer, render_chat
 
 Conversation = list[dict[str, Any]]
 
@@ -50,16 +50,14 @@ class LLM:
         add_generation_prompt: bool = True,
         cache_salt: str | None = None,
     ) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"} dicts) or a list of them, rendered with the model's chat
-        template."""
+        """One conversation (a list of {"role", "content"} dicts, OpenAI-style: text parts and the developer role
+        too) or a list of them, rendered with the model's chat template exactly as the server renders them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.llm_engine.tokenizer
         prompts: list[PromptType] = []
         for conversation in conversations:
-            text = tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, tokenize=False
-            )
-            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+            rendered = render_chat(tokenizer, conversation, add_generation_prompt=add_generation_prompt)
+            prompts.append({"prompt": rendered.text, "prompt_token_ids": rendered.token_ids})
         return self._run(prompts, sampling_params, use_tqdm, cache_salt)
 
     def _run(self, prompts, sampling_params, use_tqdm: bool, cache_salt: str | None) -> list[RequestOutput]:

@@ -4,13 +4,12 @@ manager and the block hashers; turns prompts into requests and engine steps into
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import time
 from typing import Any
 
 import torch
 
-from kvprefix.cache import BlockHasher, ExecutionContext, KVCacheManager
+from kvprefix.cache import BlockHash, BlockHasher, KVCacheManager, context_for_checkpoint
 from kvprefix.engine.args import EngineArgs
 from kvprefix.engine.model_runner import ModelRunner, num_kv_blocks
 from kvprefix.engine.outputs import RequestMetrics, RequestOutput
@@ -18,9 +17,10 @@ from kvprefix.engine.request import Request
 from kvprefix.engine.sampler import Sampler
 from kvprefix.engine.sampling_params import SamplingParams
 from kvprefix.engine.scheduler import Scheduler
-from kvprefix.model import ModelConfig, Tokenizer, default_model_path, load_model
+from kvprefix.model import ModelConfig, default_model_path, load_model
 from kvprefix.model.default_model import DEFAULT_MODEL_NAME
 from kvprefix.model.loader import resolve_dtype, resolve_model_path
+from kvprefix.prompts import Tokenizer
 
 # A prompt: text, token ids, or a dict with "prompt_token_ids" or "prompt" (vLLM's input forms).
 PromptType = str | list[int] | dict[str, Any]
@@ -35,6 +35,8 @@ class _UserRequest:
     prompt_token_ids: list[int]
     samples: list[Request]
     metrics: RequestMetrics
+    prompt_block_hashes: list[BlockHash]
+    namespace_id: str
 
     def output(self) -> RequestOutput:
         return RequestOutput(
@@ -45,6 +47,8 @@ class _UserRequest:
             finished=all(s.finished for s in self.samples),
             num_cached_tokens=max(0, self.samples[0].num_cached_tokens),
             metrics=dataclasses.replace(self.metrics),
+            prompt_block_hashes=self.prompt_block_hashes,
+            namespace_id=self.namespace_id,
         )
 
 
@@ -60,14 +64,9 @@ class LLMEngine:
         self.model_config = ModelConfig.from_path(path)
         self.tokenizer = Tokenizer(path)
         self.max_model_len = min(args.max_model_len or 2**62, self.model_config.max_position_embeddings)
-        # Everything besides the tokens that changes a block's KV goes into the root of the hash chain.
-        template = self.tokenizer.hf.chat_template or ""
-        context = ExecutionContext(
-            model=self.model_name,
-            tokenizer=self.model_name,
-            chat_template=hashlib.sha256(str(template).encode()).hexdigest()[:16] if template else "",
-            kv_dtype=str(dtype).removeprefix("torch."),
-        )
+        # Everything besides the tokens that changes a block's KV roots the hash chain: the checkpoint's own bytes,
+        # not its path, so replicas of one checkpoint (and a router) compute the same hashes.
+        context = context_for_checkpoint(path, str(dtype).removeprefix("torch."), self.tokenizer.chat_template)
         self.hasher = BlockHasher(args.block_size, args.prefix_caching_hash_algo, context)
         model = load_model(path, dtype, device)  # first: on CUDA the KV budget is what the weights leave free
         num_blocks = num_kv_blocks(
@@ -113,8 +112,12 @@ class LLMEngine:
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        tenant: str | None = None,
     ) -> None:
-        """Queues a request. Raises ValueError for a reused id, a bad prompt, or one that cannot fit."""
+        """Queues a request. Raises ValueError for a reused id, a bad prompt, or one that cannot fit.
+
+        ``tenant`` and ``cache_salt`` pick the cache namespace (``identity.namespace_salt``): the request only ever
+        hits blocks of the same namespace."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
@@ -128,7 +131,7 @@ class LLMEngine:
         self._check_prompt(request_id, ids)
         room = self.max_sequence_tokens - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        hasher = self._hasher_for(cache_salt)
+        hasher = self.hasher.for_namespace(tenant, cache_salt)
         samples: list[Request] = []
         for i in range(params.n):
             sample_params = params
@@ -149,7 +152,8 @@ class LLMEngine:
                 )
             )
         metrics = RequestMetrics(arrival_time if arrival_time is not None else time.monotonic())
-        user_request = _UserRequest(request_id, text, ids, samples, metrics)
+        prompt_hashes = samples[0].block_hashes[: len(ids) // hasher.block_size]
+        user_request = _UserRequest(request_id, text, ids, samples, metrics, prompt_hashes, hasher.namespace_id)
         self._requests[request_id] = user_request
         for s in samples:
             self._user_request_of[s.request_id] = user_request
@@ -169,10 +173,6 @@ class LLMEngine:
             raise ValueError(
                 f"request {request_id!r}: a prompt of {len(ids)} tokens leaves no room to generate; {what} is {limit}"
             )
-
-    def _hasher_for(self, cache_salt: str | None) -> BlockHasher:
-        """Requests with a salt hash under their own root, so they only ever hit blocks of the same salt."""
-        return self.hasher.with_salt(cache_salt or "")
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stops a request and frees its blocks; returns its final output (finish_reason "abort"), or None if it
@@ -256,8 +256,9 @@ class LLMEngine:
         return self.manager.reset_prefix_cache()
 
     def get_metrics(self) -> dict[str, int | float]:
-        """Counters since start (prefix_cache_* in tokens; queries count re-admissions after preemption again)
-        and gauges (num_requests_*, kv_cache_usage, num_free_blocks)."""
+        """Counters since start (prefix_cache_* in tokens, each request counted at its first admission;
+        prefix_cache_preempted_* count re-admissions after preemption) and gauges (num_requests_*, kv_cache_usage,
+        num_free_blocks)."""
         stats = self.manager.stats
         pool = self.manager.pool
         return {
@@ -265,6 +266,9 @@ class LLMEngine:
             "prefix_cache_hits": stats.hits,
             "prefix_cache_hit_rate": stats.hit_rate,
             "prefix_cache_admissions": stats.requests,
+            "prefix_cache_preempted_queries": stats.preempted_queries,
+            "prefix_cache_preempted_hits": stats.preempted_hits,
+            "prefix_cache_preempted_admissions": stats.preempted_requests,
             "prefix_cache_evictions": stats.evictions,
             "prefix_cache_resets": stats.resets,
             "num_preemptions": self.scheduler.num_preemptions,

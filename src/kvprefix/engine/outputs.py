@@ -54,7 +54,8 @@ class RequestMetrics:
 @dataclass
 class RequestOutput:
     """The state of one request after an engine step. ``num_cached_tokens``: prompt tokens served from the prefix
-    cache at admission (for n > 1, those of the first sample)."""
+    cache at admission (for n > 1, those of the first sample). ``prompt_block_hashes``: the hashes the cache keys
+    the prompt's full blocks by, in its namespace (public id ``namespace_id``), computed once by the engine."""
 
     request_id: str
     prompt: str | None
@@ -63,3 +64,5 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
+    prompt_block_hashes: list[bytes] = field(default_factory=list)
+    namespace_id: str = ""

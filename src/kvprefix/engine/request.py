@@ -9,7 +9,8 @@ from typing import Any
 from kvprefix.cache import BlockHasher, CacheRequest
 from kvprefix.engine.outputs import CompletionOutput, Logprob
 from kvprefix.engine.sampling_params import SamplingParams
-from kvprefix.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvprefix.model.tokenizer import IncrementalDetokenizer
+from kvprefix.prompts import Tokenizer
 
 
 class RequestStatus(enum.Enum):

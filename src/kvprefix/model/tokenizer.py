@@ -1,54 +1,8 @@
-"""Tokenizer: the checkpoint's tokenizer and chat template (via transformers), plus streaming detokenization."""
+"""Streaming detokenization: token ids as they are sampled -> text deltas."""
 
 from __future__ import annotations
 
-import json
-import os
-from typing import Any
-
-from transformers import AutoTokenizer
-
-
-class Tokenizer:
-    def __init__(self, path: str) -> None:
-        if not os.path.isfile(os.path.join(path, "tokenizer.json")) and not os.path.isfile(
-            os.path.join(path, "tokenizer_config.json")
-        ):
-            raise FileNotFoundError(f"no tokenizer.json or tokenizer_config.json in {path!r}")
-        self.hf = AutoTokenizer.from_pretrained(path)
-        self.eos_token_ids: frozenset[int] = _eos_token_ids(path, self.hf.eos_token_id)
-        self.bos_token_id: int | None = self.hf.bos_token_id
-        self.vocab_size: int = len(self.hf)
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=add_special_tokens)
-
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
-
-    def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tokenize: bool = True, **kwargs: Any
-    ) -> list[int] | str:
-        """Renders messages with the checkpoint's template; token ids by default, the text with tokenize=False."""
-        if not self.hf.chat_template:
-            raise ValueError(f"the tokenizer of {self.hf.name_or_path!r} has no chat template; use a plain prompt")
-        text = self.hf.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
-        )
-        # The template already contains any BOS it wants; adding special tokens again would double it.
-        return self.encode(text, add_special_tokens=False) if tokenize else text
-
-
-def _eos_token_ids(path: str, tokenizer_eos: int | None) -> frozenset[int]:
-    """Union of the tokenizer's EOS and eos_token_id in generation_config.json and config.json (int or list)."""
-    ids = set() if tokenizer_eos is None else {tokenizer_eos}
-    for name in ("generation_config.json", "config.json"):
-        file = os.path.join(path, name)
-        if os.path.isfile(file):
-            with open(file, encoding="utf-8") as f:
-                value = json.load(f).get("eos_token_id")
-            ids.update(value if isinstance(value, list) else [] if value is None else [value])
-    return frozenset(ids)
+from kvprefix.prompts.tokenizer import Tokenizer
 
 
 class IncrementalDetokenizer:

@@ -14,12 +14,12 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
+from kvprefix.logs import RequestLogWriter
 from kvprefix.server.admission import Admission
 from kvprefix.server.cache_detail import CacheTracker
 from kvprefix.server.errors import APIError, bad_request, from_validation_error, install_error_handlers
 from kvprefix.server.metrics import ServerMetrics
 from kvprefix.server.protocol import ChatCompletionRequest, CompletionRequest
-from kvprefix.server.request_log import RequestLog
 from kvprefix.server.serving import ModelInfo, Serving
 from kvprefix.server.tenancy import Auth, Caller
 
@@ -74,7 +74,7 @@ async def _parse(raw: Request, model: type[BaseModel]) -> Any:
         raise from_validation_error(exc) from None
 
 
-def _model_info(engine, name: str) -> ModelInfo:
+def _model_info(engine, name: str, replica_id: str) -> ModelInfo:
     block_size = engine.hasher.block_size
     return ModelInfo(
         name=name,
@@ -83,6 +83,7 @@ def _model_info(engine, name: str) -> ModelInfo:
         block_size=block_size,
         hash_algo=engine.hasher.algo,
         enable_prefix_caching=engine.enable_prefix_caching,
+        replica_id=replica_id,
     )
 
 
@@ -128,25 +129,27 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
     auth = config.auth or Auth()
     name = config.served_model_name or engine.model_name
-    info = _model_info(engine, name)
+    info = _model_info(engine, name, config.replica_id)
     metrics = ServerMetrics(name, engine.get_metrics)
     admission = Admission(config.max_pending, config.max_pending_per_tenant,
                           on_reject=lambda reason: metrics.rejected.labels(name, reason).inc())
     metrics.in_flight.labels(name).set_function(lambda: admission.pending)
-    tracker = CacheTracker(engine.hasher, enabled=info.enable_prefix_caching)
-    request_log = RequestLog(config.request_log, config.request_log_prompts) if config.request_log else None
+    # The tracker mirrors every cached block (tokens included): only when cache detail may be asked for.
+    tracker = CacheTracker(engine.hasher, enabled=info.enable_prefix_caching) if config.cache_detail else None
+    request_log = RequestLogWriter(config.request_log, config.request_log_prompts) if config.request_log else None
     serving = Serving(engine, info, admission, metrics, tracker, request_log)
     created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
-        unsubscribe = engine.subscribe_kv_events(tracker.on_event)
+        unsubscribe = engine.subscribe_kv_events(tracker.on_event) if tracker is not None else None
         _log_startup(engine, info, config)
         try:
             yield
         finally:
             admission.closing = True
-            unsubscribe()
+            if unsubscribe is not None:
+                unsubscribe()
             await engine.shutdown()
             if request_log is not None:
                 request_log.close()

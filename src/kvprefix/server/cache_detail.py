@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from kvprefix.cache import AllBlocksCleared, BlockHash, BlockHasher, BlockRemoved, BlockStored, KVCacheEvent
-from kvprefix.server.tenancy import cache_salt
 
 _MAX_EVICTED = 65536  # remembered evicted hashes (32 bytes each)
 
@@ -64,7 +63,7 @@ class CacheTracker:
         self._lock = threading.Lock()
         self._parent: dict[BlockHash, BlockHash | None] = {}
         self._tokens: dict[BlockHash, tuple[int, ...]] = {}
-        self._children: dict[BlockHash, set[BlockHash]] = {}  # parent (a salted root for first blocks) -> kids
+        self._children: dict[BlockHash, set[BlockHash]] = {}  # parent (the namespace root for first blocks) -> kids
         self._evicted: OrderedDict[BlockHash, None] = OrderedDict()
 
     # -- event side -------------------------------------------------------------------------------------
@@ -94,11 +93,8 @@ class CacheTracker:
             tokens = tuple(event.token_ids[i * bs : (i + 1) * bs]) if event.token_ids else ()
             self._parent[h] = parent
             self._tokens[h] = tokens
-            # A first block's event has no parent and so no namespace: note_first_block() files it under its
-            # salted root once a request of that namespace shows it is cached. Never one index for all roots:
-            # that would compare a caller's prompt with other tenants' first blocks.
-            if parent is not None:
-                self._children.setdefault(parent, set()).add(h)
+            # A first block's parent is its namespace's root, so siblings are only ever of the same namespace.
+            self._children.setdefault(parent, set()).add(h)
             # Kept in _evicted even when stored again: a block that misses was not cached at admission, so if
             # it was ever evicted (since the last reset), eviction is why.
             parent = h
@@ -114,18 +110,9 @@ class CacheTracker:
 
     # -- request side -----------------------------------------------------------------------------------
 
-    def hasher_for(self, salt: str | None) -> BlockHasher:
-        """The hasher the engine uses for this salt."""
-        return self.hasher.with_salt(salt or "")
-
-    def note_first_block(self, salt: str | None, first_block: BlockHash) -> None:
-        """Files a request's first block under its namespace's root, if it is cached (the request hit or stored
-        it). Called for every request, so that a later one of the same namespace finds it as a sibling."""
-        root = self.hasher_for(salt).root
-        with self._lock:
-            if first_block in self._tokens:
-                self._parent[first_block] = root
-                self._children.setdefault(root, set()).add(first_block)
+    def hasher_for(self, tenant: str | None, client_salt: str | None) -> BlockHasher:
+        """The hasher the engine uses for this namespace."""
+        return self.hasher.for_namespace(tenant, client_salt)
 
     def diagnose(
         self,
@@ -135,7 +122,6 @@ class CacheTracker:
         cached_tokens: int,
         tenant: str | None,
         client_salt: str | None,
-        salt: str | None,
     ) -> CacheDetail:
         bs = self.block_size
         n_tokens = len(token_ids)
@@ -160,10 +146,10 @@ class CacheTracker:
         # anyway; other cache_salts may be secrets of other users (docs/security.md). Checked before divergence:
         # every prompt shares the chat template's first tokens, so a first block always "diverges" somewhere.
         if i == 0 and client_salt is not None:
-            first = self.hasher_for(cache_salt(tenant, None)).hash_blocks(token_ids[:bs])[0]
+            first = self.hasher_for(tenant, None).hash_blocks(token_ids[:bs])[0]
             if self._is_cached(first):
                 return detail("different_salt")
-        parent = block_hashes[i - 1] if i else self.hasher_for(salt).root
+        parent = block_hashes[i - 1] if i else self.hasher_for(tenant, client_salt).root
         block = token_ids[i * bs : (i + 1) * bs]
         with self._lock:
             # Our own block may be cached by now (registered after our prefill): compare with the others only.

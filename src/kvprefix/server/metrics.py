@@ -21,8 +21,12 @@ _FRACTION_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0
 
 # Engine metric key -> (exposed name without prefix, help). Counters are exposed with a _total suffix.
 ENGINE_COUNTERS = {
-    "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
-    "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens served from the prefix cache"),
+    "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache (first admission)"),
+    "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens served from the prefix cache (first admission)"),
+    "prefix_cache_preempted_queries": ("prefix_cache_preempted_queries",
+                                       "Tokens looked up again when preempted requests were re-admitted"),
+    "prefix_cache_preempted_hits": ("prefix_cache_preempted_hits",
+                                    "Tokens of re-admitted preempted requests served from the prefix cache"),
     "num_preemptions": ("num_preemptions", "Requests preempted (by recompute) because KV blocks ran out"),
     "prefix_cache_evictions": ("prefix_cache_evictions", "Cached blocks evicted to make room for new ones"),
 }

@@ -17,13 +17,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
 from kvprefix.engine import CompletionOutput, EngineDeadError, RequestOutput, SamplingParams
+from kvprefix.logs import RequestLogWriter, RequestRecord
+from kvprefix.prompts import PromptError, RenderedPrompt, render_chat, render_completion
 from kvprefix.server.admission import Admission, Ticket
 from kvprefix.server.cache_detail import CacheDetail, CacheTracker
 from kvprefix.server.errors import APIError, bad_request
 from kvprefix.server.logprobs import chat_logprobs, completion_logprobs
 from kvprefix.server.metrics import FinishedSequence, ServerMetrics
 from kvprefix.server.protocol import ChatCompletionRequest, CompletionRequest, check_supported
-from kvprefix.server.request_log import RequestLog, RequestRecord
 from kvprefix.server.tenancy import Caller, pseudonym, validate_client_salt
 
 
@@ -37,6 +38,7 @@ class ModelInfo:
     block_size: int
     hash_algo: str
     enable_prefix_caching: bool
+    replica_id: str
 
 
 @dataclass
@@ -45,16 +47,14 @@ class _Job:
 
     index: int
     request_id: str
-    token_ids: list[int]
-    text: str | None
+    prompt: RenderedPrompt
     arrival: float  # time.monotonic()
     arrival_wall: float  # time.time()
     n: int
     first_token: float | None = None
     last: RequestOutput | None = None  # the latest cumulative output
     finished: bool = False
-    detail: CacheDetail | None = None
-    block_hashes: list[bytes] | None = None  # salted, computed once at the first output
+    detail: CacheDetail | None = None  # the cache diagnosis, made at the first token
     sent_text: list[int] = field(default_factory=list)  # streaming, per sample: characters already sent
     sent_tokens: list[int] = field(default_factory=list)  # streaming, per sample: tokens whose logprobs went out
 
@@ -66,14 +66,14 @@ class Serving:
         info: ModelInfo,
         admission: Admission,
         metrics: ServerMetrics,
-        tracker: CacheTracker,
-        request_log: RequestLog | None,
+        tracker: CacheTracker | None,
+        request_log: RequestLogWriter | None,
     ):
         self.engine = engine
         self.info = info
         self.admission = admission
         self.metrics = metrics
-        self.tracker = tracker
+        self.tracker = tracker  # None: cache detail is off, and nothing mirrors the cache
         self.request_log = request_log
 
     # -- request -> prompts ------------------------------------------------------------------------------
@@ -83,35 +83,27 @@ class Serving:
             raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.info.name}'",
                            param="model", code="model_not_found")
 
-    async def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    async def _render(self, render, *args) -> RenderedPrompt:
         # In a thread: a long prompt must not stall every other stream on the event loop.
-        return await asyncio.to_thread(self.engine.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+        try:
+            return await asyncio.to_thread(render, self.engine.tokenizer, *args)
+        except PromptError as exc:
+            raise bad_request(str(exc), param=exc.param) from None
 
-    async def _completion_prompts(self, req: CompletionRequest) -> list[tuple[list[int], str | None]]:
+    async def _completion_prompts(self, req: CompletionRequest) -> list[RenderedPrompt]:
         out = []
         for p in req.prompts():
-            if isinstance(p, str):
-                out.append((await self._encode(p), p))
-            else:
+            if not isinstance(p, str):
                 bad = next((t for t in p if t >= self.info.vocab_size), None)
                 if bad is not None:
                     raise bad_request(f"token id {bad} in 'prompt' is out of range: the vocabulary has "
                                       f"{self.info.vocab_size} tokens", param="prompt")
-                out.append((list(p), None))
+            out.append(await self._render(render_completion, p))
         return out
 
-    async def _chat_prompt(self, req: ChatCompletionRequest) -> tuple[list[int], str | None]:
-        # "developer" is OpenAI's newer name for "system"; checkpoint templates know only the latter.
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in req.messages]
-        try:
-            text = self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except ValueError as exc:
-            raise bad_request(f"cannot render 'messages' with the model's chat template: {exc}",
-                              param="messages") from None
-        except Exception as exc:  # a template can raise anything (jinja2 errors for unexpected roles)
-            raise bad_request(f"the model's chat template rejected 'messages': {exc}", param="messages") from None
-        return await self._encode(text, add_special_tokens=False), text
+    async def _chat_prompt(self, req: ChatCompletionRequest) -> RenderedPrompt:
+        messages = [m.model_dump(include={"role", "content"}) for m in req.messages]
+        return await self._render(render_chat, messages)
 
     def _max_tokens(self, prompt_len: int, requested: int | None, param: str) -> int:
         limit = self.info.max_model_len
@@ -158,14 +150,14 @@ class Serving:
     async def _serve(self, req, caller: Caller, raw: Request, prompts, requested_max: int | None, param: str,
                      chat: bool):
         validate_client_salt(caller.client_salt)
-        if not all(ids for ids, _ in prompts):
+        if not all(p.token_ids for p in prompts):
             raise bad_request(f"'{param}' is empty after tokenization", param=param)
-        max_tokens = min(self._max_tokens(len(ids), requested_max, param) for ids, _ in prompts)
+        max_tokens = min(self._max_tokens(len(p.token_ids), requested_max, param) for p in prompts)
         params = self._sampling(req, max_tokens)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         now, wall = time.monotonic(), time.time()
-        jobs = [_Job(i, f"{rid}-{i}", ids, text, now, wall, req.n, sent_text=[0] * req.n, sent_tokens=[0] * req.n)
-                for i, (ids, text) in enumerate(prompts)]
+        jobs = [_Job(i, f"{rid}-{i}", p, now, wall, req.n, sent_text=[0] * req.n, sent_tokens=[0] * req.n)
+                for i, p in enumerate(prompts)]
         ctx = _Context(self, req, caller, rid, jobs, params, chat)
         # Admission happens before the response starts, so overload is a plain 503 even for streams.
         ticket = await self.admission.acquire(len(jobs), caller.tenant)
@@ -202,8 +194,9 @@ class _Context:
 
     async def _pump(self, job: _Job, queue: asyncio.Queue) -> None:
         try:
-            async for out in self.serving.engine.generate(job.token_ids, self.params, job.request_id,
-                                                    cache_salt=self.caller.salt):
+            async for out in self.serving.engine.generate(job.prompt.token_ids, self.params, job.request_id,
+                                                          cache_salt=self.caller.client_salt,
+                                                          tenant=self.caller.tenant):
                 queue.put_nowait((job, out))
         except Exception as exc:  # handed to the consumer, which raises it in the request's context
             queue.put_nowait((job, exc))
@@ -242,22 +235,13 @@ class _Context:
         job.last = out
         if job.first_token is None and any(o.token_ids for o in out.outputs):
             job.first_token = time.monotonic()
-            hashes = self._block_hashes(job)
-            if hashes:
-                self.serving.tracker.note_first_block(self.caller.salt, hashes[0])
-            if self.req.cache_detail:
-                job.detail = self._diagnose(job, out.num_cached_tokens)
+            # Diagnosed now, while the cache still looks as it did at admission; the request log keeps the reason.
+            tracker = self.serving.tracker
+            if tracker is not None and (self.req.cache_detail or self.serving.request_log is not None):
+                job.detail = tracker.diagnose(job.index, job.prompt.token_ids, out.prompt_block_hashes,
+                                              out.num_cached_tokens, self.caller.tenant, self.caller.client_salt)
         if out.finished:
             self._finish(job, aborted=False)
-
-    def _block_hashes(self, job: _Job) -> list[bytes]:
-        if job.block_hashes is None:
-            job.block_hashes = self.serving.tracker.hasher_for(self.caller.salt).hash_blocks(job.token_ids)
-        return job.block_hashes
-
-    def _diagnose(self, job: _Job, cached: int) -> CacheDetail:
-        return self.serving.tracker.diagnose(job.index, job.token_ids, self._block_hashes(job), cached,
-                                       self.caller.tenant, self.caller.client_salt, self.caller.salt)
 
     def _finish(self, job: _Job, aborted: bool) -> None:
         """Feeds metrics and the request log once per job, whether it finished or was aborted."""
@@ -271,35 +255,52 @@ class _Context:
         reasons = [o.finish_reason or "abort" for o in outputs] or ["abort"] * job.n
         e2e = time.monotonic() - job.arrival
         ttft = None if job.first_token is None else job.first_token - job.arrival
-        self.serving.metrics.observe(FinishedSequence(len(job.token_ids), cached, n_out, reasons, ttft, e2e))
+        self.serving.metrics.observe(FinishedSequence(len(job.prompt.token_ids), cached, n_out, reasons, ttft, e2e))
         log = self.serving.request_log
         if log is not None:
-            log.write(RequestRecord(
-                timestamp=round(job.arrival_wall, 6),
-                request_id=job.request_id,
-                endpoint="chat" if self.chat else "completions",
-                model=self.serving.info.name,
-                tenant=pseudonym(self.caller.tenant_label),
-                prompt_tokens=len(job.token_ids),
-                block_size=self.serving.info.block_size,
-                hash_algo=self.serving.info.hash_algo,
-                block_hashes=[h.hex() for h in self._block_hashes(job)],
-                cached_tokens=cached,
-                output_tokens=sum(n_out),
-                n=job.n,
-                finish_reasons=reasons,
-                timings={"ttft_s": None if ttft is None else round(ttft, 6), "e2e_s": round(e2e, 6)},
-                status="aborted" if aborted or "abort" in reasons else "ok",
-                salted=self.caller.salt is not None,
-                prompt_cache_key=self.req.prompt_cache_key,
-                user=None if self.req.user is None else pseudonym(self.req.user),
-                prompt=job.text,
-            ))
+            log.write(self._record(job, cached, n_out, reasons, ttft, e2e, aborted))
+
+    def _record(self, job: _Job, cached: int, n_out: list[int], reasons: list[str], ttft: float | None, e2e: float,
+                aborted: bool) -> RequestRecord:
+        info = self.serving.info
+        out = job.last
+        if out is not None:
+            hashes, namespace = out.prompt_block_hashes, out.namespace_id
+        else:  # aborted before the engine's first output: hash as the engine does
+            hasher = self.serving.engine.hasher.for_namespace(self.caller.tenant, self.caller.client_salt)
+            hashes, namespace = hasher.hash_blocks(job.prompt.token_ids), hasher.namespace_id
+        spans = job.prompt.message_spans
+        return RequestRecord(
+            timestamp=round(job.arrival_wall, 6),
+            finish_time=round(job.arrival_wall + e2e, 6),
+            request_id=job.request_id,
+            endpoint="chat" if self.chat else "completions",
+            model=info.name,
+            replica=info.replica_id,
+            tenant=pseudonym(self.caller.tenant_label),
+            namespace=namespace,
+            prompt_tokens=len(job.prompt.token_ids),
+            block_size=info.block_size,
+            hash_algo=info.hash_algo,
+            block_hashes=[h.hex() for h in hashes],
+            cached_tokens=cached,
+            miss_reason=job.detail.reason if job.detail is not None else None,
+            output_tokens=sum(n_out),
+            n=job.n,
+            finish_reasons=reasons,
+            timings={"ttft_s": None if ttft is None else round(ttft, 6), "e2e_s": round(e2e, 6)},
+            status="aborted" if aborted or "abort" in reasons else "ok",
+            salted=self.caller.tenant is not None or self.caller.client_salt is not None,
+            prompt_cache_key=self.req.prompt_cache_key,
+            user=None if self.req.user is None else pseudonym(self.req.user),
+            prompt=job.prompt.text,
+            message_spans=[list(sp) if sp else None for sp in spans] if spans else None,
+        )
 
     # -- bodies ------------------------------------------------------------------------------------------
 
     def _usage(self) -> dict:
-        prompt = sum(len(j.token_ids) for j in self.jobs)
+        prompt = sum(len(j.prompt.token_ids) for j in self.jobs)
         completion = sum(len(o.token_ids) for j in self.jobs if j.last for o in j.last.outputs)
         cached = sum(j.last.num_cached_tokens for j in self.jobs if j.last)
         usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,

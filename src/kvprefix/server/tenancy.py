@@ -1,8 +1,9 @@
 """API keys, tenants, and the cache salt that keeps tenants from ever sharing a cached block.
 
 Prefix caching leaks through timing (a hit is faster), so a tenant that could hit another tenant's blocks could
-probe what that tenant sends. With keys configured, the salt that enters the root block hash is derived here,
-on the server, from the authenticated tenant; a client ``cache_salt`` can only subdivide its own tenant. See
+probe what that tenant sends. With keys configured, the namespace that enters the root block hash is derived from
+the authenticated tenant (never from anything the client says); a client ``cache_salt`` can only subdivide its own
+tenant. See
 docs/security.md.
 """
 
@@ -42,25 +43,13 @@ def validate_client_salt(salt: str | None) -> str | None:
     return salt
 
 
-def cache_salt(tenant: str | None, client_salt: str | None) -> str | None:
-    """The salt the engine mixes into the root hash. None (no tenancy, no client salt) is the shared namespace,
-    so hashes equal those of the offline LLM and of a router that hashes without a salt."""
-    if tenant is None and client_salt is None:
-        return None
-    # JSON keeps (tenant, salt) pairs unambiguous: no choice of names makes two pairs encode alike.
-    return json.dumps([tenant or "", client_salt or ""], separators=(",", ":"))
-
-
 @dataclass(frozen=True)
 class Caller:
-    """Who sent a request: the tenant (None when the server runs without keys) and the effective cache salt."""
+    """Who sent a request: the tenant (None when the server runs without keys) and the client's cache salt; the
+    two pick the cache namespace (``cache.identity.namespace_salt``)."""
 
     tenant: str | None
     client_salt: str | None
-
-    @property
-    def salt(self) -> str | None:
-        return cache_salt(self.tenant, self.client_salt)
 
     @property
     def tenant_label(self) -> str:

@@ -1,0 +1,153 @@
+"""The request log: one versioned JSONL schema, written by the server, read by the planner and the doctor.
+
+One line per prompt, written when its request ends. It holds what a miss diagnosis needs (arrival and finish
+times, tenant pseudonym, namespace id, block hashes, cached tokens and why the rest missed, replica) and the prompt
+text only when the operator asks for it. docs/request-log.md documents every field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import IO, Any
+
+FORMAT_VERSION = 2
+
+
+@dataclass
+class RequestRecord:
+    """One prompt. The first four fields are what any replay needs; the server writes every field."""
+
+    timestamp: float  # arrival, Unix epoch seconds
+    prompt_tokens: int
+    block_hashes: list[str]  # hex, full prompt blocks only, parent-chained, in the request's namespace
+    output_tokens: int  # sum over the n choices
+    block_size: int | None = None  # None only in hand-made logs (readers then need it given)
+    hash_algo: str = ""
+    cached_tokens: int = 0  # also the position of the first uncached token: the cache serves a prefix
+    request_id: str = ""
+    endpoint: str = ""  # "completions" or "chat"
+    model: str = ""
+    tenant: str = ""  # pseudonym (server.tenancy.pseudonym)
+    n: int = 1
+    finish_reasons: list[str] = field(default_factory=list)
+    timings: dict[str, float | None] = field(default_factory=dict)  # seconds: ttft_s (None: no token), e2e_s
+    status: str = "ok"  # or "aborted" (client went away or server shut down)
+    salted: bool = False  # True when a tenant or cache_salt salted the hashes (they then match no unsalted hash)
+    prompt_cache_key: str | None = None
+    user: str | None = None  # pseudonymized like the tenant
+    prompt: str | None = None  # rendered text, only with --request-log-prompts
+    # since v2:
+    finish_time: float | None = None  # Unix epoch seconds
+    namespace: str = ""  # public namespace id (cache.identity.namespace_id), never the salt
+    replica: str = ""  # the server's --replica-id
+    miss_reason: str | None = None  # why the tokens after cached_tokens missed (a cache_detail reason code)
+    message_spans: list[list[int] | None] | None = None  # chat, with the prompt: [start, end) of each message
+    v: int = FORMAT_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"), ensure_ascii=False)
+
+    @classmethod
+    def from_dict(cls, row: dict[str, Any]) -> RequestRecord:
+        """Validates a parsed line (any version up to ours); raises ValueError naming the bad field."""
+        version = row.get("v", 1)
+        if not isinstance(version, int) or not 1 <= version <= FORMAT_VERSION:
+            raise ValueError(f"unsupported request-log version {version!r} (this reader knows 1 to {FORMAT_VERSION})")
+        for name, kinds in _REQUIRED.items():
+            if name not in row:
+                raise ValueError(f"missing field {name!r}")
+            if isinstance(row[name], bool) and bool not in kinds or not isinstance(row[name], kinds):
+                raise ValueError(f"field {name!r} has the wrong type: {row[name]!r}")
+        if row["prompt_tokens"] < 1:
+            raise ValueError("field 'prompt_tokens' must be >= 1")
+        block_size = row.get("block_size")
+        if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)
+                                       or block_size < 1):
+            raise ValueError(f"field 'block_size' must be an integer >= 1, got {block_size!r}")
+        if not all(isinstance(h, str) for h in row["block_hashes"]):
+            raise ValueError("block_hashes must be hex strings")
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in row.items() if k in known})
+
+
+# Fields every record has, with their JSON types: what a replay cannot do without.
+_REQUIRED: dict[str, tuple[type, ...]] = {
+    "timestamp": (int, float),
+    "prompt_tokens": (int,),
+    "block_hashes": (list,),
+    "output_tokens": (int,),
+}
+
+
+class RequestLogError(ValueError):
+    """A line the reader cannot use; the message names the file and the 1-based line."""
+
+    def __init__(self, path: str | Path, line: int | None, message: str):
+        super().__init__(f"{path}:{line}: {message}" if line else f"{path}: {message}")
+        self.path = str(path)
+        self.line = line
+
+
+def iter_records(path: str | Path, torn: list[int] | None = None) -> Iterator[tuple[int, RequestRecord]]:
+    """(line number, record) for each record of a request log.
+
+    A line that is not JSON at all is a record torn by a crash mid-write: it is skipped (its number appended to
+    ``torn``) rather than refusing the whole file. A JSON line that is not a valid record is an error.
+    """
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line_no, text in enumerate(f, start=1):
+            if not text.strip():
+                continue
+            try:
+                row = json.loads(text)
+            except json.JSONDecodeError:
+                if torn is not None:
+                    torn.append(line_no)
+                continue
+            if not isinstance(row, dict):
+                raise RequestLogError(path, line_no, f"expected a JSON object, got {type(row).__name__}")
+            try:
+                yield line_no, RequestRecord.from_dict(row)
+            except (ValueError, TypeError) as exc:
+                raise RequestLogError(path, line_no, str(exc)) from None
+
+
+class RequestLogWriter:
+    """Appends records as JSON lines, one write and flush per line so the file can be tailed while serving."""
+
+    def __init__(self, path: str, include_prompts: bool = False):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.include_prompts = include_prompts
+        self._file: IO[str] | None = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        if _ends_torn(path):
+            # A crash cut the last line: end it, so the next record starts on a line of its own.
+            self._file.write("\n")
+            self._file.flush()
+
+    def write(self, record: RequestRecord) -> None:
+        if self._file is None:
+            return
+        if not self.include_prompts:
+            record.prompt = None
+            record.message_spans = None
+        self._file.write(record.to_json() + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def _ends_torn(path: str) -> bool:
+    size = os.path.getsize(path)
+    if size == 0:
+        return False
+    with open(path, "rb") as f:
+        f.seek(size - 1)
+        return f.read(1) != b"\n"

@@ -1,0 +1,23 @@
+"""OpenAI request bodies -> rendered text and token ids: the one renderer, and the tokenizer it uses. No torch."""
+
+from kvprefix.prompts.render import (
+    PromptError,
+    RenderedPrompt,
+    completion_prompts,
+    normalize_messages,
+    render_body,
+    render_chat,
+    render_completion,
+)
+from kvprefix.prompts.tokenizer import Tokenizer
+
+__all__ = [
+    "PromptError",
+    "RenderedPrompt",
+    "Tokenizer",
+    "completion_prompts",
+    "normalize_messages",
+    "render_body",
+    "render_chat",
+    "render_completion",
+]

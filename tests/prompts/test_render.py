@@ -1,0 +1,67 @@
+"""The one renderer: OpenAI bodies -> text and token ids, the same for the server, LLM.chat and the planner."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvprefix.prompts import PromptError, Tokenizer, completion_prompts, render_body, render_chat
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama_path: str) -> Tokenizer:
+    return Tokenizer(tiny_llama_path)
+
+
+def test_developer_is_system_and_text_parts_are_joined(tokenizer: Tokenizer) -> None:
+    plain = render_chat(tokenizer, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    openai_style = render_chat(tokenizer, [
+        {"role": "developer", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
+        {"role": "user", "content": "Hi", "name": "ann"},
+    ])
+    assert openai_style == plain
+    assert plain.text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    # The template writes the special tokens itself: no BOS is added on top.
+    assert plain.token_ids == tokenizer.encode(plain.text, add_special_tokens=False)
+
+
+def test_message_spans_locate_each_message(tokenizer: Tokenizer) -> None:
+    messages = [{"role": "system", "content": "Rules."}, {"role": "user", "content": "Rules."},
+                {"role": "assistant", "content": None}]
+    r = render_chat(tokenizer, messages)
+    assert [r.text[a:b] for a, b in r.message_spans[:2]] == ["Rules.", "Rules."]
+    assert r.message_spans[0] != r.message_spans[1] and r.message_spans[2] is None  # empty content has no span
+
+
+def test_bodies_render_like_the_parts(tokenizer: Tokenizer) -> None:
+    (chat,) = render_body(tokenizer, {"messages": [{"role": "user", "content": "Hi"}]})
+    assert chat == render_chat(tokenizer, [{"role": "user", "content": "Hi"}])
+    texts = render_body(tokenizer, {"prompt": ["one", "two"]})
+    assert [t.token_ids for t in texts] == [tokenizer.encode("one"), tokenizer.encode("two")]
+    (ids,) = render_body(tokenizer, {"prompt": [5, 6, 7]})
+    assert ids.token_ids == [5, 6, 7] and ids.text is None
+    assert completion_prompts([[1, 2], [3]]) == [[1, 2], [3]]
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "only text parts"),
+    ({"messages": [{"content": "no role"}]}, "messages\\[0\\] must be an object with a string 'role'"),
+    ({"messages": []}, "must not be empty"),
+    ({"prompt": [1, "a"]}, "'prompt' must be"),
+    ({"input": "x"}, "needs 'messages'"),
+    ({"messages": [{"role": "tool", "content": 5}]}, "must be a string or a list of text parts"),
+])
+def test_bad_bodies_name_the_field(tokenizer: Tokenizer, body: dict, message: str) -> None:
+    with pytest.raises(PromptError, match=message) as e:
+        render_body(tokenizer, body)
+    assert e.value.param in ("messages", "prompt")
+
+
+def test_llm_chat_renders_like_the_renderer(tiny_llama_path: str) -> None:
+    from kvprefix import LLM, SamplingParams
+
+    llm = LLM(tiny_llama_path, num_gpu_blocks=64)
+    messages = [{"role": "developer", "content": [{"type": "text", "text": "Short answers."}]},
+                {"role": "user", "content": "Why?"}]
+    (out,) = llm.chat(messages, SamplingParams(max_tokens=1))
+    rendered = render_chat(llm.get_tokenizer(), messages)
+    assert out.prompt_token_ids == rendered.token_ids and out.prompt == rendered.text
