@@ -1,5 +1,5 @@
 """Mooncake-format traces: ``timestamp`` (ms), ``input_length``, ``output_length`` and parent-chained ``hash_ids``
-(one per prompt block of a stated block size, the last one possibly partial). See ../shared/traces/README.md."""
+(one per prompt block of a stated block size, the last one possibly partial). See docs/planner.md, "Trace formats"."""
 
 from __future__ import annotations
 
