@@ -3,6 +3,10 @@
 Block refs per second = prompt blocks of the trace / seconds spent in the replay (trace parsing excluded; it is
 timed separately). Each configuration is replayed several times; the table gives the median and the best.
 
+The default trace is the repository's own copy (tests/data/traces), so the script runs from a fresh clone.
+``--trace`` takes any Mooncake-format file instead, e.g. a larger one from the shared trace collection
+(../shared/traces) when it sits beside the checkout; the configurations assume 512-token blocks.
+
     python benchmarks/bench_replay.py [--trace PATH] [--repeats 5] [--out results/bench_replay.json]
 """
 
@@ -18,7 +22,7 @@ from kvprefix.sim.formats import load_trace
 from kvprefix.sim.metrics import summarize
 from kvprefix.sim.replay import ReplayConfig, replay
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+TRACE = Path(__file__).resolve().parents[1] / "tests" / "data" / "traces" / "mooncake_synthetic_trace.jsonl"
 BLOCK = 512
 
 CONFIGS = {

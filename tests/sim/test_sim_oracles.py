@@ -1,4 +1,4 @@
-"""Exact hit rates that follow from how the shared traces were built (../shared/traces/README.md)."""
+"""Exact hit rates that follow from how the test traces were built (tests/data/traces/README.md)."""
 
 from fractions import Fraction
 

@@ -1,6 +1,7 @@
 """Trace readers: the three formats, exact block-size coarsening, and errors that name the bad line."""
 
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,43 @@ def test_coarsened_ids_share_exactly_when_coarse_hashes_do(prompts, factor):
         for b in range(len(prompts)):
             for k in range(min(len(direct[a]), len(direct[b]))):
                 assert (converted[a][k] == converted[b][k]) == (direct[a][k] == direct[b][k])
+
+
+def read_rows(rows: list[list[int]]) -> list[list]:
+    """Full-block ids the Mooncake reader gives for rows of hash_ids (16-token blocks, no partial tail)."""
+    with tempfile.TemporaryDirectory() as d:
+        path = write_jsonl(Path(d) / "t_bs16.jsonl", [row(n=16 * len(ids), ids=ids) for ids in rows])
+        return [r.block_hashes for r in load_trace(path).requests]
+
+
+rows_of_ids = st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=6), min_size=1, max_size=6)
+
+
+@settings(max_examples=100, deadline=None)
+@given(rows=rows_of_ids)
+def test_mooncake_positions_share_a_block_only_when_their_whole_prefixes_match(rows):
+    # Ids over {0, 1, 2} repeat within rows and at other positions: only a whole matching prefix is a shared block.
+    out = read_rows(rows)
+    positions = [(a, k) for a in range(len(rows)) for k in range(len(rows[a]))]
+    for a, k in positions:
+        for b, j in positions:
+            assert (out[a][k] == out[b][j]) == (rows[a][: k + 1] == rows[b][: j + 1]), (rows, out)
+
+
+@settings(max_examples=60, deadline=None)
+@given(blocks=rows_of_ids, start=st.integers(-(10**6), 10**6))
+def test_mooncake_chained_ids_are_read_unchanged(blocks, start):
+    # Chain the ids the way trace builders do (one id per distinct prefix, in no particular order): kept as they are.
+    ids_of: dict[tuple, int] = {}
+    rows = [[ids_of.setdefault(tuple(b[: k + 1]), start - 7 * len(ids_of)) for k in range(len(b))] for b in blocks]
+    assert read_rows(rows) == rows
+
+
+def test_an_id_repeated_in_a_row_is_a_new_block_each_time(tmp_path, run):
+    # [7, 7, 7] is three different blocks: a request that cached only the first block [7] can reuse one block.
+    path = write_jsonl(tmp_path / "t_bs16.jsonl", [row(n=17, ids=[7, 8]), row(ts=1, n=49, ids=[7, 7, 7, 9])])
+    s = run(load_trace(path), mode="order")
+    assert s.cached_blocks == 1 and s.prefill_tokens_with_cache == 17 + 49 - 16
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
 """Mooncake-format traces: ``timestamp`` (ms), ``input_length``, ``output_length`` and parent-chained ``hash_ids``
-(one per prompt block of a stated block size, the last one possibly partial). See ../shared/traces/README.md."""
+(one per prompt block of a stated block size, the last one possibly partial). See docs/planner.md, "Trace formats"."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 
 from kvprefix.cache import cdiv
 from kvprefix.sim.trace import (
+    ChainedIds,
     TimestampCheck,
     Trace,
     TraceError,
@@ -35,6 +36,7 @@ def read_mooncake(path: str | Path, source_block_size: int | None = None, block_
     bs = block_size or src
     factor = coarsening_factor(path, src, bs)
     check_time = TimestampCheck(path)
+    chain = ChainedIds()
     requests = []
     for line, row in iter_rows(path):
         ts = require(row, "timestamp", path, line, (int, float))
@@ -58,7 +60,7 @@ def read_mooncake(path: str | Path, source_block_size: int | None = None, block_
                 timestamp=ts / 1000.0,
                 input_length=n,
                 output_length=out,
-                block_hashes=coarsen(ids, factor, n // bs),
+                block_hashes=coarsen(chain(ids), factor, n // bs),
                 num_blocks=cdiv(n, bs),
                 session=row.get("session_id"),
                 extra=extra,

@@ -1,5 +1,5 @@
-"""The planner's request record and what every trace reader shares: errors that name the line, block-size
-coarsening of chained ids, and the checks a row must pass."""
+"""The planner's request record and what every trace reader shares: errors that name the line, chaining and
+block-size coarsening of block ids, and the checks a row must pass."""
 
 from __future__ import annotations
 
@@ -57,6 +57,34 @@ def coarsening_factor(path: str | Path, source_block_size: int, block_size: int,
             f"(e.g. --block-size {source_block_size * max(1, block_size // source_block_size)})",
         )
     return block_size // source_block_size
+
+
+class ChainedIds:
+    """Gives every position of a trace's integer block ids a parent-chained identity (one per trace).
+
+    An id names the whole prefix up to its block, so the same id after another parent (repeated within a row, or
+    ids that were never chained) is another block. An id keeps its value after the first parent it is seen with,
+    so a chained trace reads unchanged (consistent-hash placement included); after any other parent it becomes
+    a fresh ``(id, n)`` tuple, which no integer id can equal.
+    """
+
+    def __init__(self) -> None:
+        self._first_parent: dict[int, Hashable] = {}
+        self._fresh: dict[tuple[Hashable, int], tuple[int, int]] = {}
+
+    def __call__(self, ids: Sequence[int]) -> list[Hashable]:
+        first_parent, fresh = self._first_parent, self._fresh
+        out: list[Hashable] = []
+        parent: Hashable = None  # the root
+        for h in ids:
+            c = h
+            if first_parent.setdefault(h, parent) != parent:  # h came after another parent before
+                c = fresh.get((parent, h))
+                if c is None:
+                    c = fresh[parent, h] = (h, len(fresh))
+            out.append(c)
+            parent = c
+        return out
 
 
 def coarsen(ids: Sequence[Hashable], factor: int, num_full_blocks: int) -> list[Hashable]:
