@@ -6,7 +6,8 @@ import sys
 
 def test_cache_sim_and_router_import_without_torch():
     code = (
-        "import sys, kvprefix, kvprefix.cache, kvprefix.sim.replay, kvprefix.router.policies, kvprefix.cli; "
+        "import sys, kvprefix, kvprefix.cache, kvprefix.cache.event_wire, kvprefix.cache.event_index, "
+        "kvprefix.sim.replay, kvprefix.router.policies, kvprefix.cli; "
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
