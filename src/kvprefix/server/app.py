@@ -18,6 +18,7 @@ from kvprefix.logs import RequestLogWriter
 from kvprefix.server.admission import Admission
 from kvprefix.server.cache_detail import CacheTracker
 from kvprefix.server.errors import APIError, bad_request, from_validation_error, install_error_handlers
+from kvprefix.server.kv_events import add_kv_event_routes
 from kvprefix.server.metrics import ServerMetrics
 from kvprefix.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvprefix.server.serving import ModelInfo, Serving
@@ -240,6 +241,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
         """SGLang's name for the same operation."""
         return await reset(raw, wait, timeout)
 
+    add_kv_event_routes(app, engine, auth, config.replica_id)
     return app
 
 

@@ -1,0 +1,127 @@
+"""What a replica caches, as its KV events describe it: the publisher's snapshot source and a subscriber's mirror.
+
+``BlockIndex`` applies events to a map hash -> (parent, namespace): no token ids, one entry per cached block.
+``StreamMirror`` feeds one replica's wire stream (``event_wire``) into an index and checks that sequence numbers
+run without gap or repeat, so a router either holds the replica's exact set or knows that it does not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvprefix.cache.event_wire import (
+    BlockRun,
+    Event,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    Message,
+    SnapshotBlocks,
+    SnapshotEnd,
+    SnapshotStart,
+)
+from kvprefix.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from kvprefix.cache.hashing import BlockHash
+
+
+class BlockIndex:
+    def __init__(self, blocks: dict[BlockHash, tuple[BlockHash | None, str]] | None = None):
+        self._blocks = blocks if blocks is not None else {}
+
+    def apply(self, event: KVCacheEvent) -> None:
+        blocks = self._blocks
+        if isinstance(event, BlockStored):
+            parent, namespace = event.parent_block_hash, event.namespace
+            for h in event.block_hashes:
+                blocks[h] = (parent, namespace)
+                parent = h
+        elif isinstance(event, BlockRemoved):
+            for h in event.block_hashes:
+                blocks.pop(h, None)
+        elif isinstance(event, AllBlocksCleared):
+            blocks.clear()
+
+    def add_run(self, run: BlockRun) -> None:
+        parent = run.parent
+        for h in run.hashes:
+            self._blocks[h] = (parent, run.namespace)
+            parent = h
+
+    def copy(self) -> BlockIndex:
+        return BlockIndex(dict(self._blocks))
+
+    def blocks(self) -> dict[BlockHash, tuple[BlockHash | None, str]]:
+        """hash -> (parent, namespace), a copy."""
+        return dict(self._blocks)
+
+    def runs(self, max_run: int = 512) -> list[BlockRun]:
+        """The index as runs of chained blocks (at most ``max_run`` each), in the order they were stored: a
+        request's blocks arrive together, so most chains come out whole."""
+        out: list[BlockRun] = []
+        last: BlockHash | None = None
+        for h, (parent, namespace) in self._blocks.items():
+            run = out[-1] if out else None
+            if run is not None and parent == last and namespace == run.namespace and len(run.hashes) < max_run:
+                run.hashes.append(h)
+            else:
+                out.append(BlockRun(namespace, parent, [h]))
+            last = h
+        return out
+
+    def cached_prefix_blocks(self, block_hashes: Sequence[BlockHash]) -> int:
+        """How many leading blocks of a request's chain are cached."""
+        n = 0
+        for h in block_hashes:
+            if h not in self._blocks:
+                break
+            n += 1
+        return n
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, block_hash: object) -> bool:
+        return block_hash in self._blocks
+
+
+class StreamError(ValueError):
+    """The stream broke its contract (a skipped or repeated sequence number, a resume into another epoch)."""
+
+
+class StreamMirror:
+    """One replica's cached blocks, kept exact from its event stream. ``ready`` is False until a snapshot or a
+    resume has given a complete state; ``since``/``epoch`` are what to reconnect with."""
+
+    def __init__(self) -> None:
+        self.index = BlockIndex()
+        self.replica_id: str | None = None
+        self.epoch: str | None = None
+        self.since: int | None = None  # the last event applied
+        self.ready = False
+        self._snapshot_seq: int | None = None
+
+    def apply(self, msg: Message) -> None:
+        if isinstance(msg, Event):
+            if not self.ready or msg.seq != self.since + 1:
+                raise StreamError(f"event {msg.seq} after {self.since} (ready={self.ready})")
+            self.index.apply(msg.event)
+            self.since = msg.seq
+        elif isinstance(msg, Hello):
+            if msg.resume and (msg.epoch != self.epoch or self.since is None):
+                raise StreamError(f"resume offered into epoch {msg.epoch}, but this mirror is at {self.epoch}")
+            self.replica_id, self.epoch = msg.replica_id, msg.epoch
+            self.ready = msg.resume
+        elif isinstance(msg, SnapshotStart):
+            self.index, self.ready, self._snapshot_seq = BlockIndex(), False, msg.seq
+        elif isinstance(msg, SnapshotBlocks):
+            for run in msg.runs:
+                self.index.add_run(run)
+        elif isinstance(msg, SnapshotEnd):
+            if msg.seq != self._snapshot_seq:
+                raise StreamError(f"snapshot ended at {msg.seq}, began at {self._snapshot_seq}")
+            self.since, self.ready = msg.seq, True
+        elif isinstance(msg, Heartbeat):
+            if self.ready and msg.seq != self.since:
+                raise StreamError(f"heartbeat at {msg.seq}, but {self.since} was the last event")
+        elif isinstance(msg, Goodbye):
+            self.ready = False

@@ -1,0 +1,208 @@
+"""`GET /v1/kv_events`: the replica's KV cache events as an NDJSON stream, for prefix-aware routers.
+
+The publisher numbers every engine event, keeps the index of what is cached (for snapshots) and, once anyone has
+subscribed, a ring buffer of recent encoded events (for resumes). Each subscriber has a bounded queue filled on
+the engine thread and drained by its response; one that falls behind is dropped with a goodbye, never waited for.
+Wire format and protocol: docs/kv-events.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import threading
+from collections import deque
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Query, Request
+from fastapi.responses import StreamingResponse
+
+from kvprefix.cache import KVCacheEvent
+from kvprefix.cache.event_index import BlockIndex
+from kvprefix.cache.event_wire import (
+    Event,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    SnapshotBlocks,
+    SnapshotEnd,
+    SnapshotStart,
+    dumps,
+)
+from kvprefix.server.errors import APIError
+from kvprefix.server.tenancy import Auth
+
+BUFFER_BYTES = 16 * 2**20  # recent events kept for resumes
+QUEUE_BYTES = 4 * 2**20  # per subscriber; smaller than the buffer, so a dropped subscriber can usually resume
+HEARTBEAT_S = 10.0
+_RUNS_PER_LINE = 64
+
+
+class _Subscriber:
+    """One stream's queue. Pushed on the engine thread and taken on the event loop, both under the publisher's
+    lock; the loop is woken once per batch, not once per event."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, limit: int):
+        self.loop = loop
+        self.limit = limit
+        self.wake = asyncio.Event()
+        self.lines: list[tuple[int, bytes]] = []
+        self.size = 0
+        self.notified = False
+        self.ended: str | None = None  # "overflow" or "shutdown"
+
+    def push(self, seq: int, line: bytes) -> bool:
+        """False when the subscriber overflowed (and so must be dropped). One line always fits an empty queue,
+        so an event larger than the limit cannot make a subscriber fail forever."""
+        if self.lines and self.size + len(line) > self.limit:
+            self.lines, self.size = [], 0  # freed now: the subscriber will resume or resync anyway
+            self.end("overflow")
+            return False
+        self.lines.append((seq, line))
+        self.size += len(line)
+        self._notify()
+        return True
+
+    def end(self, reason: str) -> None:
+        self.ended = self.ended or reason
+        self._notify()
+
+    def _notify(self) -> None:
+        if not self.notified:
+            self.notified = True
+            try:
+                self.loop.call_soon_threadsafe(self.wake.set)
+            except RuntimeError:  # the loop is closed: nobody reads this stream any more
+                pass
+
+    def take(self) -> tuple[list[tuple[int, bytes]], str | None]:
+        lines, self.lines, self.size, self.notified = self.lines, [], 0, False
+        return lines, self.ended
+
+
+class KVEventPublisher:
+    """Turns one engine's events into streams. ``on_event`` is the engine subscription (engine thread)."""
+
+    def __init__(self, replica_id: str, hasher, buffer_bytes: int = BUFFER_BYTES, queue_bytes: int = QUEUE_BYTES,
+                 heartbeat_s: float = HEARTBEAT_S):
+        self.replica_id = replica_id
+        self.epoch = secrets.token_hex(8)  # a restarted replica starts a new epoch: its numbers start over
+        self._hasher = hasher
+        self._buffer_limit = buffer_bytes
+        self._queue_limit = queue_bytes
+        self._heartbeat_s = heartbeat_s
+        self._lock = threading.Lock()
+        self._index = BlockIndex()
+        self._seq = 0
+        self._buffer: deque[tuple[int, bytes]] = deque()
+        self._buffer_size = 0
+        self._recording = False  # nothing is encoded or buffered before the first subscriber
+        self._subscribers: list[_Subscriber] = []
+        self._closed = False
+
+    def on_event(self, event: KVCacheEvent) -> None:
+        with self._lock:
+            self._seq += 1
+            self._index.apply(event)
+            if not self._recording:
+                return
+            line = dumps(Event(self._seq, self.replica_id, event))
+            self._buffer.append((self._seq, line))
+            self._buffer_size += len(line)
+            while self._buffer_size > self._buffer_limit and len(self._buffer) > 1:
+                self._buffer_size -= len(self._buffer.popleft()[1])
+            if self._subscribers:
+                self._subscribers = [s for s in self._subscribers if s.push(self._seq, line)]
+
+    def close(self) -> None:
+        """Ends every stream with a goodbye (shutdown): open streams would otherwise hold the server open."""
+        with self._lock:
+            self._closed = True
+            for sub in self._subscribers:
+                sub.end("shutdown")
+            self._subscribers = []
+
+    def stream(self, since: int | None, epoch: str | None) -> AsyncIterator[bytes]:
+        """A new subscriber's stream: hello, then the events after ``since`` if this epoch's buffer still holds
+        them all, else a snapshot, then the live events. Registered atomically with the state it starts from, so
+        nothing is missed or repeated. Call on the event loop."""
+        sub = _Subscriber(asyncio.get_running_loop(), self._queue_limit)
+        with self._lock:
+            if self._closed:
+                raise APIError(503, "the server is shutting down", type="server_error")
+            self._recording = True
+            last = self._seq
+            buffer = self._buffer
+            resume = epoch == self.epoch and since is not None and (
+                since == last or (since < last and bool(buffer) and buffer[0][0] <= since + 1))
+            # Copies only (C-speed) under the lock: the engine thread waits on it; encoding happens outside.
+            replay = [line for seq, line in buffer if seq > since] if resume and since != last else []
+            index = None if resume else self._index.copy()
+            self._subscribers.append(sub)
+        hello = Hello(self.replica_id, self.epoch, self._hasher.block_size, self._hasher.algo, self._hasher.root,
+                      last, resume)
+        return self._lines(sub, hello, replay, index)
+
+    async def _lines(self, sub: _Subscriber, hello: Hello, replay: list[bytes],
+                     index: BlockIndex | None) -> AsyncIterator[bytes]:
+        try:
+            yield dumps(hello)
+            delivered = hello.seq
+            if index is None:
+                if replay:
+                    yield b"".join(replay)
+            else:
+                yield dumps(SnapshotStart(delivered, len(index)))
+                runs = await asyncio.to_thread(index.runs)  # a big pool: keep the loop serving
+                for i in range(0, len(runs), _RUNS_PER_LINE):
+                    yield dumps(SnapshotBlocks(runs[i : i + _RUNS_PER_LINE]))
+                yield dumps(SnapshotEnd(delivered))
+            while True:
+                sub.wake.clear()
+                with self._lock:
+                    lines, ended = sub.take()
+                if lines:
+                    delivered = lines[-1][0]
+                    yield b"".join(line for _, line in lines)
+                if ended:
+                    message = ("this subscriber read too slowly and was dropped; reconnect with since and epoch"
+                               if ended == "overflow" else "the replica is shutting down")
+                    yield dumps(Goodbye(delivered, ended, message))
+                    return
+                if not lines:
+                    try:
+                        await asyncio.wait_for(sub.wake.wait(), self._heartbeat_s)
+                    except asyncio.TimeoutError:
+                        yield dumps(Heartbeat(delivered))
+        finally:
+            with self._lock:
+                if sub in self._subscribers:
+                    self._subscribers.remove(sub)
+
+
+def add_kv_event_routes(app: FastAPI, engine, auth: Auth, replica_id: str) -> KVEventPublisher:
+    """Serves ``GET /v1/kv_events`` from ``engine``'s events. Call after ``app.state.drain`` is set: shutdown
+    ends the streams first.
+
+    The publisher subscribes now, not at the first stream: its snapshot must cover blocks cached before anyone
+    listened. Until then an event costs an index update and nothing else.
+    """
+    publisher = KVEventPublisher(replica_id, engine.hasher)
+    engine.subscribe_kv_events(publisher.on_event)
+    drain = app.state.drain
+
+    async def close_then_drain(timeout: float) -> None:
+        publisher.close()
+        await drain(timeout)
+
+    app.state.drain = close_then_drain
+
+    @app.get("/v1/kv_events")
+    async def kv_events(raw: Request, since: int | None = Query(None, ge=0),
+                        epoch: str | None = Query(None, max_length=64)) -> StreamingResponse:
+        """Every tenant's block hashes and activity: the admin rule of docs/security.md."""
+        auth.check_admin(raw.headers.get("authorization"))
+        return StreamingResponse(publisher.stream(since, epoch), media_type="application/x-ndjson",
+                                 headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+
+    return publisher
