@@ -49,18 +49,17 @@ class Reader:
 def test_a_subscriber_that_stops_reading_is_dropped_then_resumes(tiny_llama_path: str):
     async def main():
         llm = engine(tiny_llama_path)
-        publisher = KVEventPublisher("r", llm.hasher, buffer_bytes=2**20, queue_bytes=2048, heartbeat_s=30)
-        llm.subscribe_kv_events(publisher.on_event)
+        publisher = KVEventPublisher("r", llm, buffer_bytes=2**20, queue_bytes=2048, heartbeat_s=30)
         try:
-            slow = Reader(publisher.stream(None, None))
+            slow = Reader(await publisher.stream(None, None))
             await slow.until(0)
             await generate(llm, range(100, 112))  # far more than 2 KiB of events; the engine never waits
             while not isinstance(msg := await slow.next(), Goodbye):
                 assert isinstance(msg, Event)
-            assert msg.reason == "overflow" and msg.seq == slow.mirror.since < publisher._seq
-            back = Reader(publisher.stream(msg.seq, publisher.epoch), slow.mirror)
+            assert msg.reason == "overflow" and msg.seq == slow.mirror.since < publisher.last_seq
+            back = Reader(await publisher.stream(msg.seq, publisher.epoch), slow.mirror)
             assert (await back.next()).resume
-            await back.until(publisher._seq)
+            await back.until(publisher.last_seq)
             assert set(back.mirror.index.blocks()) == set(llm.engine.manager.pool.cached_blocks)  # the truth
         finally:
             await llm.shutdown()
@@ -71,14 +70,13 @@ def test_a_subscriber_that_stops_reading_is_dropped_then_resumes(tiny_llama_path
 def test_a_resume_point_that_left_the_buffer_gets_a_snapshot(tiny_llama_path: str):
     async def main():
         llm = engine(tiny_llama_path)
-        publisher = KVEventPublisher("r", llm.hasher, buffer_bytes=1, heartbeat_s=30)  # keeps only the newest
-        llm.subscribe_kv_events(publisher.on_event)
+        publisher = KVEventPublisher("r", llm, buffer_bytes=1, heartbeat_s=30)  # keeps only the newest
         try:
-            steady, gone = Reader(publisher.stream(None, None)), Reader(publisher.stream(None, None))
+            steady, gone = Reader(await publisher.stream(None, None)), Reader(await publisher.stream(None, None))
             await gone.until(0)
             await gone.stream.aclose()
             await generate(llm, range(200, 206))
-            back = Reader(publisher.stream(gone.mirror.since, gone.mirror.epoch), gone.mirror)
+            back = Reader(await publisher.stream(gone.mirror.since, gone.mirror.epoch), gone.mirror)
             hello = await back.next()
             assert not hello.resume
             await back.until(hello.seq)
@@ -95,14 +93,37 @@ def test_a_resume_point_that_left_the_buffer_gets_a_snapshot(tiny_llama_path: st
 def test_an_idle_stream_sends_heartbeats_with_its_last_event(tiny_llama_path: str):
     async def main():
         llm = engine(tiny_llama_path)
-        publisher = KVEventPublisher("r", llm.hasher, heartbeat_s=0.05)
-        llm.subscribe_kv_events(publisher.on_event)
+        publisher = KVEventPublisher("r", llm, heartbeat_s=0.05)
         try:
-            reader = Reader(publisher.stream(None, None))
+            reader = Reader(await publisher.stream(None, None))
             await generate(llm, range(300, 302))
-            await reader.until(publisher._seq)
+            await reader.until(publisher.last_seq)
             beat = await reader.next()
-            assert beat == Heartbeat(publisher._seq)
+            assert beat == Heartbeat(publisher.last_seq)
+        finally:
+            await llm.shutdown()
+
+    asyncio.run(main())
+
+
+def test_nothing_listens_until_the_first_stream_whose_snapshot_is_the_pool(tiny_llama_path: str):
+    """No cost while nobody listens: the engine builds no events until a stream opens; that stream's snapshot is
+    the pool's cached set at that moment, and events continue from it."""
+
+    async def main():
+        llm = engine(tiny_llama_path)
+        publisher = KVEventPublisher("r", llm, heartbeat_s=30)
+        try:
+            await generate(llm, range(400, 404))
+            assert not llm.engine.manager.events.active
+            reader = Reader(await publisher.stream(None, None))
+            await reader.until(0)
+            assert llm.engine.manager.events.active
+            pool = llm.engine.manager.pool
+            assert set(reader.mirror.index.blocks()) == set(pool.cached_blocks) and len(pool.cached_blocks) > 0
+            await generate(llm, range(404, 410))
+            await reader.until(publisher.last_seq)
+            assert set(reader.mirror.index.blocks()) == set(pool.cached_blocks)
         finally:
             await llm.shutdown()
 

@@ -12,12 +12,16 @@ from kvprefix.cache.stats import PrefixCacheStats
 class KVCacheBlock:
     """One block of KV slots. ``block_hash`` is set while the block is registered in the prefix cache."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "parent_hash", "namespace", "prev_free", "next_free")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: Hashable | None = None
+        # Where the block sits while registered (its chain's previous hash, its namespace id): what a snapshot of
+        # the cache reports, so a subscriber can start from the current set without anyone mirroring it.
+        self.parent_hash: Hashable | None = None
+        self.namespace = ""
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
 
@@ -173,27 +177,30 @@ class BlockPool:
         kept as a copy: hits go to the first, and the hash stays cached while any copy lives (see ``free``).
         """
         cached = self.cached_blocks
+        hashes = request.block_hashes
+        hasher = request.hasher
+        root, namespace = (hasher.root, hasher.namespace_id) if hasher is not None else (None, "")
         stored: list[int] = []
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.block_hash is not None:  # a hit block, registered already
                 continue
-            block_hash = request.block_hashes[i]
+            block_hash = hashes[i]
             block.block_hash = block_hash
+            block.parent_hash = hashes[i - 1] if i else root
+            block.namespace = namespace
             if block_hash in cached:
                 self._duplicates.setdefault(block_hash, []).append(block)
             else:
                 cached[block_hash] = block
                 stored.append(i)
         if stored and self.events.active:
-            self._publish_stored(request, stored)
+            self._publish_stored(request, stored, root, namespace)
 
-    def _publish_stored(self, request: CacheRequest, indices: list[int]) -> None:
+    def _publish_stored(self, request: CacheRequest, indices: list[int], root, namespace: str) -> None:
         """One BlockStored per run of consecutive block indices, so each event has a single parent."""
         bs = self.block_size
         extras = request.extras if request.extras is not None and not request.extras.is_empty() else None
-        hasher = request.hasher
-        root, namespace = (hasher.root, hasher.namespace_id) if hasher is not None else (None, "")
         run_start = 0
         for k in range(1, len(indices) + 1):
             if k < len(indices) and indices[k] == indices[k - 1] + 1:
@@ -243,6 +250,10 @@ class BlockPool:
             del self._duplicates[block_hash]
         block.block_hash = None
         return True
+
+    def snapshot(self) -> list[tuple[Hashable, Hashable | None, str]]:
+        """(hash, parent hash, namespace id) of every cached hash, in the order they were registered."""
+        return [(h, b.parent_hash, b.namespace) for h, b in self.cached_blocks.items()]
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached hash. Refuses (returns False, changes nothing) while any block is referenced."""

@@ -119,6 +119,21 @@ class AsyncLLM:
         (so it must be thread-safe and quick). Returns a function that unsubscribes."""
         return self.engine.manager.events.subscribe(callback)
 
+    async def subscribe_kv_events_from_snapshot(
+        self,
+        on_snapshot: Callable[[list[tuple[bytes, bytes | None, str]]], None],
+        on_event: Callable[[KVCacheEvent], None],
+    ) -> Callable[[], None]:
+        """Atomically, on the engine thread: calls ``on_snapshot`` with every block cached now, as (hash, parent
+        hash, namespace id), then subscribes ``on_event``; so the two together see each change exactly once.
+        Returns a function that unsubscribes."""
+
+        def start() -> Callable[[], None]:
+            on_snapshot(self.engine.manager.pool.snapshot())
+            return self.engine.manager.events.subscribe(on_event)
+
+        return await self._call(start)
+
     async def abort(self, request_id: str) -> None:
         """Stops the request and frees its blocks (done when this returns); its stream ends with finish_reason
         "abort". Unknown or finished ids are ignored."""

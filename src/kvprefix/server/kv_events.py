@@ -1,9 +1,11 @@
 """`GET /v1/kv_events`: the replica's KV cache events as an NDJSON stream, for prefix-aware routers.
 
-The publisher numbers every engine event, keeps the index of what is cached (for snapshots) and, once anyone has
-subscribed, a ring buffer of recent encoded events (for resumes). Each subscriber has a bounded queue filled on
-the engine thread and drained by its response; one that falls behind is dropped with a goodbye, never waited for.
-Wire format and protocol: docs/kv-events.md.
+Nothing is subscribed until the first stream opens: a replica nobody listens to pays nothing. The first stream
+subscribes the publisher to the engine together with a snapshot of the pool, atomically on the engine thread;
+from then on the publisher numbers every event, keeps the index of what is cached (for later snapshots) and a
+ring buffer of recent encoded events (for resumes). Each subscriber has a bounded queue filled on the engine
+thread and drained by its response; one that falls behind is dropped with a goodbye, never waited for. Wire
+format and protocol: docs/kv-events.md.
 """
 
 from __future__ import annotations
@@ -81,13 +83,14 @@ class _Subscriber:
 
 
 class KVEventPublisher:
-    """Turns one engine's events into streams. ``on_event`` is the engine subscription (engine thread)."""
+    """Turns one engine's (an AsyncLLM's) events into streams; ``on_event`` runs on the engine thread."""
 
-    def __init__(self, replica_id: str, hasher, buffer_bytes: int = BUFFER_BYTES, queue_bytes: int = QUEUE_BYTES,
+    def __init__(self, replica_id: str, engine, buffer_bytes: int = BUFFER_BYTES, queue_bytes: int = QUEUE_BYTES,
                  heartbeat_s: float = HEARTBEAT_S):
         self.replica_id = replica_id
         self.epoch = secrets.token_hex(8)  # a restarted replica starts a new epoch: its numbers start over
-        self._hasher = hasher
+        self._engine = engine
+        self._hasher = engine.hasher
         self._buffer_limit = buffer_bytes
         self._queue_limit = queue_bytes
         self._heartbeat_s = heartbeat_s
@@ -96,16 +99,31 @@ class KVEventPublisher:
         self._seq = 0
         self._buffer: deque[tuple[int, bytes]] = deque()
         self._buffer_size = 0
-        self._recording = False  # nothing is encoded or buffered before the first subscriber
+        self._subscribed = False
+        self._subscribing = asyncio.Lock()
         self._subscribers: list[_Subscriber] = []
         self._closed = False
+
+    @property
+    def last_seq(self) -> int:
+        """The number of the latest event (0 before any)."""
+        return self._seq
+
+    async def _subscribe_once(self) -> None:
+        async with self._subscribing:
+            if not self._subscribed:
+                await self._engine.subscribe_kv_events_from_snapshot(self._load_snapshot, self.on_event)
+                self._subscribed = True
+
+    def _load_snapshot(self, blocks: list[tuple]) -> None:
+        """The pool's cached blocks when the subscription starts (engine thread): event 0's state."""
+        with self._lock:
+            self._index = BlockIndex({h: (parent, namespace) for h, parent, namespace in blocks})
 
     def on_event(self, event: KVCacheEvent) -> None:
         with self._lock:
             self._seq += 1
             self._index.apply(event)
-            if not self._recording:
-                return
             line = dumps(Event(self._seq, self.replica_id, event))
             self._buffer.append((self._seq, line))
             self._buffer_size += len(line)
@@ -122,15 +140,15 @@ class KVEventPublisher:
                 sub.end("shutdown")
             self._subscribers = []
 
-    def stream(self, since: int | None, epoch: str | None) -> AsyncIterator[bytes]:
+    async def stream(self, since: int | None, epoch: str | None) -> AsyncIterator[bytes]:
         """A new subscriber's stream: hello, then the events after ``since`` if this epoch's buffer still holds
         them all, else a snapshot, then the live events. Registered atomically with the state it starts from, so
-        nothing is missed or repeated. Call on the event loop."""
+        nothing is missed or repeated."""
+        await self._subscribe_once()
         sub = _Subscriber(asyncio.get_running_loop(), self._queue_limit)
         with self._lock:
             if self._closed:
                 raise APIError(503, "the server is shutting down", type="server_error")
-            self._recording = True
             last = self._seq
             buffer = self._buffer
             resume = epoch == self.epoch and since is not None and (
@@ -182,13 +200,8 @@ class KVEventPublisher:
 
 def add_kv_event_routes(app: FastAPI, engine, auth: Auth, replica_id: str) -> KVEventPublisher:
     """Serves ``GET /v1/kv_events`` from ``engine``'s events. Call after ``app.state.drain`` is set: shutdown
-    ends the streams first.
-
-    The publisher subscribes now, not at the first stream: its snapshot must cover blocks cached before anyone
-    listened. Until then an event costs an index update and nothing else.
-    """
-    publisher = KVEventPublisher(replica_id, engine.hasher)
-    engine.subscribe_kv_events(publisher.on_event)
+    ends the streams first."""
+    publisher = KVEventPublisher(replica_id, engine)
     drain = app.state.drain
 
     async def close_then_drain(timeout: float) -> None:
@@ -202,7 +215,7 @@ def add_kv_event_routes(app: FastAPI, engine, auth: Auth, replica_id: str) -> KV
                         epoch: str | None = Query(None, max_length=64)) -> StreamingResponse:
         """Every tenant's block hashes and activity: the admin rule of docs/security.md."""
         auth.check_admin(raw.headers.get("authorization"))
-        return StreamingResponse(publisher.stream(since, epoch), media_type="application/x-ndjson",
+        return StreamingResponse(await publisher.stream(since, epoch), media_type="application/x-ndjson",
                                  headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
 
     return publisher
