@@ -102,3 +102,17 @@ def test_n_samples_share_the_prompt_blocks(make_llm, assert_no_leaks, prompts, r
     fresh.generate(prompt, SamplingParams(n=n, temperature=0, max_tokens=4))
     assert fresh.get_metrics()["prefix_cache_hits"] == (n - 1) * ((len(prompt) - 1) // BLOCK * BLOCK)
     assert_no_leaks(fresh)
+
+
+def test_preempted_requests_do_not_count_as_prefix_hits(make_llm, assert_no_leaks):
+    """Three unique prompts under memory pressure share nothing: recomputing a preempted request's own blocks goes
+    to the preempted counters, and the hit rate stays 0."""
+    prompts = [[3 + (7 * i + j) % 400 for j in range(40 + 8 * i)] for i in range(3)]
+    llm = make_llm(num_gpu_blocks=8, max_num_seqs=3)
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
+    m = llm.get_metrics()
+    assert m["num_preemptions"] > 0 and m["prefix_cache_preempted_admissions"] >= m["num_preemptions"] > 0
+    assert m["prefix_cache_preempted_hits"] > 0  # the preempted requests did find their own blocks again
+    assert (m["prefix_cache_hits"], m["prefix_cache_hit_rate"], m["prefix_cache_admissions"]) == (0, 0.0, 3)
+    assert m["prefix_cache_queries"] == sum(map(len, prompts))
+    assert_no_leaks(llm)

@@ -57,6 +57,7 @@ def test_version_1_lines_still_read(tmp_path) -> None:
     ({"prompt_tokens": 1, "block_hashes": [], "output_tokens": 0}, "missing field 'timestamp'"),
     ({"timestamp": "now", "prompt_tokens": 1, "block_hashes": [], "output_tokens": 0}, "'timestamp' has the wrong"),
     ({"timestamp": 1, "prompt_tokens": 1, "block_hashes": [3], "output_tokens": 0}, "hex strings"),
+    ({"timestamp": 1, "prompt_tokens": 1, "block_hashes": [], "output_tokens": 0, "cached_tokens": "4"}, "cached_tokens"),
     ({"timestamp": 1, "prompt_tokens": 1, "block_hashes": [], "output_tokens": 0, "v": 99}, "unsupported"),
     ({"timestamp": 1, "prompt_tokens": 1, "block_hashes": [], "output_tokens": 0, "block_size": 0}, "block_size"),
 ])

@@ -57,11 +57,13 @@ class RequestRecord:
         version = row.get("v", 1)
         if not isinstance(version, int) or not 1 <= version <= FORMAT_VERSION:
             raise ValueError(f"unsupported request-log version {version!r} (this reader knows 1 to {FORMAT_VERSION})")
-        for name, kinds in _REQUIRED.items():
-            if name not in row:
-                raise ValueError(f"missing field {name!r}")
-            if isinstance(row[name], bool) and bool not in kinds or not isinstance(row[name], kinds):
-                raise ValueError(f"field {name!r} has the wrong type: {row[name]!r}")
+        missing = next((name for name in _REQUIRED if name not in row), None)
+        if missing is not None:
+            raise ValueError(f"missing field {missing!r}")
+        for name, kinds in _TYPES.items():
+            value = row.get(name)
+            if name in row and (isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds)):
+                raise ValueError(f"field {name!r} has the wrong type: {value!r}")
         if row["prompt_tokens"] < 1:
             raise ValueError("field 'prompt_tokens' must be >= 1")
         block_size = row.get("block_size")
@@ -80,6 +82,14 @@ _REQUIRED: dict[str, tuple[type, ...]] = {
     "prompt_tokens": (int,),
     "block_hashes": (list,),
     "output_tokens": (int,),
+}
+_NUMBER_OR_NULL = (int, float, type(None))
+_STR_OR_NULL = (str, type(None))
+# The JSON types of every field a reader may use, checked where present.
+_TYPES: dict[str, tuple[type, ...]] = _REQUIRED | {
+    "cached_tokens": (int,), "n": (int,), "finish_time": _NUMBER_OR_NULL, "namespace": (str,), "replica": (str,),
+    "tenant": (str,), "miss_reason": _STR_OR_NULL, "prompt": _STR_OR_NULL, "prompt_cache_key": _STR_OR_NULL,
+    "user": _STR_OR_NULL, "timings": (dict,), "status": (str,), "message_spans": (list, type(None)),
 }
 
 
