@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from server_helpers import Server
@@ -59,6 +60,7 @@ CHAT = st.fixed_dictionaries(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(body=st.one_of(COMPLETION.map(lambda b: ("/v1/completions", b)),
                       CHAT.map(lambda b: ("/v1/chat/completions", b))))

@@ -37,6 +37,7 @@ async def _client(server: Server, i: int, disconnect: bool) -> dict:
     return {"disconnected": disconnect, "usage": usage, "finish": finish, "chunks": chunks}
 
 
+@pytest.mark.slow
 def test_64_streaming_clients_some_disconnecting(server: Server) -> None:
     before = server.wait_idle()
 

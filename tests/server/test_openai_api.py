@@ -158,6 +158,7 @@ def test_shared_prefix_hits_and_output_equals_caching_off(server: Server, server
     server_nocache.wait_idle()
 
 
+@pytest.mark.slow
 def test_serves_a_checkpoint_given_by_path(server_tmp, tiny_llama_path: str) -> None:
     """--model with a Hugging Face checkpoint directory (tiny random Llama with a chat template)."""
     s = start_server(server_tmp, "--model", tiny_llama_path, "--num-gpu-blocks", "256", "--served-model-name", "tiny")

@@ -21,6 +21,7 @@ def api_schema(server: Server):
     return schemathesis.openapi.from_url(server.url + "/openapi.json")
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(data=st.data())
 def test_schema_driven_no_5xx(server: Server, api_schema, data: st.DataObject) -> None:

@@ -12,6 +12,7 @@ import pytest
 from server_helpers import start_server
 
 
+@pytest.mark.slow
 def test_sigterm_finishes_short_requests_and_aborts_long_ones(server_tmp) -> None:
     server = start_server(server_tmp, "--num-gpu-blocks", "512", "--shutdown-timeout", "3")
     results: dict[str, object] = {}

@@ -69,6 +69,7 @@ def test_auth_errors(tenant_server: Server) -> None:
     assert httpx.get(tenant_server.url + "/metrics", headers=ADMIN).status_code == 200
 
 
+@pytest.mark.slow
 def test_reset_refused_while_running_then_waits(tenant_server: Server) -> None:
     """The true outcome: 409 while a request holds blocks; with wait=true, success once it finished."""
     started = threading.Event()

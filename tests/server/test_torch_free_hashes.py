@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from server_helpers import TENANT_KEYS, Server
 
 BODY = {
@@ -50,6 +51,7 @@ def last_log_row(server: Server, request_id: str) -> dict:
     return next(r for r in reversed(rows) if r["request_id"].startswith(request_id))
 
 
+@pytest.mark.slow
 def test_torch_free_hashes_equal_the_engines(server: Server, default_model_dir: str, tmp_path) -> None:
     client = server.client()
     reply = client.chat.completions.create(**BODY)
@@ -67,6 +69,7 @@ def test_torch_free_hashes_equal_the_engines(server: Server, default_model_dir: 
     assert mine_salted["namespace"] == salted_row["namespace"] != row["namespace"]
 
 
+@pytest.mark.slow
 def test_torch_free_hashes_equal_the_engines_under_tenancy(tenant_server: Server, default_model_dir: str) -> None:
     key = next(k for k, t in TENANT_KEYS.items() if t == "alice")
     reply = tenant_server.client(api_key=key).chat.completions.create(**BODY)
