@@ -306,3 +306,29 @@ def test_closing_a_stale_stream_does_not_abort_a_new_request_with_its_id(tiny_ll
     outputs = asyncio.run(main())
     assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "length"
     assert len(outputs[-1].outputs[0].token_ids) == 12
+
+
+def test_a_request_the_sampler_cannot_serve_fails_alone(tiny_llama_path):
+    """Should a value the engine cannot honour slip past validation, that request fails; the batch it shared a
+    step with, and every later request, are served, and the engine stays up."""
+    from kvprefix.engine import RequestFailedError
+
+    async def main():
+        engine = AsyncLLM(engine_args(tiny_llama_path))
+        try:
+            bad = SamplingParams(temperature=0.8, logprobs=2, max_tokens=8, ignore_eos=True)
+            bad.logprobs = -1  # past validation: the sampler's top-k of the logprobs cannot take it
+            good = [asyncio.create_task(collect(engine, p, GREEDY, f"good-{i}")) for i, p in enumerate(PROMPTS)]
+            with pytest.raises(RequestFailedError, match="'bad' failed in the engine: RuntimeError"):
+                await collect(engine, PROMPTS[0], bad, "bad")
+            outs = await asyncio.gather(*good)
+            assert all(len(o[-1].outputs[0].token_ids) == 12 for o in outs)
+            assert not engine.errored and engine.is_running
+            after = await collect(engine, PROMPTS[1], GREEDY, "after")
+            assert after[-1].finished
+            metrics = await wait_until_idle(engine)
+            assert metrics["requests_failed"] == 1
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())

@@ -18,6 +18,7 @@ _LAZY = {
     "AsyncLLM": "kvprefix.engine.async_llm",
     "EngineDeadError": "kvprefix.engine.async_llm",
     "LLMEngine": "kvprefix.engine.llm_engine",
+    "RequestFailedError": "kvprefix.engine.llm_engine",
 }
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "LLMEngine",
     "Logprob",
     "RequestMetrics",
+    "RequestFailedError",
     "RequestOutput",
     "SamplingParams",
 ]

@@ -230,6 +230,10 @@ class AsyncLLM:
                 stream = self._streams.get(out.request_id)
                 if stream is not None:
                     stream.put(out)
+            for request_id, error in engine.take_failures():  # failed alone: the engine goes on
+                stream = self._streams.get(request_id)
+                if stream is not None:
+                    stream.put(error)
 
     def _fail(self, error: BaseException) -> None:
         """A failed step leaves the engine in an unknown state: fail every stream and refuse new work."""

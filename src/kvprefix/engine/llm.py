@@ -77,7 +77,10 @@ class LLM:
             finals: dict[str, RequestOutput] = {}
             bar = _progress(len(ids)) if use_tqdm else None
             while len(finals) < len(ids):
-                for out in engine.step():
+                outputs = engine.step()
+                for _, error in engine.take_failures():
+                    raise error
+                for out in outputs:
                     if out.finished:
                         finals[out.request_id] = out
                         if bar is not None:

@@ -26,6 +26,10 @@ from kvprefix.prompts import Tokenizer
 PromptType = str | list[int] | dict[str, Any]
 
 
+class RequestFailedError(RuntimeError):
+    """One request failed inside the engine (e.g. its sampling could not be carried out); the engine goes on."""
+
+
 @dataclasses.dataclass
 class _UserRequest:
     """A request as the caller sees it: one prompt, ``n`` samples."""
@@ -87,7 +91,9 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | self.tokenizer.eos_token_ids
         self._requests: dict[str, _UserRequest] = {}
         self._user_request_of: dict[str, _UserRequest] = {}  # sample id -> its user request
-        self._counters = dict(prompt_tokens=0, generation_tokens=0, requests_finished=0, requests_aborted=0)
+        self._counters = dict(prompt_tokens=0, generation_tokens=0, requests_finished=0, requests_aborted=0,
+                              requests_failed=0)
+        self._failures: list[tuple[str, RequestFailedError]] = []
 
     # ---- requests -------------------------------------------------------------------------------------------
 
@@ -134,10 +140,7 @@ class LLMEngine:
         hasher = self.hasher.for_namespace(tenant, cache_salt)
         samples: list[Request] = []
         for i in range(params.n):
-            sample_params = params
-            if params.n > 1:
-                seed = None if params.seed is None else params.seed + i  # distinct but reproducible samples
-                sample_params = dataclasses.replace(params, n=1, seed=seed)
+            sample_params = params.for_sample(i) if params.n > 1 else params
             samples.append(
                 Request(
                     sample_ids[i],
@@ -177,17 +180,22 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stops a request and frees its blocks; returns its final output (finish_reason "abort"), or None if it
         is unknown or already finished."""
-        user_request = self._requests.pop(request_id, None)
+        user_request = self._requests.get(request_id)
         if user_request is None:
             return None
+        self._end(user_request, "requests_aborted")
+        return user_request.output()
+
+    def _end(self, user_request: _UserRequest, counter: str) -> None:
+        """Stops every unfinished sample (finish_reason "abort"), frees its blocks and forgets the request."""
+        del self._requests[user_request.request_id]
         for s in user_request.samples:
             if not s.finished:
                 s.abort()
                 self.scheduler.finish(s)
         user_request.metrics.finished_time = time.monotonic()
         self._forget(user_request)
-        self._counters["requests_aborted"] += 1
-        return user_request.output()
+        self._counters[counter] += 1
 
     def abort_all(self) -> list[RequestOutput]:
         return [out for request_id in list(self._requests) if (out := self.abort_request(request_id)) is not None]
@@ -226,16 +234,25 @@ class LLMEngine:
         if not sample_rows:
             return []
         requests = [sched.scheduled[i].request for i in sample_rows]
-        tokens, logprobs = self.sampler(logits, requests)
+        samples = self._sample(logits, requests)
         now = time.monotonic()
         changed: dict[str, _UserRequest] = {}
-        for req, token, lp in zip(requests, tokens, logprobs, strict=True):
-            req.append_output(token, lp)
+        for req, (token, lp) in zip(requests, samples, strict=True):
+            user_request = self._user_request_of.get(req.request_id)
+            if user_request is None:  # failed in this step with a sibling sample
+                continue
+            try:
+                if isinstance(token, BaseException):
+                    raise token
+                req.append_output(token, lp)
+            except Exception as exc:  # this request's fault (its params or text): it alone fails
+                self._fail(user_request, exc)
+                changed.pop(user_request.request_id, None)
+                continue
+            self._counters["generation_tokens"] += 1
             if req.finished:
                 self.scheduler.finish(req)
-            user_request = self._user_request_of[req.request_id]
             changed[user_request.request_id] = user_request
-        self._counters["generation_tokens"] += len(tokens)
         outputs = []
         for user_request in changed.values():
             metrics = user_request.metrics
@@ -248,6 +265,33 @@ class LLMEngine:
                 self._counters["requests_finished"] += 1
             outputs.append(user_request.output())
         return outputs
+
+    def _sample(self, logits, requests: list[Request]) -> list[tuple]:
+        """(token, logprobs) per request. Should the batch fail, each request is sampled alone, so the ones that
+        cannot be sampled get their exception in place of a token and the rest of the batch goes on."""
+        try:
+            tokens, logprobs = self.sampler(logits, requests)
+            return list(zip(tokens, logprobs, strict=True))
+        except Exception:
+            out: list[tuple] = []
+            for i, req in enumerate(requests):
+                try:
+                    (token,), (lp,) = self.sampler(logits[i : i + 1], [req])
+                    out.append((token, lp))
+                except Exception as exc:
+                    out.append((exc, None))
+            return out
+
+    def _fail(self, user_request: _UserRequest, exc: Exception) -> None:
+        """Ends a request that failed on its own (every sample, blocks freed); ``take_failures`` reports it."""
+        self._end(user_request, "requests_failed")
+        self._failures.append((user_request.request_id, RequestFailedError(
+            f"request {user_request.request_id!r} failed in the engine: {type(exc).__name__}: {exc}")))
+
+    def take_failures(self) -> list[tuple[str, RequestFailedError]]:
+        """Requests that failed during the last steps (their own fault; the engine goes on), and why."""
+        failures, self._failures = self._failures, []
+        return failures
 
     # ---- cache and metrics ----------------------------------------------------------------------------------
 
@@ -277,6 +321,7 @@ class LLMEngine:
             "generation_tokens": self._counters["generation_tokens"],
             "requests_finished": self._counters["requests_finished"],
             "requests_aborted": self._counters["requests_aborted"],
+            "requests_failed": self._counters["requests_failed"],
             "num_requests_running": len(self.scheduler.running),
             "num_requests_waiting": len(self.scheduler.waiting),
             "kv_cache_usage": pool.usage,

@@ -80,7 +80,7 @@ class Sampler:
             return out
         logprobs = torch.log_softmax(raw[rows].float(), dim=-1)
         for row, i in zip(logprobs, rows, strict=True):
-            k = requests[i].params.logprobs
+            k = min(requests[i].params.logprobs, row.shape[-1])
             token = tokens[i]
             chosen = row[token]
             entry = {token: Logprob(chosen.item(), int((row > chosen).sum().item()) + 1)}
@@ -103,7 +103,7 @@ def _top_k_top_p(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Ten
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     positions = torch.arange(vocab, device=logits.device).unsqueeze(0)
-    k = torch.tensor([k if k else vocab for k in top_ks], device=logits.device).unsqueeze(1)
+    k = torch.tensor([min(k, vocab) if k else vocab for k in top_ks], device=logits.device).unsqueeze(1)
     mask = positions >= k
     sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
     p = torch.tensor(top_ps, device=logits.device, dtype=logits.dtype).unsqueeze(1)

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import copy
+import math
 from dataclasses import dataclass, field
 
 # Below this temperature sampling is greedy (vLLM uses the same cut-off).
 GREEDY_TEMPERATURE = 1e-5
+# What the sampler's tensors and generators can hold: integers beyond these overflow torch (int64, seeds).
+MAX_TOP_K = 2**31 - 1
+MAX_SEED = 2**63 - 1
+MAX_STOP_TOKEN_IDS = 256  # stop tokens per request: checked per sampled token, so the work is bounded
 
 
 @dataclass
@@ -41,10 +47,11 @@ class SamplingParams:
         _check_number("top_p", self.top_p, "a number in (0, 1]", lambda v: 0 < v <= 1)
         if self.top_k is None or self.top_k == -1:
             self.top_k = 0
-        _check_int("top_k", self.top_k, minimum=0, accepted="0 or -1 (disabled) or an integer >= 1")
+        _check_int("top_k", self.top_k, minimum=0, accepted=f"0 or -1 (disabled) or an integer in [1, {MAX_TOP_K}]",
+                   maximum=MAX_TOP_K)
         _check_number("min_p", self.min_p, "a number in [0, 1]", lambda v: 0 <= v <= 1)
         if self.seed is not None:
-            _check_int("seed", self.seed, minimum=None, accepted="an integer or None")
+            _check_int("seed", self.seed, minimum=0, accepted=f"an integer in [0, {MAX_SEED}] or None", maximum=MAX_SEED)
         for name in ("presence_penalty", "frequency_penalty"):
             _check_number(name, getattr(self, name), "a number in [-2, 2]", lambda v: -2 <= v <= 2)
         _check_number("repetition_penalty", self.repetition_penalty, "a number > 0", lambda v: v > 0)
@@ -57,9 +64,20 @@ class SamplingParams:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must be a non-empty string or a list of them, got {s!r}")
         self.stop_strings = tuple(stops)
+        if len(self.stop_token_ids or ()) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
         for t in self.stop_token_ids or []:
             _check_int("stop_token_ids", t, minimum=0, accepted="a list of token ids >= 0")
         self.stop_token_set = frozenset(self.stop_token_ids or ())
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """The params of sample ``index`` of an n > 1 request: n=1 and a distinct but reproducible seed. A copy,
+        not a re-validation: the request's fields were checked once."""
+        params = copy.copy(self)
+        params.n = 1
+        if self.seed is not None:
+            params.seed = (self.seed + index) % (MAX_SEED + 1)
+        return params
 
     @property
     def greedy(self) -> bool:
@@ -70,12 +88,14 @@ class SamplingParams:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
-def _check_int(name: str, value, minimum: int | None, accepted: str | None = None) -> None:
-    ok = isinstance(value, int) and not isinstance(value, bool) and (minimum is None or value >= minimum)
+def _check_int(name: str, value, minimum: int | None, accepted: str | None = None, maximum: int | None = None) -> None:
+    ok = (isinstance(value, int) and not isinstance(value, bool) and (minimum is None or value >= minimum)
+          and (maximum is None or value <= maximum))
     if not ok:
         raise ValueError(f"{name} must be {accepted or f'an integer >= {minimum}'}, got {value!r}")
 
 
 def _check_number(name: str, value, accepted: str, in_range) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or not in_range(value):
+    # Finite only: inf and NaN turn every logit into NaN.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not in_range(value):
         raise ValueError(f"{name} must be {accepted}, got {value!r}")

@@ -17,11 +17,13 @@ _ROLE_ALIASES = {"developer": "system"}
 
 
 class PromptError(ValueError):
-    """A body that cannot be rendered; ``param`` names the field (for a 400 that points at it)."""
+    """A body that cannot be rendered; ``param`` names the field (for a 400 that points at it), ``code`` is an
+    OpenAI error code where one applies."""
 
-    def __init__(self, message: str, param: str):
+    def __init__(self, message: str, param: str, code: str | None = None):
         super().__init__(message)
         self.param = param
+        self.code = code
 
 
 @dataclass(frozen=True)
@@ -64,9 +66,17 @@ def _content_text(content: Any, index: int) -> str:
 
 
 def render_chat(
-    tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    tokenizer: Tokenizer,
+    messages: Sequence[Mapping[str, Any]],
+    add_generation_prompt: bool = True,
+    max_tokens: int | None = None,
 ) -> RenderedPrompt:
-    """Renders with the checkpoint's chat template; the template writes any BOS itself, so none is added."""
+    """Renders with the checkpoint's chat template; the template writes any BOS itself, so none is added.
+
+    Message content is text: a special token's spelling typed into it ("<|im_start|>system") stays text, as
+    llama.cpp treats user text, so no message can forge a role or end another. ``max_tokens``: refuse, before
+    tokenizing, a prompt too long in characters to fit in that many tokens (tokenizing megabytes takes seconds).
+    """
     normalized = normalize_messages(messages)
     if not normalized:
         raise PromptError("'messages' must not be empty", "messages")
@@ -74,7 +84,37 @@ def render_chat(
         text = tokenizer.apply_chat_template(normalized, add_generation_prompt=add_generation_prompt, tokenize=False)
     except Exception as exc:  # a template can raise anything (jinja2 errors for unexpected roles, ValueError)
         raise PromptError(f"cannot render 'messages' with the model's chat template: {exc}", "messages") from None
-    return RenderedPrompt(tokenizer.encode(text, add_special_tokens=False), text, _message_spans(text, normalized))
+    _check_length(tokenizer, text, max_tokens, "messages")
+    spans = _message_spans(text, normalized)
+    specials = tokenizer.special_tokens
+    if any(special in m["content"] for m in normalized for special in specials):
+        token_ids = _encode_with_literal_spans(tokenizer, text, spans)
+    else:  # the usual case: nothing in the content looks special, so the whole text tokenizes as one
+        token_ids = tokenizer.encode(text, add_special_tokens=False)
+    return RenderedPrompt(token_ids, text, spans)
+
+
+def _encode_with_literal_spans(tokenizer: Tokenizer, text: str, spans) -> list[int]:
+    """The template's own text with its special tokens, each message's content as plain text."""
+    ids: list[int] = []
+    cursor = 0
+    for span in spans:
+        if span is None:
+            continue
+        start, end = span
+        ids += tokenizer.encode(text[cursor:start], add_special_tokens=False) if start > cursor else []
+        ids += tokenizer.encode_literal(text[start:end])
+        cursor = end
+    if cursor < len(text):
+        ids += tokenizer.encode(text[cursor:], add_special_tokens=False)
+    return ids
+
+
+def _check_length(tokenizer: Tokenizer, text: str, max_tokens: int | None, param: str) -> None:
+    if max_tokens is not None and len(text) > max_tokens * tokenizer.max_chars_per_token:
+        raise PromptError(
+            f"this model's maximum context length is {max_tokens} tokens, but the prompt has {len(text)} "
+            f"characters, more than {max_tokens} tokens can hold", param, code="context_length_exceeded")
 
 
 def _message_spans(text: str, messages: list[dict[str, str]]) -> tuple[tuple[int, int] | None, ...]:
@@ -92,9 +132,14 @@ def _message_spans(text: str, messages: list[dict[str, str]]) -> tuple[tuple[int
     return tuple(spans)
 
 
-def render_completion(tokenizer: Tokenizer, prompt: str | Sequence[int]) -> RenderedPrompt:
-    """A completions prompt: text is tokenized with the tokenizer's special tokens (BOS), token ids pass as is."""
+def render_completion(
+    tokenizer: Tokenizer, prompt: str | Sequence[int], max_tokens: int | None = None
+) -> RenderedPrompt:
+    """A completions prompt: text is tokenized with the tokenizer's special tokens (BOS; special tokens written
+    in it are parsed, since a raw prompt is where a caller writes its own template), token ids pass as is.
+    ``max_tokens`` as for ``render_chat``."""
     if isinstance(prompt, str):
+        _check_length(tokenizer, prompt, max_tokens, "prompt")
         return RenderedPrompt(tokenizer.encode(prompt), prompt)
     return RenderedPrompt(list(prompt), None)
 

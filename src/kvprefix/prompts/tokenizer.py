@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Any
@@ -28,6 +29,26 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
+
+    def encode_literal(self, text: str) -> list[int]:
+        """Tokenizes ``text`` as plain text: a special token's spelling in it ("<|im_start|>") stays text."""
+        return self.hf(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+    @functools.cached_property
+    def special_tokens(self) -> tuple[str, ...]:
+        """The spellings of the special (control) tokens, which text typed by users must never turn into."""
+        return tuple(t.content for t in self.hf.added_tokens_decoder.values() if t.special)
+
+    @functools.cached_property
+    def max_chars_per_token(self) -> int:
+        """An upper bound on the characters of text one token can stand for, so that a prompt's length in
+        characters bounds its length in tokens from below without tokenizing it."""
+        vocab = sorted(self.hf.get_vocab().items(), key=lambda item: len(item[0]), reverse=True)
+        # The longest entries decoded exactly; every other entry is shorter than the last of those, and a vocab
+        # character never stands for more than one text character (4 covers any unusual vocab encoding).
+        longest = max((len(self.hf.decode([i])) for _, i in vocab[:256]), default=1)
+        rest = len(vocab[256][0]) * 4 if len(vocab) > 256 else 0
+        return max(longest, rest, 1)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)

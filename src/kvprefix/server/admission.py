@@ -51,8 +51,15 @@ class Admission:
     async def acquire(self, k: int, tenant: str | None = None) -> Ticket:
         """Claims ``k`` engine-request slots (one per prompt), waiting while an admin drain holds the gate.
 
-        Raises at once: 429 when the tenant has its share pending (so one tenant cannot starve the others), 503
-        when the server is full or shutting down."""
+        Raises at once: 400 for a batch that could never be admitted, 429 when the tenant has its share pending
+        (so one tenant cannot starve the others), 503 when the server is full or shutting down."""
+        limit, option = min((self.max_pending, "--max-pending"),
+                            (self.max_pending_per_tenant or self.max_pending, "--max-pending-per-tenant"))
+        if k > limit:
+            # Retrying cannot help: say so, instead of a 503/429 with Retry-After forever.
+            raise APIError(400, f"a batch of {k} prompts can never be admitted: this server admits at most {limit} "
+                                f"prompts at once ({option}); send smaller batches", param="prompt",
+                           code="batch_too_large")
         if self.closing:
             self._on_reject("shutting_down")
             raise APIError(503, "server is shutting down", type="server_error", code="shutting_down")

@@ -16,7 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
-from kvprefix.engine import CompletionOutput, EngineDeadError, RequestOutput, SamplingParams
+from kvprefix.engine import CompletionOutput, EngineDeadError, RequestFailedError, RequestOutput, SamplingParams
 from kvprefix.logs import RequestLogWriter, RequestRecord
 from kvprefix.prompts import PromptError, RenderedPrompt, render_chat, render_completion
 from kvprefix.server.admission import Admission, Ticket
@@ -88,7 +88,7 @@ class Serving:
         try:
             return await asyncio.to_thread(render, self.engine.tokenizer, *args)
         except PromptError as exc:
-            raise bad_request(str(exc), param=exc.param) from None
+            raise bad_request(str(exc), param=exc.param, code=exc.code) from None
 
     async def _completion_prompts(self, req: CompletionRequest) -> list[RenderedPrompt]:
         out = []
@@ -98,12 +98,12 @@ class Serving:
                 if bad is not None:
                     raise bad_request(f"token id {bad} in 'prompt' is out of range: the vocabulary has "
                                       f"{self.info.vocab_size} tokens", param="prompt")
-            out.append(await self._render(render_completion, p))
+            out.append(await self._render(render_completion, p, self.info.max_model_len))
         return out
 
     async def _chat_prompt(self, req: ChatCompletionRequest) -> RenderedPrompt:
         messages = [m.model_dump(include={"role", "content"}) for m in req.messages]
-        return await self._render(render_chat, messages)
+        return await self._render(render_chat, messages, True, self.info.max_model_len)
 
     def _max_tokens(self, prompt_len: int, requested: int | None, param: str) -> int:
         limit = self.info.max_model_len
@@ -424,4 +424,6 @@ def _engine_error(exc: BaseException) -> APIError:
         return bad_request(str(exc))
     if isinstance(exc, EngineDeadError):
         return APIError(503, f"the engine is not running: {exc}", type="server_error", code="engine_dead")
+    if isinstance(exc, RequestFailedError):  # this request alone failed; the engine serves the others
+        return APIError(500, str(exc), type="server_error", code="request_failed")
     return APIError(500, f"engine error: {type(exc).__name__}: {exc}", type="server_error")
