@@ -58,8 +58,6 @@ def run(args: argparse.Namespace) -> int:
     import logging
     import socket
 
-    from kvprefix.engine import AsyncLLM, EngineArgs
-    from kvprefix.server.app import ServerConfig, create_app, serve
     from kvprefix.server.tenancy import Auth
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -71,6 +69,9 @@ def run(args: argparse.Namespace) -> int:
         # A crafted prompt that collides with another tenant's block hash would be served that block's KV.
         raise SystemExit(f"kvprefix serve: with API keys (tenants), --prefix-caching-hash-algo must be collision "
                          f"resistant: one of {', '.join(COLLISION_SAFE_ALGOS)}")
+    # Options are checked before the engine and web stack load: a bad one fails in a moment, not after torch.
+    from kvprefix.engine import AsyncLLM, EngineArgs
+    from kvprefix.server.app import ServerConfig, create_app, serve
     # Every engine option we expose has EngineArgs' field name; a field without an option keeps its default.
     engine_args = EngineArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)
                                 if hasattr(args, f.name)})
