@@ -137,7 +137,8 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     metrics.in_flight.labels(name).set_function(lambda: admission.pending)
     # The tracker mirrors every cached block (tokens included): only when cache detail may be asked for.
     tracker = CacheTracker(engine.hasher, enabled=info.enable_prefix_caching) if config.cache_detail else None
-    request_log = RequestLogWriter(config.request_log, config.request_log_prompts) if config.request_log else None
+    request_log = RequestLogWriter(config.request_log, config.request_log_prompts,
+                                   on_error=metrics.request_log_errors.labels(name).inc) if config.request_log else None
     serving = Serving(engine, info, admission, metrics, tracker, request_log)
     created = int(time.time())
 
