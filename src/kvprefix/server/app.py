@@ -13,6 +13,7 @@ from fastapi import FastAPI, Query, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from kvprefix.logs import RequestLogWriter
 from kvprefix.server.admission import Admission
@@ -54,11 +55,14 @@ async def _parse(raw: Request, model: type[BaseModel]) -> Any:
         raise too_big
     # Read in chunks and stop at the limit: never hold an oversized (or unannounced chunked) body in memory.
     chunks, size = [], 0
-    async for chunk in raw.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise too_big
-        chunks.append(chunk)
+    try:
+        async for chunk in raw.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise too_big
+            chunks.append(chunk)
+    except ClientDisconnect:  # the client went, or --timeout-body closed it: nobody reads this answer
+        raise bad_request("the connection closed before the whole body arrived") from None
     body = b"".join(chunks)
     try:
         text = body.decode("utf-8")
@@ -258,9 +262,14 @@ async def _drain(engine, admission: Admission, timeout: float) -> None:
         await engine.shutdown()
 
 
-def serve(app: FastAPI, host: str, port: int, log_level: str = "info", shutdown_timeout: float = 30.0) -> None:
-    """Runs ``app`` with uvicorn until SIGINT/SIGTERM, then shuts down gracefully (see ``_drain``)."""
+def serve(app: FastAPI, host: str, port: int, log_level: str = "info", shutdown_timeout: float = 30.0, *,
+          timeout_keep_alive: float = 5.0, timeout_headers: float = 20.0, timeout_body: float = 60.0,
+          limit_concurrency: int | None = 512) -> None:
+    """Runs ``app`` with uvicorn until SIGINT/SIGTERM, then shuts down gracefully (see ``_drain``). The timeouts
+    and the connection limit keep idle or slow clients from holding connections for ever (``connections``)."""
     import uvicorn
+
+    from kvprefix.server.connections import timed_protocol
 
     class _Server(uvicorn.Server):
         async def shutdown(self, sockets=None) -> None:
@@ -270,5 +279,7 @@ def serve(app: FastAPI, host: str, port: int, log_level: str = "info", shutdown_
             await drain
 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=shutdown_timeout + 10)
+                            timeout_graceful_shutdown=shutdown_timeout + 10,
+                            http=timed_protocol(timeout_headers, timeout_body),
+                            timeout_keep_alive=timeout_keep_alive, limit_concurrency=limit_concurrency)
     _Server(config).run()

@@ -7,6 +7,13 @@ import argparse
 from kvprefix.cache import COLLISION_SAFE_ALGOS, HASH_ALGOS
 
 
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:  # also refuses NaN
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     net = parser.add_argument_group("server")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -18,6 +25,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="engine requests one tenant may have pending; more get 429 (default: no per-tenant limit)")
     net.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds to let in-flight requests finish on SIGTERM/SIGINT before aborting them")
+    net.add_argument("--timeout-keep-alive", type=_positive, default=5.0,
+                     help="seconds a connection may stay idle after a response before it is closed (default 5)")
+    net.add_argument("--timeout-headers", type=_positive, default=20.0,
+                     help="seconds a client has to send a request's headers, from connecting or from the previous "
+                          "response; then the connection is closed (default 20)")
+    net.add_argument("--timeout-body", type=_positive, default=60.0,
+                     help="seconds a client has to send a request's body once its headers are in (default 60)")
+    net.add_argument("--limit-concurrency", type=int, default=512,
+                     help="open connections at most; a request on one more gets 503 at once (default 512)")
     net.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     net.add_argument("--replica-id", default=None,
                      help="this replica's name in KV events and the request log (default: HOSTNAME:PORT)")
@@ -86,5 +102,7 @@ def run(args: argparse.Namespace) -> int:
         cache_detail=args.cache_detail,
         replica_id=args.replica_id or f"{socket.gethostname()}:{args.port}",
     )
-    serve(create_app(engine, config), args.host, args.port, args.log_level, args.shutdown_timeout)
+    serve(create_app(engine, config), args.host, args.port, args.log_level, args.shutdown_timeout,
+          timeout_keep_alive=args.timeout_keep_alive, timeout_headers=args.timeout_headers,
+          timeout_body=args.timeout_body, limit_concurrency=args.limit_concurrency)
     return 0
