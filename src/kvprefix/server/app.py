@@ -17,6 +17,7 @@ from starlette.requests import ClientDisconnect
 
 from kvprefix.logs import RequestLogWriter
 from kvprefix.server.admission import Admission
+from kvprefix.server.browsers import BrowserGuard
 from kvprefix.server.cache_detail import CacheTracker
 from kvprefix.server.errors import APIError, bad_request, from_validation_error, install_error_handlers
 from kvprefix.server.kv_events import add_kv_event_routes
@@ -42,6 +43,7 @@ class ServerConfig:
     request_log_prompts: bool = False
     cache_detail: bool = True  # whether the opt-in per-request diagnosis may be asked for at all
     replica_id: str = "replica-0"  # names this replica in KV events and the request log
+    allowed_hosts: frozenset[str] | None = None  # Host names served (browsers.py); None: any, same-origin only
 
 
 _PARSE_INLINE_BYTES = 256 * 1024
@@ -104,11 +106,14 @@ def _log_startup(engine, info: ModelInfo, config: ServerConfig) -> None:
         "on" if info.enable_prefix_caching else "OFF", info.block_size, num_blocks,
         num_blocks * info.block_size, info.hash_algo,
     )
-    auth = config.auth
+    auth = config.auth or Auth()
     log.info("tenancy: %s; request log: %s; max pending requests %d (per tenant: %s)",
-             f"{auth.num_tenants} tenant(s), cache salted per tenant" if auth and auth.enabled
+             f"{auth.num_tenants} tenant(s), cache salted per tenant" if auth.enabled
              else "off (one shared cache namespace)",
              config.request_log or "off", config.max_pending, config.max_pending_per_tenant or "no limit")
+    if not auth.enabled and not auth.has_admin_key:
+        log.warning("no API keys: the admin endpoints (cache reset, KV events, /metrics) are open to anyone who can "
+                    "reach this server; see docs/security.md")
 
 
 def _openapi(app: FastAPI) -> dict:
@@ -163,6 +168,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     app = FastAPI(title="kvprefix", version="0.1.0", lifespan=lifespan)
     app.openapi = lambda: _openapi(app)
     install_error_handlers(app)
+    app.add_middleware(BrowserGuard, allowed_hosts=config.allowed_hosts)
     app.state.drain = lambda timeout: _drain(engine, admission, timeout)
 
     def tenant(raw: Request) -> str | None:

@@ -18,6 +18,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net = parser.add_argument_group("server")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     net.add_argument("--port", type=int, default=8000)
+    net.add_argument("--allowed-hosts", default=None, metavar="NAMES",
+                     help="comma-separated Host names (any port) to serve, * for any; a cross-site browser Origin "
+                          "must be one of them (default: localhost, 127.0.0.1, ::1 when bound to loopback, else any "
+                          "Host and same-origin browsers only)")
     net.add_argument("--served-model-name", default=None, help="model id clients send (default: the model's name)")
     net.add_argument("--max-pending", type=int, default=256,
                      help="engine requests admitted at once (queued or running); more get 503 at once")
@@ -74,11 +78,13 @@ def run(args: argparse.Namespace) -> int:
     import logging
     import socket
 
+    from kvprefix.server.browsers import allowed_hosts
     from kvprefix.server.tenancy import Auth
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         auth = Auth.from_options(args.api_key, args.api_keys_file, args.admin_key)
+        hosts = allowed_hosts(args.allowed_hosts, args.host)
     except ValueError as exc:
         raise SystemExit(f"kvprefix serve: {exc}") from None
     if auth.enabled and args.prefix_caching_hash_algo not in COLLISION_SAFE_ALGOS:
@@ -101,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
         request_log_prompts=args.request_log_prompts,
         cache_detail=args.cache_detail,
         replica_id=args.replica_id or f"{socket.gethostname()}:{args.port}",
+        allowed_hosts=hosts,
     )
     serve(create_app(engine, config), args.host, args.port, args.log_level, args.shutdown_timeout,
           timeout_keep_alive=args.timeout_keep_alive, timeout_headers=args.timeout_headers,
