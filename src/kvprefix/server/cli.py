@@ -14,6 +14,13 @@ def _positive(text: str) -> float:
     return value
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     net = parser.add_argument_group("server")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -36,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "response; then the connection is closed (default 20)")
     net.add_argument("--timeout-body", type=_positive, default=60.0,
                      help="seconds a client has to send a request's body once its headers are in (default 60)")
-    net.add_argument("--limit-concurrency", type=int, default=512,
+    net.add_argument("--limit-concurrency", type=_positive_int, default=512,
                      help="open connections at most; a request on one more gets 503 at once (default 512)")
     net.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     net.add_argument("--replica-id", default=None,
