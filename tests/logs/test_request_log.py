@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -40,6 +41,16 @@ def test_a_torn_last_line_neither_corrupts_the_next_record_nor_fails_the_file(tm
     torn: list[int] = []
     assert [(line, r.request_id) for line, r in iter_records(path, torn)] == [(1, "r0"), (3, "r2")]
     assert torn == [2]
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full (every write: ENOSPC)")
+def test_a_failed_write_is_counted_not_raised() -> None:
+    lost: list[int] = []
+    w = RequestLogWriter("/dev/full", on_error=lambda: lost.append(1))
+    for i in range(3):
+        w.write(record(i))
+    w.close()
+    assert w.errors == 3 and len(lost) == 3
 
 
 def test_version_1_lines_still_read(tmp_path) -> None:

@@ -8,7 +8,8 @@ import subprocess
 import sys
 
 import httpx
-from server_helpers import LONG_PREFIX, Server
+import pytest
+from server_helpers import LONG_PREFIX, Server, start_server, stop_server
 
 from kvprefix.sim.request_log import read_request_log
 
@@ -74,3 +75,20 @@ def test_cli_module_is_light() -> None:
     code = ("import sys, kvprefix.cli as c; c.build_parser(); "
             "assert not {'torch', 'fastapi', 'uvicorn'} & set(sys.modules), sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.slow
+def test_request_log_on_a_full_disk_never_fails_a_request(server_tmp) -> None:
+    """/dev/full fails every write with ENOSPC: requests still succeed, each lost line is counted, and the
+    server warns once, not once per request."""
+    server = start_server(server_tmp, "--num-gpu-blocks", "256", "--request-log", "/dev/full")
+    try:
+        for i in range(3):
+            r = server.client().completions.create(model="default-model-v1", prompt=f"full disk {i}", max_tokens=2)
+            assert r.usage.completion_tokens == 2
+        m = server.wait_idle()
+        assert m["kvprefix:request_log_errors_total"] == 3
+    finally:
+        assert stop_server(server) in (0, -15)
+    log = server.log_path.read_text()
+    assert log.count("request log") == 1 and "No space left on device" in log and "Traceback" not in log, log

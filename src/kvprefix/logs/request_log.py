@@ -8,13 +8,15 @@ text only when the operator asks for it. docs/request-log.md documents every fie
 from __future__ import annotations
 
 import json
+import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import IO, Any
 
 FORMAT_VERSION = 2
+_log = logging.getLogger("kvprefix.logs")
 
 
 @dataclass
@@ -127,17 +129,22 @@ def iter_records(path: str | Path, torn: list[int] | None = None) -> Iterator[tu
 
 
 class RequestLogWriter:
-    """Appends records as JSON lines, one write and flush per line so the file can be tailed while serving."""
+    """Appends records as JSON lines, one write call per line so the file can be tailed while serving.
 
-    def __init__(self, path: str, include_prompts: bool = False):
+    A failed write (a full disk, an I/O error) loses that record and never fails the request that ended: it is
+    counted (``errors``, and ``on_error`` is called), warned about once, and the next line starts on a line of its
+    own, so a record that was cut off stays a torn line that readers skip.
+    """
+
+    def __init__(self, path: str, include_prompts: bool = False, on_error: Callable[[], None] | None = None):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self.include_prompts = include_prompts
-        self._file: IO[str] | None = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
-        if _ends_torn(path):
-            # A crash cut the last line: end it, so the next record starts on a line of its own.
-            self._file.write("\n")
-            self._file.flush()
+        self.errors = 0
+        self._on_error = on_error
+        # Unbuffered: a failed write leaves nothing pending that a later write would emit half of.
+        self._file: IO[bytes] | None = open(path, "ab", buffering=0)  # noqa: SIM115 - closed in close()
+        self._torn = _ends_torn(path)  # a crash cut the last line: end it before the next record
 
     def write(self, record: RequestRecord) -> None:
         if self._file is None:
@@ -145,8 +152,20 @@ class RequestLogWriter:
         if not self.include_prompts:
             record.prompt = None
             record.message_spans = None
-        self._file.write(record.to_json() + "\n")
-        self._file.flush()
+        rest = memoryview((("\n" if self._torn else "") + record.to_json() + "\n").encode())
+        try:
+            while rest:  # a write may be partial
+                rest = rest[self._file.write(rest):]
+        except OSError as exc:
+            self._torn = True
+            self.errors += 1
+            if self.errors == 1:
+                _log.warning("request log %s: cannot write (%s); requests are served on, and lost records are "
+                             "counted in kvprefix:request_log_errors_total", self.path, exc)
+            if self._on_error is not None:
+                self._on_error()
+            return
+        self._torn = False
 
     def close(self) -> None:
         if self._file is not None:

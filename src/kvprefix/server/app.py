@@ -13,9 +13,11 @@ from fastapi import FastAPI, Query, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from kvprefix.logs import RequestLogWriter
 from kvprefix.server.admission import Admission
+from kvprefix.server.browsers import BrowserGuard
 from kvprefix.server.cache_detail import CacheTracker
 from kvprefix.server.errors import APIError, bad_request, from_validation_error, install_error_handlers
 from kvprefix.server.kv_events import add_kv_event_routes
@@ -41,6 +43,7 @@ class ServerConfig:
     request_log_prompts: bool = False
     cache_detail: bool = True  # whether the opt-in per-request diagnosis may be asked for at all
     replica_id: str = "replica-0"  # names this replica in KV events and the request log
+    allowed_hosts: frozenset[str] | None = None  # Host names served (browsers.py); None: any, same-origin only
 
 
 _PARSE_INLINE_BYTES = 256 * 1024
@@ -54,11 +57,14 @@ async def _parse(raw: Request, model: type[BaseModel]) -> Any:
         raise too_big
     # Read in chunks and stop at the limit: never hold an oversized (or unannounced chunked) body in memory.
     chunks, size = [], 0
-    async for chunk in raw.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise too_big
-        chunks.append(chunk)
+    try:
+        async for chunk in raw.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise too_big
+            chunks.append(chunk)
+    except ClientDisconnect:  # the client went, or --timeout-body closed it: nobody reads this answer
+        raise bad_request("the connection closed before the whole body arrived") from None
     body = b"".join(chunks)
     try:
         text = body.decode("utf-8")
@@ -100,11 +106,14 @@ def _log_startup(engine, info: ModelInfo, config: ServerConfig) -> None:
         "on" if info.enable_prefix_caching else "OFF", info.block_size, num_blocks,
         num_blocks * info.block_size, info.hash_algo,
     )
-    auth = config.auth
+    auth = config.auth or Auth()
     log.info("tenancy: %s; request log: %s; max pending requests %d (per tenant: %s)",
-             f"{auth.num_tenants} tenant(s), cache salted per tenant" if auth and auth.enabled
+             f"{auth.num_tenants} tenant(s), cache salted per tenant" if auth.enabled
              else "off (one shared cache namespace)",
              config.request_log or "off", config.max_pending, config.max_pending_per_tenant or "no limit")
+    if not auth.enabled and not auth.has_admin_key:
+        log.warning("no API keys: the admin endpoints (cache reset, KV events, /metrics) are open to anyone who can "
+                    "reach this server; see docs/security.md")
 
 
 def _openapi(app: FastAPI) -> dict:
@@ -137,7 +146,8 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     metrics.in_flight.labels(name).set_function(lambda: admission.pending)
     # The tracker mirrors every cached block (tokens included): only when cache detail may be asked for.
     tracker = CacheTracker(engine.hasher, enabled=info.enable_prefix_caching) if config.cache_detail else None
-    request_log = RequestLogWriter(config.request_log, config.request_log_prompts) if config.request_log else None
+    request_log = RequestLogWriter(config.request_log, config.request_log_prompts,
+                                   on_error=metrics.request_log_errors.labels(name).inc) if config.request_log else None
     serving = Serving(engine, info, admission, metrics, tracker, request_log)
     created = int(time.time())
 
@@ -158,6 +168,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     app = FastAPI(title="kvprefix", version="0.1.0", lifespan=lifespan)
     app.openapi = lambda: _openapi(app)
     install_error_handlers(app)
+    app.add_middleware(BrowserGuard, allowed_hosts=config.allowed_hosts)
     app.state.drain = lambda timeout: _drain(engine, admission, timeout)
 
     def tenant(raw: Request) -> str | None:
@@ -191,8 +202,8 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics_endpoint(raw: Request) -> Response:
-        if auth.has_admin_key:
-            auth.check_admin(raw.headers.get("authorization"))
+        # Aggregated over all tenants (prompt lengths, hits): the admin rule, so it fails closed with tenants.
+        auth.check_admin(raw.headers.get("authorization"))
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/v1/completions")
@@ -257,9 +268,14 @@ async def _drain(engine, admission: Admission, timeout: float) -> None:
         await engine.shutdown()
 
 
-def serve(app: FastAPI, host: str, port: int, log_level: str = "info", shutdown_timeout: float = 30.0) -> None:
-    """Runs ``app`` with uvicorn until SIGINT/SIGTERM, then shuts down gracefully (see ``_drain``)."""
+def serve(app: FastAPI, host: str, port: int, log_level: str = "info", shutdown_timeout: float = 30.0, *,
+          timeout_keep_alive: float = 5.0, timeout_headers: float = 20.0, timeout_body: float = 60.0,
+          limit_concurrency: int | None = 512) -> None:
+    """Runs ``app`` with uvicorn until SIGINT/SIGTERM, then shuts down gracefully (see ``_drain``). The timeouts
+    and the connection limit keep idle or slow clients from holding connections for ever (``connections``)."""
     import uvicorn
+
+    from kvprefix.server.connections import timed_protocol
 
     class _Server(uvicorn.Server):
         async def shutdown(self, sockets=None) -> None:
@@ -269,5 +285,7 @@ def serve(app: FastAPI, host: str, port: int, log_level: str = "info", shutdown_
             await drain
 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=shutdown_timeout + 10)
+                            timeout_graceful_shutdown=shutdown_timeout + 10,
+                            http=timed_protocol(timeout_headers, timeout_body),
+                            timeout_keep_alive=timeout_keep_alive, limit_concurrency=limit_concurrency)
     _Server(config).run()

@@ -7,10 +7,28 @@ import argparse
 from kvprefix.cache import COLLISION_SAFE_ALGOS, HASH_ALGOS
 
 
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:  # also refuses NaN
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     net = parser.add_argument_group("server")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     net.add_argument("--port", type=int, default=8000)
+    net.add_argument("--allowed-hosts", default=None, metavar="NAMES",
+                     help="comma-separated Host names (any port) to serve, * for any; a cross-site browser Origin "
+                          "must be one of them (default: localhost, 127.0.0.1, ::1 when bound to loopback, else any "
+                          "Host and same-origin browsers only)")
     net.add_argument("--served-model-name", default=None, help="model id clients send (default: the model's name)")
     net.add_argument("--max-pending", type=int, default=256,
                      help="engine requests admitted at once (queued or running); more get 503 at once")
@@ -18,6 +36,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="engine requests one tenant may have pending; more get 429 (default: no per-tenant limit)")
     net.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds to let in-flight requests finish on SIGTERM/SIGINT before aborting them")
+    net.add_argument("--timeout-keep-alive", type=_positive, default=5.0,
+                     help="seconds a connection may stay idle after a response before it is closed (default 5)")
+    net.add_argument("--timeout-headers", type=_positive, default=20.0,
+                     help="seconds a client has to send a request's headers, from connecting or from the previous "
+                          "response; then the connection is closed (default 20)")
+    net.add_argument("--timeout-body", type=_positive, default=60.0,
+                     help="seconds a client has to send a request's body once its headers are in (default 60)")
+    net.add_argument("--limit-concurrency", type=_positive_int, default=512,
+                     help="open connections at most; a request on one more gets 503 at once (default 512)")
     net.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     net.add_argument("--replica-id", default=None,
                      help="this replica's name in KV events and the request log (default: HOSTNAME:PORT)")
@@ -58,19 +85,22 @@ def run(args: argparse.Namespace) -> int:
     import logging
     import socket
 
-    from kvprefix.engine import AsyncLLM, EngineArgs
-    from kvprefix.server.app import ServerConfig, create_app, serve
+    from kvprefix.server.browsers import allowed_hosts
     from kvprefix.server.tenancy import Auth
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         auth = Auth.from_options(args.api_key, args.api_keys_file, args.admin_key)
+        hosts = allowed_hosts(args.allowed_hosts, args.host)
     except ValueError as exc:
         raise SystemExit(f"kvprefix serve: {exc}") from None
     if auth.enabled and args.prefix_caching_hash_algo not in COLLISION_SAFE_ALGOS:
         # A crafted prompt that collides with another tenant's block hash would be served that block's KV.
         raise SystemExit(f"kvprefix serve: with API keys (tenants), --prefix-caching-hash-algo must be collision "
                          f"resistant: one of {', '.join(COLLISION_SAFE_ALGOS)}")
+    # Options are checked before the engine and web stack load: a bad one fails in a moment, not after torch.
+    from kvprefix.engine import AsyncLLM, EngineArgs
+    from kvprefix.server.app import ServerConfig, create_app, serve
     # Every engine option we expose has EngineArgs' field name; a field without an option keeps its default.
     engine_args = EngineArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)
                                 if hasattr(args, f.name)})
@@ -84,6 +114,9 @@ def run(args: argparse.Namespace) -> int:
         request_log_prompts=args.request_log_prompts,
         cache_detail=args.cache_detail,
         replica_id=args.replica_id or f"{socket.gethostname()}:{args.port}",
+        allowed_hosts=hosts,
     )
-    serve(create_app(engine, config), args.host, args.port, args.log_level, args.shutdown_timeout)
+    serve(create_app(engine, config), args.host, args.port, args.log_level, args.shutdown_timeout,
+          timeout_keep_alive=args.timeout_keep_alive, timeout_headers=args.timeout_headers,
+          timeout_body=args.timeout_body, limit_concurrency=args.limit_concurrency)
     return 0

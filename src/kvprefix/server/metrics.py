@@ -96,6 +96,9 @@ class ServerMetrics:
                                 labels + ["reason"], registry=r)
         self.in_flight = Gauge(P + "server_requests_in_flight", "Engine requests admitted by the server (held at "
                                "an admin drain or in the engine) and not yet finished", labels, registry=r)
+        self.request_log_errors = Counter(P + "request_log_errors", "Request-log records lost to a failed write "
+                                          "(the requests themselves were served)", labels, registry=r)
+        self.request_log_errors.labels(model_name)
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(model_name, reason)
         for reason in ("overloaded", "tenant_limit", "shutting_down"):

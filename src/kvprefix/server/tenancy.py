@@ -78,10 +78,15 @@ class Auth:
 
     @classmethod
     def from_options(cls, api_key: str | None, api_keys_file: str | None, admin_key: str | None) -> Auth:
+        """Raises ValueError for options that ask for auth but configure none (an empty key, say from an unset
+        variable, or an empty keys file): those would otherwise start a server open to everyone."""
+        for option, key in (("--api-key", api_key), ("--admin-key", admin_key)):
+            if key is not None and not key.strip():
+                raise ValueError(f"{option} is empty (an unset variable?); give a key, or leave the option out")
         keys: dict[str, str] = {}
-        if api_key:
+        if api_key is not None:
             keys[api_key] = DEFAULT_TENANT
-        if api_keys_file:
+        if api_keys_file is not None:
             keys |= load_keys_file(api_keys_file)
         return cls(keys, admin_key)
 
@@ -110,9 +115,11 @@ class Auth:
         return tenant
 
     def check_admin(self, authorization: str | None) -> None:
+        """For every endpoint that shows or affects all tenants: cache reset, KV events, /metrics."""
         if self._admin is None:
             if self._tenants:
-                raise APIError(403, "admin endpoints are disabled: start the server with --admin-key",
+                raise APIError(403, "admin endpoints (cache reset, KV events, /metrics) are disabled when API keys "
+                               "are set and no admin key is: start the server with --admin-key",
                                type="permission_error")
             return
         token = _bearer(authorization)
@@ -126,7 +133,8 @@ def load_keys_file(path: str) -> dict[str, str]:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
         raise ValueError(f"cannot read API-keys file {path}: {exc}") from None
-    if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, str) and k and v
-                                             for k, v in data.items()):
-        raise ValueError(f'API-keys file {path} must be a JSON object of non-empty strings: {{"<key>": "<tenant>"}}')
+    if not isinstance(data, dict) or not data or not all(
+            isinstance(k, str) and isinstance(v, str) and k.strip() and v.strip() for k, v in data.items()):
+        raise ValueError(f'API-keys file {path} must be a non-empty JSON object of non-empty strings: '
+                         f'{{"<key>": "<tenant>"}}')
     return data

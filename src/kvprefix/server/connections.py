@@ -1,0 +1,64 @@
+"""Deadlines for receiving a request, which uvicorn lacks.
+
+uvicorn closes a connection left idle after a response (``timeout_keep_alive``) and answers 503 past
+``limit_concurrency``, but sets no limit on how long a client may take to *send* a request (uvicorn issue #157:
+``timeout_keep_alive`` is cancelled by the first byte received and never armed before the first request). A
+connection that never completes its headers, or trickles its body, stays open for ever, and a few hundred of
+them exhaust the process (slowloris). This HTTP protocol adds two deadlines: the request head must arrive within
+``headers_timeout`` of the connection opening or of the previous response, and the body within ``body_timeout``
+of the head. Once a request is in, none applies: a long generation streams for as long as it takes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+
+def timed_protocol(headers_timeout: float, body_timeout: float) -> type[asyncio.Protocol]:
+    """uvicorn's h11 protocol with the two deadlines, for ``uvicorn.Config(http=...)``."""
+
+    class TimedH11Protocol(H11Protocol):
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            self._timer: asyncio.TimerHandle | None = None
+            self._head = self._received = None  # the latest request whose head, whose whole body arrived
+            super().connection_made(transport)
+            self._arm(headers_timeout)
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            self._on_progress()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm(headers_timeout)  # for the next request on this connection
+                self._on_progress()  # a pipelined one may already be parsed
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._arm(None)
+            super().connection_lost(exc)
+
+        def _on_progress(self) -> None:
+            cycle = self.cycle
+            if cycle is None or cycle is self._received:
+                return
+            if not cycle.more_body:
+                self._received = cycle
+                self._arm(None)
+            elif cycle is not self._head:
+                self._head = cycle
+                self._arm(body_timeout)
+
+        def _arm(self, timeout: float | None) -> None:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = None if timeout is None else self.loop.call_later(timeout, self._expire)
+
+        def _expire(self) -> None:
+            self._timer = None
+            if not self.transport.is_closing():
+                self.transport.close()
+
+    return TimedH11Protocol
