@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvprefix.cache.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
+from kvprefix.cache.block_pool import BlockPool
+from kvprefix.cache.free_queue import FreeBlockQueue, KVCacheBlock
 from kvprefix.cache.request import CacheRequest
 from kvprefix.cache.stats import PrefixCacheStats
 
