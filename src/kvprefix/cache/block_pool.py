@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
+from functools import partial
 
 from kvprefix.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, EventPublisher
+from kvprefix.cache.eviction_groups import EvictionGroups
 from kvprefix.cache.free_queue import FreeBlockQueue, KVCacheBlock
 from kvprefix.cache.request import CacheRequest
 from kvprefix.cache.stats import PrefixCacheStats
@@ -18,14 +20,20 @@ class BlockPool:
         num_blocks: int,
         block_size: int,
         free_queue_cls: type[FreeBlockQueue] = FreeBlockQueue,
+        reserve_fraction: float = 0.0,
     ):
-        """``free_queue_cls`` is the eviction policy: its ``popleft`` picks the victim (default LRU)."""
+        """``free_queue_cls`` is the eviction policy: its ``popleft`` picks the victim (default LRU).
+
+        ``reserve_fraction`` > 0 isolates eviction groups (``EvictionGroups``): that fraction of the pool is shared
+        out as every known group's reserved room, and ``free_queue_cls`` orders the blocks within each group.
+        0 is one queue for every request (the groups passed in are ignored)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_queue = free_queue_cls(self.blocks)
+        self.groups = EvictionGroups(self.blocks, reserve_fraction, free_queue_cls) if reserve_fraction else None
+        self.free_queue = self.groups if self.groups is not None else free_queue_cls(self.blocks)
         # hash -> the block hits are served from. Two requests that compute the same content in one step make two
         # blocks of one hash: while in use, the later ones wait in _duplicates and take over should the served one
         # be evicted, so the hash stays cached while any copy lives; released, a copy gives up its hash.
@@ -58,11 +66,17 @@ class BlockPool:
                 remove(block)
             block.ref_cnt += 1
 
-    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Takes ``num_blocks`` from the front of the free queue, evicting their cached hashes."""
+    def get_new_blocks(self, num_blocks: int, group: Hashable = None) -> list[KVCacheBlock]:
+        """Takes ``num_blocks`` from the front of the free queue (with eviction groups, where ``EvictionGroups.take``
+        says for a request of ``group``), evicting their cached hashes."""
         if num_blocks > self.free_queue.num_free_blocks:
             raise ValueError(f"asked for {num_blocks} blocks, only {self.free_queue.num_free_blocks} free")
-        popleft = self.free_queue.popleft
+        if self.groups is None:
+            popleft = self.free_queue.popleft
+        else:
+            self.groups.join(group)
+            self._reclaim(group)  # a group's first request: its room is made clean before it takes any
+            popleft = partial(self.groups.take, group)
         out = []
         evicted = []
         num_evicted = 0
@@ -106,6 +120,9 @@ class BlockPool:
         """
         cached = self.cached_blocks
         hashes = request.block_hashes
+        fresh = ()  # the blocks that get a hash now, for their group's count
+        if self.groups is not None:
+            fresh = [b for b in blocks[num_cached_blocks:num_full_blocks] if b.block_hash is None]
         hasher = request.hasher
         root, namespace = (hasher.root, hasher.namespace_id) if hasher is not None else (None, "")
         stored: list[int] = []
@@ -124,6 +141,9 @@ class BlockPool:
                 stored.append(i)
         if stored and self.events.active:
             self._publish_stored(request, stored, root, namespace)
+        if fresh:
+            self.groups.add_cached(fresh, request.eviction_group)
+            self._reclaim(request.eviction_group)
 
     def _publish_stored(self, request: CacheRequest, indices: list[int], root, namespace: str) -> None:
         """One BlockStored per run of consecutive block indices, so each event has a single parent."""
@@ -146,11 +166,11 @@ class BlockPool:
             )
             run_start = k
 
-    def free(self, blocks: Iterable[KVCacheBlock]) -> None:
+    def free(self, blocks: Iterable[KVCacheBlock], group: Hashable = None) -> None:
         """Drops one reference from each block, in the order given; unreferenced blocks become free.
 
         A cached block joins the back of the queue (evicted last); a block with no hash is worth nothing and
-        goes to the front, so it is reused before any cached block.
+        goes to the front, so it is reused before any cached block. ``group`` is the releasing request's.
         """
         queue = self.free_queue
         duplicates = self._duplicates
@@ -165,6 +185,20 @@ class BlockPool:
                     queue.appendleft(block)
                 else:
                     queue.append(block)
+        if self.groups is not None:
+            self._reclaim(group)  # released blocks of a group over its share may hold room owed to others
+
+    def _reclaim(self, group: Hashable) -> None:
+        """Evicts free cached blocks (they stay free, now clean) until no group's owed room is held by them."""
+        groups = self.groups
+        evicted = []
+        while (block := groups.reclaim(group)) is not None:
+            self.stats.evictions += 1
+            gone = self._evict(block)
+            if gone is not None:
+                evicted.append(gone)
+        if evicted and self.events.active:
+            self.events.publish(BlockRemoved(evicted))
 
     def _drop_copy(self, block: KVCacheBlock) -> bool:
         """A released duplicate is redundant while the block hits are served from exists: it gives up its hash
@@ -172,6 +206,8 @@ class BlockPool:
         block_hash = block.block_hash
         if self.cached_blocks[block_hash] is block:
             return False
+        if self.groups is not None:
+            self.groups.drop_cached(block)
         copies = self._duplicates[block_hash]
         copies.remove(block)
         if not copies:
@@ -194,6 +230,8 @@ class BlockPool:
                 block.block_hash = None
         self.cached_blocks.clear()
         self._duplicates.clear()
+        if self.groups is not None:
+            self.groups.clear()
         self.stats.resets += 1
         if self.events.active:
             self.events.publish(AllBlocksCleared())

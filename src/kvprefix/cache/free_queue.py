@@ -8,7 +8,7 @@ from collections.abc import Hashable, Iterable
 class KVCacheBlock:
     """One block of KV slots. ``block_hash`` is set while the block is registered in the prefix cache."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "parent_hash", "namespace", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "parent_hash", "namespace", "group", "prev_free", "next_free")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
@@ -18,6 +18,7 @@ class KVCacheBlock:
         # the cache reports, so a subscriber can start from the current set without anyone mirroring it.
         self.parent_hash: Hashable | None = None
         self.namespace = ""
+        self.group: Hashable = None  # the eviction group that registered it (only kept with eviction groups)
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
 
