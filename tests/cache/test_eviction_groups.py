@@ -20,16 +20,21 @@ class Pool:
         self.manager = KVCacheManager(NUM_BLOCKS, BS, reserve_fraction=reserve_fraction)
         self.count = 0
 
-    def send(self, tenant: str, tokens: list[int]) -> int:
-        """One whole request of ``tenant``: admit, compute, register, finish. Returns its cached tokens."""
+    def start(self, tenant: str, tokens: list[int]) -> CacheRequest:
+        """Admits a request of ``tenant`` and computes its prompt; it holds its blocks until finished."""
         self.count += 1
         req = CacheRequest(f"r{self.count}", tokens, HASHERS[tenant], eviction_group=tenant)
         hits, n = self.manager.get_computed_blocks(req)
         assert self.manager.allocate_slots(req, req.num_tokens - n, hits) is not None
         req.num_computed_tokens = req.num_tokens
         self.manager.cache_blocks(req, req.num_tokens)
+        return req
+
+    def send(self, tenant: str, tokens: list[int]) -> int:
+        """One whole request of ``tenant``; returns its cached tokens."""
+        req = self.start(tenant, tokens)
         self.manager.free(req)
-        return n
+        return req.num_cached_tokens
 
 
 def bob_prompts(n=10, blocks=4):
@@ -41,15 +46,20 @@ def alice_prompt(blocks: int) -> list[int]:
     return [1 + (j % 5) for j in range(blocks * BS)] + [9]
 
 
-def bob_view(reserve_fraction: float, alice_blocks: int | None, alice_known: bool = True) -> list[int]:
+def bob_view(
+    reserve_fraction: float, alice_blocks: int | None, alice_known: bool = True, alice_running: bool = False
+) -> list[int]:
     """What B observes: his cached tokens for each re-sent prompt after A sent ``alice_blocks`` blocks (None:
-    nothing). ``alice_known``: A sent a one-block request before B primed."""
+    nothing). ``alice_known``: A sent a one-block request before B primed. ``alice_running``: A's request starts
+    before B primes and runs (holding its blocks) until B has probed."""
     pool = Pool(reserve_fraction)
     if alice_known:
         pool.send("alice", [50] * BS + [1])
+    if alice_running and alice_blocks is not None:
+        pool.start("alice", alice_prompt(alice_blocks))
     for p in bob_prompts():
         pool.send("bob", p)
-    if alice_blocks is not None:
+    if not alice_running and alice_blocks is not None:
         pool.send("alice", alice_prompt(alice_blocks))
     return [pool.send("bob", p) for p in reversed(bob_prompts())]  # newest first: a miss evicts the oldest
 
@@ -67,6 +77,12 @@ def test_bobs_hits_do_not_depend_on_alice_within_her_share(alice_blocks):
     quiet = bob_view(0.5, None)
     assert sum(quiet) > 0
     assert bob_view(0.5, alice_blocks) == quiet
+
+
+def test_alices_running_request_does_not_change_bobs_evictions():
+    quiet = bob_view(0.5, None)
+    assert all(bob_view(0.5, k, alice_running=True) == quiet for k in (1, 8))
+    assert bob_view(0.0, 8, alice_running=True) != bob_view(0.0, None)
 
 
 def test_a_first_request_shows_a_new_group_but_not_its_length():
@@ -88,6 +104,17 @@ def test_a_group_within_its_share_keeps_its_cache_through_another_groups_flood()
         for p in bob_prompts(30):
             pool.send("bob", p)
         assert (pool.send("alice", prompt) == 6 * BS) is survives
+
+
+def test_a_running_request_is_not_refused_while_blocks_are_free_it_borrows_owed_room():
+    pool = Pool(0.5)
+    pool.send("alice", [50] * BS + [1])  # alice is owed 9 more of her 10 blocks
+    bob = pool.start("bob", [8] * (35 * BS))  # 35 blocks: 5 more than bob may hold without borrowing
+    assert len(pool.manager.get_block_ids(bob.request_id)) == 35
+    pool.manager.free(bob)
+    groups = pool.manager.pool.groups
+    assert groups.clean.num_free_blocks >= groups.owed  # given back on release: his blocks over the line evicted
+    assert pool.send("alice", alice_prompt(8)) == 0 and pool.send("bob", [8] * (35 * BS)) > 0
 
 
 def random_requests(seed: int, n: int = 300) -> list[list[int]]:
@@ -121,7 +148,7 @@ def test_reset_forgets_every_groups_blocks_but_not_the_groups():
     pool.send("bob", bob_prompts(1)[0])
     assert pool.manager.reset_prefix_cache()
     groups = pool.manager.pool.groups
-    assert (groups.num_cached("alice"), groups.num_cached("bob"), groups.reserved) == (0, 0, 10)
+    assert (groups.footprint("alice"), groups.footprint("bob"), groups.reserved) == (0, 0, 10)
     assert pool.manager.pool.num_free_blocks == NUM_BLOCKS
     assert pool.send("alice", alice_prompt(3)) == 0
 

@@ -155,18 +155,19 @@ class CacheMachine(RuleBasedStateMachine):
             assert block.block_hash == block_hash
 
     @invariant()
-    def groups_count_their_blocks_and_cached_blocks_leave_the_owed_room(self):
+    def groups_count_their_blocks_and_clean_blocks_cover_the_owed_room(self):
         groups = self.manager.pool.groups
         if groups is None:
             return
         blocks = self.manager.pool.blocks
-        cached = Counter(b.group for b in blocks if b.block_hash is not None)
-        assert {g: groups.num_cached(g) for g in cached} == cached
+        held = Counter(b.group for b in blocks if b.ref_cnt or b.block_hash is not None)  # not clean
+        assert set(held) <= self.joined
+        assert {g: groups.footprint(g) for g in self.joined} == {g: held[g] for g in self.joined}
         if self.joined:
             assert groups.reserved == int(NUM_BLOCKS * self.RESERVE) // len(self.joined)
-        assert groups.owed == sum(max(0, groups.reserved - cached[g]) for g in self.joined)
-        if cached.total() + groups.owed > NUM_BLOCKS:  # only while blocks over a share are in use
-            assert not any(b.ref_cnt == 0 and cached[b.group] > groups.reserved for b in blocks if b.block_hash)
+        assert groups.owed == sum(max(0, groups.reserved - held[g]) for g in self.joined)
+        if NUM_BLOCKS - held.total() < groups.owed:  # borrowed: only while no block over a share can be evicted
+            assert not any(b.ref_cnt == 0 and held[b.group] > groups.reserved for b in blocks if b.block_hash)
 
     def teardown(self):
         for req in list(self.running.values()):

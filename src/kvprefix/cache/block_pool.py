@@ -120,9 +120,6 @@ class BlockPool:
         """
         cached = self.cached_blocks
         hashes = request.block_hashes
-        fresh = ()  # the blocks that get a hash now, for their group's count
-        if self.groups is not None:
-            fresh = [b for b in blocks[num_cached_blocks:num_full_blocks] if b.block_hash is None]
         hasher = request.hasher
         root, namespace = (hasher.root, hasher.namespace_id) if hasher is not None else (None, "")
         stored: list[int] = []
@@ -141,9 +138,6 @@ class BlockPool:
                 stored.append(i)
         if stored and self.events.active:
             self._publish_stored(request, stored, root, namespace)
-        if fresh:
-            self.groups.add_cached(fresh, request.eviction_group)
-            self._reclaim(request.eviction_group)
 
     def _publish_stored(self, request: CacheRequest, indices: list[int], root, namespace: str) -> None:
         """One BlockStored per run of consecutive block indices, so each event has a single parent."""
@@ -186,7 +180,7 @@ class BlockPool:
                 else:
                     queue.append(block)
         if self.groups is not None:
-            self._reclaim(group)  # released blocks of a group over its share may hold room owed to others
+            self._reclaim(group)  # borrowed room comes back: released blocks over a share may give it up
 
     def _reclaim(self, group: Hashable) -> None:
         """Evicts free cached blocks (they stay free, now clean) until no group's owed room is held by them."""
@@ -206,8 +200,6 @@ class BlockPool:
         block_hash = block.block_hash
         if self.cached_blocks[block_hash] is block:
             return False
-        if self.groups is not None:
-            self.groups.drop_cached(block)
         copies = self._duplicates[block_hash]
         copies.remove(block)
         if not copies:

@@ -1,14 +1,14 @@
 """Eviction isolation between groups of requests (tenants): a reserved share of the pool for every group.
 
 Salting keeps tenants from hitting each other's blocks, but with one LRU for all, the blocks one tenant loses
-count another tenant's traffic ("prime and probe", docs/security.md). Here cached blocks never keep the room a
-group below its share is still owed, so such a group is served from its own room and what it sends does not
-change which blocks other groups lose.
+count another tenant's traffic ("prime and probe", docs/security.md). Here the clean free blocks always cover
+the room owed to groups below their share, so such a group is served from clean blocks, and what it does never
+changes the choices the pool makes for the others.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Iterator, Sequence
+from collections.abc import Hashable, Iterable, Iterator
 
 from kvprefix.cache.free_queue import FreeBlockQueue, KVCacheBlock
 
@@ -16,14 +16,16 @@ from kvprefix.cache.free_queue import FreeBlockQueue, KVCacheBlock
 class EvictionGroups:
     """A pool's free blocks by eviction group, in place of its one ``FreeBlockQueue`` (same queue protocol).
 
-    Free blocks without a hash ("clean") wait in one queue, free cached blocks in their group's queue, each queue
-    a ``queue_cls`` (its order is the order within a group; LRU by default). Every known group is reserved
-    ``reserved = floor(num_blocks * reserve_fraction / known groups)`` blocks. The pool keeps
+    Free blocks without a hash ("clean") wait in one queue, free cached blocks in their group's queue, each queue a
+    ``queue_cls`` (its order is the order within a group; LRU by default). A group's footprint is every block that
+    is not clean and that the group took: held by its requests, or cached and free. Each known group is reserved
+    ``reserved = floor(num_blocks * reserve_fraction / known groups)`` blocks, and the pool keeps
 
-        cached blocks + owed <= num_blocks,   owed = sum over groups of max(0, reserved - cached blocks of group)
+        clean free blocks >= owed = sum over known groups of max(0, reserved - footprint)
 
-    by evicting what ``reclaim`` names after anything that can break it: a group joining, or a group over its
-    share registering or releasing blocks. Blocks in use cannot be evicted, so it may lag until they are released.
+    ``take`` keeps it as long as no group at or over its share runs out of its own blocks to recycle (then it
+    borrows owed room rather than stall a running request); ``reclaim`` restores it after a group joins or
+    borrowed room comes back.
     """
 
     def __init__(self, blocks: Iterable[KVCacheBlock], reserve_fraction: float, queue_cls=FreeBlockQueue):
@@ -34,66 +36,54 @@ class EvictionGroups:
         self.num_blocks = self.num_free_blocks = self.clean.num_free_blocks
         self.reserve_fraction = reserve_fraction
         self.reserved = 0
+        self.owed = 0
         self._free: dict[Hashable, FreeBlockQueue] = {}  # group -> its free cached blocks
-        self._cached: dict[Hashable, int] = {}  # group -> its blocks holding a hash, free or in use
-        self._num_cached = 0
-        self.owed = 0  # room still owed to groups below their share: sum of max(0, reserved - cached)
+        self._footprint: dict[Hashable, int] = {}
 
     def join(self, group: Hashable) -> None:
         """Makes ``group`` known: from now on it is reserved a share (every known group's share shrinks)."""
-        if group in self._cached:
+        if group in self._footprint:
             return
-        self._cached[group] = 0
+        self._footprint[group] = 0
         self._free[group] = self._queue_cls(())
-        self.reserved = int(self.num_blocks * self.reserve_fraction) // len(self._cached)
-        self.owed = sum(max(0, self.reserved - n) for n in self._cached.values())
+        self.reserved = int(self.num_blocks * self.reserve_fraction) // len(self._footprint)
+        self.owed = sum(max(0, self.reserved - n) for n in self._footprint.values())
 
-    def num_cached(self, group: Hashable) -> int:
-        return self._cached.get(group, 0)
+    def footprint(self, group: Hashable) -> int:
+        return self._footprint.get(group, 0)
 
     def _count(self, group: Hashable, delta: int) -> None:
-        n, r = self._cached[group], self.reserved
+        n, r = self._footprint[group], self.reserved
         self.owed += max(0, r - n - delta) - max(0, r - n)
-        self._cached[group] = n + delta
-        self._num_cached += delta
-
-    def add_cached(self, blocks: Sequence[KVCacheBlock], group: Hashable) -> None:
-        """``blocks`` (in use) were just registered by a request of ``group``."""
-        self.join(group)
-        for block in blocks:
-            block.group = group
-        self._count(group, len(blocks))
-
-    def drop_cached(self, block: KVCacheBlock) -> None:
-        """``block`` gave up its hash outside ``take`` and ``reclaim`` (a released duplicate)."""
-        self._count(block.group, -1)
+        self._footprint[group] = n + delta
 
     def take(self, group: Hashable) -> KVCacheBlock:
-        """Removes the free block a new block of ``group`` is taken from (a known group; at least one block free).
+        """Removes the free block a request of ``group`` (known) gets next; at least one block must be free.
 
-        In order: a clean block, if enough stay clean for the room other groups are owed; the group's own next
-        victim; any clean block; the next victim of the group with the most cached blocks. A cached block is
-        uncounted here; dropping its hash is the pool's job.
+        Below its share the group gets a clean block. At or over it, a clean block while more than ``owed`` are
+        clean, else its own next victim; with none of those it borrows: any clean block, else the next victim of
+        the group with the largest footprint. A cached block's hash is the pool's to drop.
         """
         clean, own = self.clean, self._free[group]
-        owed_to_others = self.owed - max(0, self.reserved - self._cached[group])
-        if clean.num_free_blocks > owed_to_others or (clean.num_free_blocks and not own.num_free_blocks):
+        n = clean.num_free_blocks
+        if n and (self._footprint[group] < self.reserved or n > self.owed or not own.num_free_blocks):
             block = clean.popleft()
         else:
             block = (own if own.num_free_blocks else self._fullest(-1)).popleft()
             self._count(block.group, -1)
+        block.group = group
+        self._count(group, 1)
         self.num_free_blocks -= 1
         return block
 
     def reclaim(self, group: Hashable) -> KVCacheBlock | None:
-        """A free cached block that must give up its hash because cached blocks keep room owed to a group below its
-        share: ``group``'s next victim if ``group`` is over its share, else that of the group with the most cached
-        blocks over its share. Moved to the clean queue and uncounted here; the pool drops its hash. None when
-        nothing is owed, or every group over its share has all its cached blocks in use."""
-        if self._num_cached + self.owed <= self.num_blocks:
+        """A free cached block to evict in place while fewer blocks are clean than are owed: ``group``'s next victim
+        if it is over its share, else that of the group furthest over its share. Moved to the clean queue here;
+        the pool drops its hash. None when the owed room is clean, or no group over its share has a free block."""
+        if self.clean.num_free_blocks >= self.owed:
             return None
         queue = self._free.get(group)
-        if queue is None or not queue.num_free_blocks or self._cached[group] <= self.reserved:
+        if queue is None or not queue.num_free_blocks or self._footprint[group] <= self.reserved:
             queue = self._fullest(self.reserved)
             if queue is None:
                 return None
@@ -103,26 +93,25 @@ class EvictionGroups:
         return block
 
     def _fullest(self, more_than: int) -> FreeBlockQueue | None:
-        """The free queue of the group with the most cached blocks (above ``more_than``) among those with one free:
-        O(groups), reached only when a group cannot be served from clean room or its own blocks."""
-        best = None
-        most = more_than
+        """The free queue of the group with the largest footprint (above ``more_than``) among those with a free
+        cached block: O(groups), only when a group cannot be served from clean room or its own blocks."""
+        best, most = None, more_than
         for group, queue in self._free.items():
-            if queue.num_free_blocks and self._cached[group] > most:
-                best, most = queue, self._cached[group]
+            if queue.num_free_blocks and self._footprint[group] > most:
+                best, most = queue, self._footprint[group]
         return best
 
     def clear(self) -> None:
-        """After the pool forgot every hash (nothing in use): every free block is clean again."""
+        """After the pool forgot every hash (nothing in use): every block is clean again."""
         for group, queue in self._free.items():
             for block in list(queue):
                 queue.remove(block)
                 self.clean.append(block)
-            self._cached[group] = 0
-        self._num_cached = 0
-        self.owed = self.reserved * len(self._cached)
+            self._footprint[group] = 0
+        self.owed = self.reserved * len(self._footprint)
 
-    # The queue protocol the pool uses (FreeBlockQueue's): a cached block is appended, a clean one appended left.
+    # The queue protocol the pool uses (FreeBlockQueue's): a released cached block is appended, a released block
+    # without a hash appended left; ``remove`` takes back a free cached block (a hit).
     def _queue_of(self, block: KVCacheBlock) -> FreeBlockQueue:
         return self.clean if block.block_hash is None else self._free[block.group]
 
@@ -136,6 +125,7 @@ class EvictionGroups:
 
     def appendleft(self, block: KVCacheBlock) -> None:
         self.clean.appendleft(block)
+        self._count(block.group, -1)
         self.num_free_blocks += 1
 
     def __iter__(self) -> Iterator[KVCacheBlock]:

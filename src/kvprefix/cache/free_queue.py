@@ -18,7 +18,7 @@ class KVCacheBlock:
         # the cache reports, so a subscriber can start from the current set without anyone mirroring it.
         self.parent_hash: Hashable | None = None
         self.namespace = ""
-        self.group: Hashable = None  # the eviction group that registered it (only kept with eviction groups)
+        self.group: Hashable = None  # with eviction groups: the group whose request took it last
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
 

@@ -153,7 +153,7 @@ class KVCacheManager:
         if blocks:
             self.pool.free(reversed(blocks), request.eviction_group)
             if self.pool.groups is not None:
-                self.pool.events.flush()  # releasing can evict: a group over its share gives back owed room
+                self.pool.events.flush()  # releasing can evict: a group over its share gives back borrowed room
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
