@@ -2,8 +2,11 @@
 
 The shadow records, per block id, the tokens a request wrote into it. A hit is correct only if the shadow of
 every hit block equals the request's own tokens at those positions; a referenced block handed to someone else
-would be overwritten in the shadow and break that check for its owner.
+would be overwritten in the shadow and break that check for its owner. The same machine runs once more on a
+pool with eviction groups (two groups; one of them spans two salts), which must also keep its group accounts.
 """
+
+from collections import Counter
 
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
@@ -14,13 +17,17 @@ from kvprefix.cache import BlockHasher, BlockRemoved, BlockStored, CacheRequest,
 BS = 4
 NUM_BLOCKS = 12
 PREFIXES = [[1] * 10, [1] * 6 + [2] * 6, [3, 4, 5, 6, 7, 8, 9]]
+GROUP_OF_SALT = {"": None, "t2": "b", "t3": "b"}
 
 
 class CacheMachine(RuleBasedStateMachine):
+    RESERVE = 0.0
+
     def __init__(self):
         super().__init__()
-        self.manager = KVCacheManager(NUM_BLOCKS, BS)
-        self.hashers = {salt: BlockHasher(BS).with_salt(salt) for salt in ("", "t2")}
+        self.manager = KVCacheManager(NUM_BLOCKS, BS, reserve_fraction=self.RESERVE)
+        self.hashers = {salt: BlockHasher(BS).with_salt(salt) for salt in GROUP_OF_SALT}
+        self.joined: set = set()  # groups that have allocated: they are owed their share
         self.shadow: dict[int, list[int | None]] = {i: [None] * BS for i in range(NUM_BLOCKS)}
         self.running: dict[str, CacheRequest] = {}
         self.waiting: list[CacheRequest] = []
@@ -52,6 +59,7 @@ class CacheMachine(RuleBasedStateMachine):
         num_new = min(chunk, req.num_tokens - n)
         if self.manager.allocate_slots(req, num_new, hits) is None:
             return False
+        self.joined.add(req.eviction_group)
         assert req.num_computed_tokens == n
         self._compute(req, num_new)
         self.running[req.request_id] = req
@@ -66,12 +74,12 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(
         prefix=st.sampled_from(PREFIXES),
         suffix=st.lists(st.integers(0, 3), max_size=9),
-        salt=st.sampled_from(["", "t2"]),
+        salt=st.sampled_from(sorted(GROUP_OF_SALT)),
         chunk=st.integers(1, 20),
     )
     def new_request(self, prefix, suffix, salt, chunk):
         self.counter += 1
-        req = CacheRequest(f"r{self.counter}", prefix + suffix, self.hashers[salt])
+        req = CacheRequest(f"r{self.counter}", prefix + suffix, self.hashers[salt], eviction_group=GROUP_OF_SALT[salt])
         if not self._admit(req, chunk):
             self.waiting.append(req)
 
@@ -146,6 +154,21 @@ class CacheMachine(RuleBasedStateMachine):
         for block_hash, block in cached.items():
             assert block.block_hash == block_hash
 
+    @invariant()
+    def groups_count_their_blocks_and_clean_blocks_cover_the_owed_room(self):
+        groups = self.manager.pool.groups
+        if groups is None:
+            return
+        blocks = self.manager.pool.blocks
+        held = Counter(b.group for b in blocks if b.ref_cnt or b.block_hash is not None)  # not clean
+        assert set(held) <= self.joined
+        assert {g: groups.footprint(g) for g in self.joined} == {g: held[g] for g in self.joined}
+        if self.joined:
+            assert groups.reserved == int(NUM_BLOCKS * self.RESERVE) // len(self.joined)
+        assert groups.owed == sum(max(0, groups.reserved - held[g]) for g in self.joined)
+        if NUM_BLOCKS - held.total() < groups.owed:  # borrowed: only while no block over a share can be evicted
+            assert not any(b.ref_cnt == 0 and held[b.group] > groups.reserved for b in blocks if b.block_hash)
+
     def teardown(self):
         for req in list(self.running.values()):
             self.manager.free(req)
@@ -158,3 +181,11 @@ TestCacheMachine = CacheMachine.TestCase
 TestCacheMachine.settings = settings(
     max_examples=200, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
+
+
+class GroupedCacheMachine(CacheMachine):
+    RESERVE = 0.5
+
+
+TestGroupedCacheMachine = GroupedCacheMachine.TestCase
+TestGroupedCacheMachine.settings = TestCacheMachine.settings

@@ -3,8 +3,9 @@
 Pure Python + numpy; imports no torch, so routers and the planner can use it without a model.
 """
 
-from kvprefix.cache.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
+from kvprefix.cache.block_pool import BlockPool
 from kvprefix.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, EventPublisher, KVCacheEvent
+from kvprefix.cache.free_queue import FreeBlockQueue, KVCacheBlock
 from kvprefix.cache.hashing import (
     COLLISION_SAFE_ALGOS,
     HASH_ALGOS,

@@ -3,83 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
+from functools import partial
 
 from kvprefix.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, EventPublisher
+from kvprefix.cache.eviction_groups import EvictionGroups
+from kvprefix.cache.free_queue import FreeBlockQueue, KVCacheBlock
 from kvprefix.cache.request import CacheRequest
 from kvprefix.cache.stats import PrefixCacheStats
-
-
-class KVCacheBlock:
-    """One block of KV slots. ``block_hash`` is set while the block is registered in the prefix cache."""
-
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "parent_hash", "namespace", "prev_free", "next_free")
-
-    def __init__(self, block_id: int):
-        self.block_id = block_id
-        self.ref_cnt = 0
-        self.block_hash: Hashable | None = None
-        # Where the block sits while registered (its chain's previous hash, its namespace id): what a snapshot of
-        # the cache reports, so a subscriber can start from the current set without anyone mirroring it.
-        self.parent_hash: Hashable | None = None
-        self.namespace = ""
-        self.prev_free: KVCacheBlock | None = None
-        self.next_free: KVCacheBlock | None = None
-
-    def __repr__(self) -> str:
-        return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, hash={self.block_hash!r})"
-
-
-class FreeBlockQueue:
-    """Doubly linked list of free blocks, threaded through the blocks themselves.
-
-    Front = next to be taken (least recently released). Every operation is O(1); removing a block from the
-    middle is how a cache hit on a free block takes it back.
-    """
-
-    def __init__(self, blocks: Iterable[KVCacheBlock]):
-        self._head = KVCacheBlock(-1)  # sentinels keep every link operation branch-free
-        self._tail = KVCacheBlock(-1)
-        self._head.next_free = self._tail
-        self._tail.prev_free = self._head
-        self.num_free_blocks = 0
-        for block in blocks:
-            self.append(block)
-
-    def popleft(self) -> KVCacheBlock:
-        block = self._head.next_free
-        if block is self._tail:
-            raise IndexError("no free blocks")
-        self.remove(block)
-        return block
-
-    def remove(self, block: KVCacheBlock) -> None:
-        prev, nxt = block.prev_free, block.next_free
-        prev.next_free = nxt
-        nxt.prev_free = prev
-        block.prev_free = block.next_free = None
-        self.num_free_blocks -= 1
-
-    def append(self, block: KVCacheBlock) -> None:
-        last = self._tail.prev_free
-        last.next_free = block
-        block.prev_free = last
-        block.next_free = self._tail
-        self._tail.prev_free = block
-        self.num_free_blocks += 1
-
-    def appendleft(self, block: KVCacheBlock) -> None:
-        first = self._head.next_free
-        first.prev_free = block
-        block.next_free = first
-        block.prev_free = self._head
-        self._head.next_free = block
-        self.num_free_blocks += 1
-
-    def __iter__(self):
-        block = self._head.next_free
-        while block is not self._tail:
-            yield block
-            block = block.next_free
 
 
 class BlockPool:
@@ -90,14 +20,20 @@ class BlockPool:
         num_blocks: int,
         block_size: int,
         free_queue_cls: type[FreeBlockQueue] = FreeBlockQueue,
+        reserve_fraction: float = 0.0,
     ):
-        """``free_queue_cls`` is the eviction policy: its ``popleft`` picks the victim (default LRU)."""
+        """``free_queue_cls`` is the eviction policy: its ``popleft`` picks the victim (default LRU).
+
+        ``reserve_fraction`` > 0 isolates eviction groups (``EvictionGroups``): that fraction of the pool is shared
+        out as every known group's reserved room, and ``free_queue_cls`` orders the blocks within each group.
+        0 is one queue for every request (the groups passed in are ignored)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_queue = free_queue_cls(self.blocks)
+        self.groups = EvictionGroups(self.blocks, reserve_fraction, free_queue_cls) if reserve_fraction else None
+        self.free_queue = self.groups if self.groups is not None else free_queue_cls(self.blocks)
         # hash -> the block hits are served from. Two requests that compute the same content in one step make two
         # blocks of one hash: while in use, the later ones wait in _duplicates and take over should the served one
         # be evicted, so the hash stays cached while any copy lives; released, a copy gives up its hash.
@@ -130,11 +66,17 @@ class BlockPool:
                 remove(block)
             block.ref_cnt += 1
 
-    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Takes ``num_blocks`` from the front of the free queue, evicting their cached hashes."""
+    def get_new_blocks(self, num_blocks: int, group: Hashable = None) -> list[KVCacheBlock]:
+        """Takes ``num_blocks`` from the front of the free queue (with eviction groups, where ``EvictionGroups.take``
+        says for a request of ``group``), evicting their cached hashes."""
         if num_blocks > self.free_queue.num_free_blocks:
             raise ValueError(f"asked for {num_blocks} blocks, only {self.free_queue.num_free_blocks} free")
-        popleft = self.free_queue.popleft
+        if self.groups is None:
+            popleft = self.free_queue.popleft
+        else:
+            self.groups.join(group)
+            self._reclaim(group)  # a group's first request: its room is made clean before it takes any
+            popleft = partial(self.groups.take, group)
         out = []
         evicted = []
         num_evicted = 0
@@ -218,11 +160,11 @@ class BlockPool:
             )
             run_start = k
 
-    def free(self, blocks: Iterable[KVCacheBlock]) -> None:
+    def free(self, blocks: Iterable[KVCacheBlock], group: Hashable = None) -> None:
         """Drops one reference from each block, in the order given; unreferenced blocks become free.
 
         A cached block joins the back of the queue (evicted last); a block with no hash is worth nothing and
-        goes to the front, so it is reused before any cached block.
+        goes to the front, so it is reused before any cached block. ``group`` is the releasing request's.
         """
         queue = self.free_queue
         duplicates = self._duplicates
@@ -237,6 +179,20 @@ class BlockPool:
                     queue.appendleft(block)
                 else:
                     queue.append(block)
+        if self.groups is not None:
+            self._reclaim(group)  # borrowed room comes back: released blocks over a share may give it up
+
+    def _reclaim(self, group: Hashable) -> None:
+        """Evicts free cached blocks (they stay free, now clean) until no group's owed room is held by them."""
+        groups = self.groups
+        evicted = []
+        while (block := groups.reclaim(group)) is not None:
+            self.stats.evictions += 1
+            gone = self._evict(block)
+            if gone is not None:
+                evicted.append(gone)
+        if evicted and self.events.active:
+            self.events.publish(BlockRemoved(evicted))
 
     def _drop_copy(self, block: KVCacheBlock) -> bool:
         """A released duplicate is redundant while the block hits are served from exists: it gives up its hash
@@ -266,6 +222,8 @@ class BlockPool:
                 block.block_hash = None
         self.cached_blocks.clear()
         self._duplicates.clear()
+        if self.groups is not None:
+            self.groups.clear()
         self.stats.resets += 1
         if self.events.active:
             self.events.publish(AllBlocksCleared())

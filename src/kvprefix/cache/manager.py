@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvprefix.cache.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
+from kvprefix.cache.block_pool import BlockPool
+from kvprefix.cache.free_queue import FreeBlockQueue, KVCacheBlock
 from kvprefix.cache.request import CacheRequest
 from kvprefix.cache.stats import PrefixCacheStats
 
@@ -27,12 +28,14 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         free_queue_cls: type[FreeBlockQueue] = FreeBlockQueue,
+        reserve_fraction: float = 0.0,
     ):
+        """``reserve_fraction`` > 0 isolates eviction between the requests' ``eviction_group``s (``BlockPool``)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, block_size, free_queue_cls)
+        self.pool = BlockPool(num_blocks, block_size, free_queue_cls, reserve_fraction)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are registered (or were found cached).
         self._num_cached_blocks: dict[str, int] = {}
@@ -103,7 +106,7 @@ class KVCacheManager:
             req_blocks.extend(new_computed_blocks)
             self._num_cached_blocks[rid] = len(req_blocks)
             request.num_computed_tokens = num_computed
-        new_blocks = self.pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
+        new_blocks = self.pool.get_new_blocks(num_new_blocks, request.eviction_group) if num_new_blocks else []
         req_blocks.extend(new_blocks)
         self.pool.events.flush()  # only now: the request's blocks are recorded, whatever a subscriber does
         return new_blocks
@@ -148,7 +151,9 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(rid, None)
         self._num_cached_blocks.pop(rid, None)
         if blocks:
-            self.pool.free(reversed(blocks))
+            self.pool.free(reversed(blocks), request.eviction_group)
+            if self.pool.groups is not None:
+                self.pool.events.flush()  # releasing can evict: a group over its share gives back borrowed room
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]

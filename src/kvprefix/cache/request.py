@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 from kvprefix.cache.hashing import BlockExtras, BlockHash, BlockHasher
 
@@ -11,7 +11,8 @@ class CacheRequest:
     """A token sequence whose full blocks are hashed incrementally, once each, as tokens arrive.
 
     The engine's request type extends this. Trace replay builds one with ``from_block_hashes`` when only the
-    hashes of a prompt are known (no token ids); such a request cannot grow.
+    hashes of a prompt are known (no token ids); such a request cannot grow. ``eviction_group`` (the engine sets
+    the tenant; None is the shared group) matters only to a pool with eviction groups (``EvictionGroups``).
     """
 
     def __init__(
@@ -20,6 +21,7 @@ class CacheRequest:
         prompt_token_ids: Sequence[int],
         hasher: BlockHasher | None,
         extras: BlockExtras | None = None,
+        eviction_group: Hashable = None,
     ):
         if len(prompt_token_ids) == 0:
             raise ValueError(f"request {request_id!r} has an empty prompt")
@@ -30,6 +32,7 @@ class CacheRequest:
         self.hasher = hasher
         self.block_size = hasher.block_size if hasher is not None else None  # of the hashes; None: no hashes
         self.extras = extras
+        self.eviction_group = eviction_group
         self.block_hashes: list[BlockHash] = []
         # Tokens whose KV is in the cache (computed, or taken from cached blocks).
         self.num_computed_tokens = 0
@@ -39,7 +42,12 @@ class CacheRequest:
 
     @classmethod
     def from_block_hashes(
-        cls, request_id: str, block_hashes: Sequence[BlockHash], num_tokens: int, block_size: int
+        cls,
+        request_id: str,
+        block_hashes: Sequence[BlockHash],
+        num_tokens: int,
+        block_size: int,
+        eviction_group: Hashable = None,
     ) -> CacheRequest:
         """A request known only by its full-block hashes (trace replay). Hashes may be any hashable ids."""
         if num_tokens < 1:
@@ -56,6 +64,7 @@ class CacheRequest:
         req.hasher = None
         req.block_size = block_size
         req.extras = None
+        req.eviction_group = eviction_group
         req.block_hashes = list(block_hashes)
         req.num_computed_tokens = 0
         req.num_cached_tokens = -1

@@ -10,7 +10,9 @@ class EngineArgs:
     """``model`` None is the built-in default model (random weights: meaningless text). ``dtype`` "auto" is
     bfloat16 on CUDA and float32 on CPU. The KV cache holds ``num_gpu_blocks`` blocks if given, else as many as fit
     in ``kv_cache_memory`` bytes, else (CUDA) ``gpu_memory_utilization`` of the free memory or (CPU) 1 GiB.
-    ``max_model_len`` None is the model's ``max_position_embeddings``."""
+    ``max_model_len`` None is the model's ``max_position_embeddings``. ``tenant_kv_reserve`` > 0 isolates eviction
+    between tenants: that fraction of the KV cache is shared out as each tenant's reserved room (0: one LRU for
+    all; docs/security.md)."""
 
     model: str | None = None
     dtype: str = "auto"
@@ -25,3 +27,4 @@ class EngineArgs:
     num_gpu_blocks: int | None = None
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
+    tenant_kv_reserve: float = 0.0

@@ -82,7 +82,9 @@ class LLMEngine:
             args.kv_cache_memory,
             args.gpu_memory_utilization,
         )
-        self.manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        self.manager = KVCacheManager(
+            num_blocks, args.block_size, args.enable_prefix_caching, reserve_fraction=args.tenant_kv_reserve
+        )
         # The longest a request (prompt + output) may grow: the model's limit, or the whole KV cache if smaller.
         self.max_sequence_tokens = min(self.max_model_len, num_blocks * args.block_size)
         self.scheduler = Scheduler(self.manager, args.max_num_seqs, args.max_num_batched_tokens)
@@ -152,6 +154,7 @@ class LLMEngine:
                     tokenizer=self.tokenizer,
                     index=i,
                     leader=samples[0] if i and self.manager.enable_prefix_caching else None,
+                    eviction_group=tenant,
                 )
             )
         metrics = RequestMetrics(arrival_time if arrival_time is not None else time.monotonic())

@@ -38,8 +38,9 @@ class Request(CacheRequest):
         tokenizer: Tokenizer,
         index: int = 0,
         leader: Request | None = None,
+        eviction_group: str | None = None,
     ):
-        super().__init__(request_id, prompt_token_ids, hasher)
+        super().__init__(request_id, prompt_token_ids, hasher, eviction_group=eviction_group)
         self.params = params
         self.index = index
         self.leader = leader

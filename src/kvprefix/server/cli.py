@@ -6,6 +6,17 @@ import argparse
 
 from kvprefix.cache import COLLISION_SAFE_ALGOS, HASH_ALGOS
 
+# The KV cache fraction shared out as tenants' reserved room when there are tenants (docs/security.md): half stays
+# shared LRU room for whoever is busy; the other half is what idle tenants are owed and others cannot cache in.
+DEFAULT_TENANT_KV_RESERVE = 0.5
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1], got {text}")
+    return value
+
 
 def _positive(text: str) -> float:
     value = float(text)
@@ -57,6 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="key for POST /reset_prefix_cache, /flush_cache and GET /metrics")
     sec.add_argument("--no-cache-detail", dest="cache_detail", action="store_false",
                      help="refuse the per-request cache_detail extension")
+    sec.add_argument("--tenant-kv-reserve", type=_fraction, default=None, metavar="FRACTION",
+                     help="KV cache fraction shared out as tenants' reserved room, so that one tenant cannot see "
+                          f"another's traffic in its own evictions; 0 = one LRU for all (default: "
+                          f"{DEFAULT_TENANT_KV_RESERVE} with keys, else 0)")
 
     logs = parser.add_argument_group("request log (docs/request-log.md)")
     logs.add_argument("--request-log", default=None, metavar="PATH", help="append one JSON line per prompt")
@@ -98,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
         # A crafted prompt that collides with another tenant's block hash would be served that block's KV.
         raise SystemExit(f"kvprefix serve: with API keys (tenants), --prefix-caching-hash-algo must be collision "
                          f"resistant: one of {', '.join(COLLISION_SAFE_ALGOS)}")
+    if args.tenant_kv_reserve is None:
+        args.tenant_kv_reserve = DEFAULT_TENANT_KV_RESERVE if auth.enabled else 0.0
     # Options are checked before the engine and web stack load: a bad one fails in a moment, not after torch.
     from kvprefix.engine import AsyncLLM, EngineArgs
     from kvprefix.server.app import ServerConfig, create_app, serve
