@@ -129,7 +129,7 @@ def tokenizer_fingerprint(path: str) -> str:
 def _fingerprint_files(files: list[str]) -> str:
     # Memoized on (path, size, mtime): tests and processes build many engines over one checkpoint, and a
     # multi-GB checkpoint takes seconds to read.
-    stats = tuple((f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files)
+    stats = tuple((f, st.st_size, st.st_mtime_ns) for f in files for st in [os.stat(f)])
     return _fingerprint(stats)
 
 
