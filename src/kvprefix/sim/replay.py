@@ -21,12 +21,13 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from kvprefix.cache import CacheRequest, FreeBlockQueue, KVCacheManager, cdiv
-from kvprefix.router.policies import POLICIES, make_policy
+from kvprefix.router.policies import POLICIES, RENAMED, make_policy
 from kvprefix.sim.trace import Trace, TraceRequest
 
 MODES = ("order", "timed")
 SHARED = "shared"  # not a routing policy: one pool of replicas x capacity, the upper bound for any router
 ROUTINGS = (*POLICIES, SHARED)
+ACCEPTED_ROUTINGS = (*ROUTINGS, *RENAMED)  # earlier names still run
 # Eviction policy -> the pool's free-queue class (its popleft picks the victim). Add a policy here.
 EVICTIONS: dict[str, type[FreeBlockQueue]] = {"lru": FreeBlockQueue}
 
@@ -48,7 +49,7 @@ class ReplayConfig:
             raise ValueError(f"capacity must be at least one block, got {self.capacity_blocks} blocks")
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
-        if self.routing not in ROUTINGS:
+        if self.routing not in ACCEPTED_ROUTINGS:
             raise ValueError(f"unknown routing {self.routing!r}; choose one of {', '.join(ROUTINGS)}")
         if self.eviction not in EVICTIONS:
             raise ValueError(f"unknown eviction {self.eviction!r}; choose one of {', '.join(EVICTIONS)}")
@@ -85,6 +86,9 @@ class _ManagersView:
         self.num_replicas = len(managers)
         self.loads = [0] * len(managers)
         self.pending: list[dict[Hashable, int]] = [{} for _ in managers]  # hash -> routed requests computing it
+
+    def healthy(self, replica: int) -> bool:
+        return True
 
     def cached_prefix_blocks(self, replica: int, block_hashes: Sequence[Hashable]) -> int:
         cached = self.managers[replica].pool.cached_blocks
