@@ -21,6 +21,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from kvprefix.cache import CacheRequest, FreeBlockQueue, KVCacheManager, cdiv
+from kvprefix.router.pending import PendingBlocks
 from kvprefix.router.policies import POLICIES, RENAMED, make_policy
 from kvprefix.sim.trace import Trace, TraceRequest
 
@@ -74,18 +75,14 @@ class ReplayRecords:
 
 
 class _ManagersView:
-    """``ReplicaView`` over the replay's managers, for the routing policy.
-
-    A replica's prefix counts blocks it has cached plus blocks a request already routed to it will compute
-    (``pending``), as a router that remembers where it sent prefixes would see them; without this, a burst of
-    requests with one new prefix looks uncached everywhere until the first of them finishes prefill.
-    """
+    """``ReplicaView`` over the replay's managers, for the routing policy. A replica's prefix counts blocks it
+    has cached plus blocks a request already routed to it will compute (``PendingBlocks``)."""
 
     def __init__(self, managers: list[KVCacheManager]):
         self.managers = managers
         self.num_replicas = len(managers)
         self.loads = [0] * len(managers)
-        self.pending: list[dict[Hashable, int]] = [{} for _ in managers]  # hash -> routed requests computing it
+        self.pending = [PendingBlocks() for _ in managers]
 
     def healthy(self, replica: int) -> bool:
         return True
@@ -102,19 +99,6 @@ class _ManagersView:
 
     def load(self, replica: int) -> float:
         return self.loads[replica]
-
-    def add_pending(self, replica: int, block_hashes: Sequence[Hashable]) -> None:
-        pending = self.pending[replica]
-        for h in block_hashes:
-            pending[h] = pending.get(h, 0) + 1
-
-    def drop_pending(self, replica: int, block_hashes: Sequence[Hashable]) -> None:
-        pending = self.pending[replica]
-        for h in block_hashes:
-            if pending[h] == 1:
-                del pending[h]
-            else:
-                pending[h] -= 1
 
 
 def unbounded_capacity_blocks(trace: Trace) -> int:
@@ -234,7 +218,7 @@ def _replay_timed(
             if kind == _PREFILL_DONE:
                 mgr.cache_blocks(req, req.num_tokens)
                 if policy is not None:
-                    view.drop_pending(rep, req.block_hashes)
+                    view.pending[rep].drop(req.block_hashes)
                 prefilling[rep] = False
                 push(now + reqs[i].output_length / decode_tps, _FINISH, rep, i, req)
             else:
@@ -249,7 +233,7 @@ def _replay_timed(
             continue  # could never fit, even alone: rejected
         loads[rep] += 1
         if policy is not None:
-            view.add_pending(rep, r.block_hashes)
+            view.pending[rep].add(r.block_hashes)
         queues[rep].append(i)
         start_next(rep, r.timestamp)
         if bar is not None and (i + 1) % _BAR_STEP == 0:
