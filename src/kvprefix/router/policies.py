@@ -201,7 +201,8 @@ class PrefixScore:
 
     Credit is the cached prefix; the load cap (``load_cap`` x the mean load, + 1) is what it is weighed against: a replica over it is passed over however much it caches, so one hot prefix spreads to a
     second replica (which then caches it too) instead of herding onto one. Among equal prefixes the less loaded
-    wins, then a seeded coin. A request that hits nowhere goes to the least loaded replica.
+    wins, then a seeded coin. A request that hits nowhere goes to the least loaded replica (equal loads: the next
+in rotation).
 
     Two sources of "cached": ``prefix`` remembers where it routed each block (``RoutedIndex``: approximate, no
     events needed); ``kv-events`` asks the view, which holds each replica's exact set (the router's event-fed
@@ -215,11 +216,21 @@ class PrefixScore:
         self.load_cap = load_cap
         self.routed = routed
         self._rng = random.Random(seed)
+        self._next = 0  # where the rotation of new prefixes continues
 
     def cached(self, replica: int, request: Routable, view: ReplicaView) -> int:
         if self.routed is not None:
             return self.routed.cached_prefix_blocks(replica, request.block_hashes)
         return view.cached_prefix_blocks(replica, request.block_hashes)
+
+    def _new_prefix_home(self, eligible: list[int], view: ReplicaView) -> int:
+        """The least loaded replica; among equally loaded ones (an idle fleet), the next in rotation, so that new
+        prefixes spread evenly over the pools instead of by chance (three on one pool may not fit)."""
+        low = min(view.load(r) for r in eligible)
+        ties = [r for r in eligible if view.load(r) == low]
+        replica = min(ties, key=lambda r: (r - self._next) % view.num_replicas)
+        self._next = replica + 1
+        return replica
 
     def choose(self, request: Routable, view: ReplicaView) -> int:
         up = candidates(view)
@@ -230,7 +241,7 @@ class PrefixScore:
         scores = {r: self.cached(r, request, view) for r in eligible} if request.block_hashes else {}
         best = max(scores.values(), default=0)
         if best == 0:
-            replica = least_loaded(eligible, view, self._rng)
+            replica = self._new_prefix_home(eligible, view)
         else:
             replica = least_loaded([r for r in eligible if scores[r] == best], view, self._rng)
         if self.routed is not None:
