@@ -17,7 +17,8 @@ SYSTEM_PROMPTS = [f"Policy {k}: you are assistant number {k}. " + f"Rule {k} say
                   for k in range(6)]
 
 
-def start_router(tmp: Path, replica_urls: list[str], policy: str, model: str, *args: str) -> Server:
+def start_router(tmp: Path, replica_urls: list[str], policy: str, model: str, *args: str,
+                 admin: dict | None = None) -> Server:
     """A `kvprefix route` on a free port; returns once it is up and every replica is healthy (and, for
     kv-events, every replica's event stream has been synced)."""
     port = free_port()
@@ -29,19 +30,20 @@ def start_router(tmp: Path, replica_urls: list[str], policy: str, model: str, *a
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
     router = Server(f"http://127.0.0.1:{port}", proc, log_path, None)
-    wait_synced(router, len(replica_urls), policy == "kv-events")
+    wait_synced(router, len(replica_urls), policy == "kv-events", admin)
     return router
 
 
-def wait_synced(router: Server, num_replicas: int, events: bool, timeout: float = 60.0) -> dict[str, float]:
+def wait_synced(router: Server, num_replicas: int, events: bool, admin: dict | None = None,
+                timeout: float = 60.0) -> dict[str, float]:
     """Waits until the router sees every replica healthy (and its event stream synced); returns its metrics."""
     deadline = time.monotonic() + timeout
     while True:
         if router.proc.poll() is not None:
             raise RuntimeError(f"router exited with {router.proc.returncode}:\n{router.log_path.read_text()}")
         try:
-            m = router.metrics()
-        except httpx.HTTPError:
+            m = router.metrics(admin)
+        except (httpx.HTTPError, ValueError):  # not up yet
             m = {}
         healthy = [v for k, v in m.items() if k.startswith("kvprefix:router_replica_healthy")]
         synced = [v for k, v in m.items() if k.startswith("kvprefix:router_kv_events_blocks")]

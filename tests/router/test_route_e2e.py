@@ -7,13 +7,15 @@ planner's replay of the same requests (the same hashes) on one real ``KVCacheMan
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
+import time
 
 import httpx
 import openai
 import pytest
-from router_helpers import REPLICA_BLOCKS, per_replica, shared_prefix_traffic, wait_synced
-from server_helpers import start_server
+from router_helpers import REPLICA_BLOCKS, per_replica, shared_prefix_traffic, start_router, wait_synced
+from server_helpers import ADMIN, ADMIN_KEY, TENANT_KEYS, start_server, stop_server
 
 from kvprefix.cache import cdiv
 from kvprefix.cache.event_wire import loads
@@ -145,3 +147,35 @@ def test_a_killed_replica_loses_no_request_and_a_restarted_one_is_resynced(route
     for _ in range(6):  # the restarted replica is back in rotation, and its mirror follows it
         c.chat.completions.create(model=MODEL, messages=traffic[0], max_tokens=1)
     assert per_replica(router.metrics(), "replica_healthy")[victim.url] == 1
+
+
+def test_a_client_that_leaves_mid_stream_releases_its_load(routers):
+    router = routers["round-robin"]
+    messages = shared_prefix_traffic(rounds=1)[0]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 200, "stream": True}
+    with httpx.stream("POST", router.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        next(r.iter_lines())  # one chunk, then hang up
+    deadline = time.monotonic() + 10
+    while sum(per_replica(router.metrics(), "requests_in_flight").values()) != 0:
+        assert time.monotonic() < deadline, router.metrics()
+        time.sleep(0.05)
+
+
+def test_the_router_checks_the_same_keys_as_the_replicas(router_tmp, replicas, default_model_dir):
+    keys = router_tmp / "router-keys.json"
+    keys.write_text(json.dumps(TENANT_KEYS))
+    router = start_router(router_tmp, [s.url for s in replicas], "prefix", default_model_dir,
+                          "--api-keys-file", str(keys), "--admin-key", ADMIN_KEY, admin=ADMIN)
+    try:
+        messages = shared_prefix_traffic(rounds=1)[0]
+        with pytest.raises(openai.AuthenticationError):
+            client(router).chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+        alice = openai.OpenAI(base_url=router.url + "/v1", api_key="key-alice", max_retries=0, timeout=60)
+        assert alice.chat.completions.create(model=MODEL, messages=messages, max_tokens=1).choices
+        assert httpx.get(router.url + "/metrics", timeout=10).status_code == 401
+        assert router.metrics(ADMIN)["kvprefix:router_unroutable_total"] == 0
+        assert httpx.post(router.url + "/reset_prefix_cache", headers={"authorization": "Bearer key-alice"},
+                          timeout=10).status_code == 401
+    finally:
+        assert stop_server(router) in (0, -15)
