@@ -165,7 +165,7 @@ def test_a_client_that_leaves_mid_stream_releases_its_load(routers):
 def test_the_router_checks_the_same_keys_as_the_replicas(router_tmp, replicas, default_model_dir):
     keys = router_tmp / "router-keys.json"
     keys.write_text(json.dumps(TENANT_KEYS))
-    router = start_router(router_tmp, [s.url for s in replicas], "prefix", default_model_dir,
+    router = start_router(router_tmp, [s.url for s in replicas], "round-robin", default_model_dir,
                           "--api-keys-file", str(keys), "--admin-key", ADMIN_KEY, admin=ADMIN)
     try:
         messages = shared_prefix_traffic(rounds=1)[0]

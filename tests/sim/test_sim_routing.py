@@ -163,6 +163,11 @@ def test_prefix_spreads_one_hot_prefix_and_breaks_ties_at_random():
     for _ in range(100):  # requests stay in flight: load grows where they go
         view.loads[policy.choose(req([1, 2, 3]), view)] += 1
     assert max(view.loads) <= 1.25 * 100 / 4 + 2, view.loads  # the cap spreads the hot prefix
+    sequential, counts = PrefixScore("kv-events", load_cap=1.25), [0] * 4
+    held = View([{1, 2, 3}, set(), set(), set()], [0] * 4)  # nothing stays in flight: only the recent share
+    for _ in range(200):
+        counts[sequential.choose(req([1, 2, 3]), held)] += 1
+    assert max(counts) <= 0.45 * 200, counts
     cold = PrefixScore("prefix", seed=5, routed=RoutedIndex(1000))
     assert len({cold.choose(req([i]), View([set()] * 4, [0] * 4)) for i in range(40)}) == 4  # new prefixes rotate
 

@@ -196,11 +196,34 @@ class RoutedIndex:
         self._replicas.pop(replica, None)
 
 
+class RecentShare:
+    """Each replica's share of the recently routed requests (counts decayed per request, over about ``window``
+    requests). Requests in flight show load only while they run; at low concurrency a hot prefix could take
+    every request for ever without ever looking loaded. This is the bound that sees it."""
+
+    def __init__(self, window: int) -> None:
+        self.decay = 1.0 - 1.0 / window
+        self._counts: dict[int, float] = {}
+
+    def over(self, replica: int, replicas: Sequence[int], load_cap: float) -> bool:
+        """Whether one more request would put the replica over ``load_cap`` x the mean share (+1 request)."""
+        total = sum(self._counts.get(r, 0.0) for r in replicas)
+        return self._counts.get(replica, 0.0) + 1 > load_cap * (total + 1) / len(replicas) + 1
+
+    def record(self, replica: int) -> None:
+        counts, decay = self._counts, self.decay
+        for r in counts:
+            counts[r] *= decay
+        counts[replica] = counts.get(replica, 0.0) + 1
+
+
 class PrefixScore:
     """The longest cached prefix wins, among replicas under the load bound.
 
-    Credit is the cached prefix; the load cap (``load_cap`` x the mean load, + 1) is what it is weighed against: a replica over it is passed over however much it caches, so one hot prefix spreads to a
-    second replica (which then caches it too) instead of herding onto one. Among equal prefixes the less loaded
+    Credit is the cached prefix; the load cap is what it is weighed against, on two clocks: requests in flight
+    now (at most ``load_cap`` x the mean, + 1) and the share of recent requests (``RecentShare``, the same
+    cap). A replica over either is passed over however much it caches, so one hot prefix spreads to a second
+    replica (which then caches it too) instead of herding onto one. Among equal prefixes the less loaded
     wins, then a seeded coin. A request that hits nowhere goes to the least loaded replica (equal loads: the next
 in rotation).
 
@@ -209,10 +232,14 @@ in rotation).
     mirrors, the planner's pools).
     """
 
-    def __init__(self, name: str, load_cap: float = 1.25, seed: int = 0, routed: RoutedIndex | None = None):
+    def __init__(self, name: str, load_cap: float = 1.25, seed: int = 0, routed: RoutedIndex | None = None,
+                 window_per_replica: int = 16):
         if load_cap < 1.0:
             raise ValueError(f"load_cap must be >= 1.0, got {load_cap}")
         self.name = name
+        self.window_per_replica = window_per_replica
+        self._recent: RecentShare | None = None
+        self._recent_size = 0
         self.load_cap = load_cap
         self.routed = routed
         self._rng = random.Random(seed)
@@ -238,6 +265,11 @@ in rotation).
         # replica always qualifies.
         limit = self.load_cap * sum(view.load(r) for r in up) / len(up) + 1
         eligible = [r for r in up if view.load(r) <= limit]
+        if self._recent is None or self._recent_size != view.num_replicas:
+            self._recent = RecentShare(self.window_per_replica * view.num_replicas)
+            self._recent_size = view.num_replicas
+        recent = self._recent
+        eligible = [r for r in eligible if not recent.over(r, up, self.load_cap)] or eligible
         scores = {r: self.cached(r, request, view) for r in eligible} if request.block_hashes else {}
         best = max(scores.values(), default=0)
         if best == 0:
@@ -246,6 +278,7 @@ in rotation).
             replica = least_loaded([r for r in eligible if scores[r] == best], view, self._rng)
         if self.routed is not None:
             self.routed.record(replica, request.block_hashes)
+        recent.record(replica)
         return replica
 
 
