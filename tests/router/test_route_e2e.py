@@ -179,3 +179,20 @@ def test_the_router_checks_the_same_keys_as_the_replicas(router_tmp, replicas, d
                           timeout=10).status_code == 401
     finally:
         assert stop_server(router) in (0, -15)
+
+
+def test_session_keys_keep_a_conversation_on_one_replica(routers):
+    router = routers["session"]
+    c = client(router)
+    assert [m.id for m in c.models.list().data] == [MODEL]
+    messages = shared_prefix_traffic(rounds=1)[0]
+
+    def replica(**kw) -> str:
+        raw = c.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=1, **kw)
+        return raw.headers["x-kvprefix-replica"]
+
+    for key in ("alpha", "beta", "gamma"):
+        assert len({replica(user=key) for _ in range(3)}) == 1
+        assert len({replica(prompt_cache_key=key) for _ in range(3)}) == 1
+        assert len({replica(extra_headers={"x-session-id": key}) for _ in range(3)}) == 1
+    assert len({replica() for _ in range(9)}) > 1  # no key: by load, not all to one replica

@@ -9,6 +9,7 @@ hash algorithm: a router whose hashes could never match says so at start instead
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,9 +30,9 @@ class RequestHasher:
     def for_replica(cls, model: str, hello: Hello) -> RequestHasher:
         """The hasher for ``model`` that gives the root ``hello`` announces; ValueError when none does."""
         tokenizer = Tokenizer(model)
+        context = context_for_checkpoint(model, "", tokenizer.chat_template)  # fingerprints the files once
         for kv_dtype in KV_DTYPES:
-            context = context_for_checkpoint(model, kv_dtype, tokenizer.chat_template)
-            hasher = BlockHasher(hello.block_size, hello.hash_algo, context)
+            hasher = BlockHasher(hello.block_size, hello.hash_algo, dataclasses.replace(context, kv_dtype=kv_dtype))
             if hasher.root == hello.root:
                 return cls(tokenizer, hasher)
         raise ValueError(
