@@ -15,6 +15,8 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "server"))  # the server test
 from router_helpers import REPLICA_BLOCKS, start_router  # noqa: E402
 from server_helpers import Server, start_server, stop_server  # noqa: E402
 
+POLICIES_UNDER_TEST = ("round-robin", "prefix", "kv-events", "session")
+
 
 @pytest.fixture(scope="session")
 def router_tmp(tmp_path_factory: pytest.TempPathFactory, default_model_dir: str) -> Path:
@@ -33,15 +35,12 @@ def replicas(router_tmp: Path) -> Iterator[list[Server]]:
 
 @pytest.fixture(scope="session")
 def routers(router_tmp: Path, replicas: list[Server], default_model_dir: str) -> Iterator[dict[str, Server]]:
-    """One router per policy under test, all over the same three replicas (started on first use)."""
-    started: dict[str, Server] = {}
-
-    class Routers(dict):
-        def __missing__(self, policy: str) -> Server:
-            started[policy] = r = start_router(router_tmp, [s.url for s in replicas], policy, default_model_dir)
-            self[policy] = r
-            return r
-
-    yield Routers()
+    """One router per policy under test, all over the same three replicas, started side by side."""
+    urls = [s.url for s in replicas]
+    with ThreadPoolExecutor(len(POLICIES_UNDER_TEST)) as pool:
+        started = dict(zip(POLICIES_UNDER_TEST, pool.map(
+            lambda policy: start_router(router_tmp, urls, policy, default_model_dir), POLICIES_UNDER_TEST),
+            strict=True))
+    yield started
     for r in started.values():
         assert stop_server(r) in (0, -15) and "Traceback" not in r.log_path.read_text(), r.log_path.read_text()
