@@ -29,8 +29,8 @@ CONFIGS = {
     "1 pool, 1e7 tokens, order": ReplayConfig(10_000_000 // BLOCK, mode="order"),
     "1 pool, 1e7 tokens, timed": ReplayConfig(10_000_000 // BLOCK, mode="timed"),
     "10 x 3e6, round-robin, order": ReplayConfig(3_000_000 // BLOCK, replicas=10, mode="order"),
-    "10 x 3e6, prefix-affinity, timed": ReplayConfig(
-        3_000_000 // BLOCK, replicas=10, routing="prefix-affinity", mode="timed"
+    "10 x 3e6, kv-events, timed": ReplayConfig(
+        3_000_000 // BLOCK, replicas=10, routing="kv-events", mode="timed"
     ),
 }
 SWEEP_TOKENS = (1e5, 3e5, 1e6, 2e6, 3e6, 5e6, 1e7, 2e7, 3e7, 5e7)

@@ -65,14 +65,15 @@ class Server:
             time.sleep(0.05)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def start_server(tmp: Path, *args: str, request_log: bool = False) -> Server:
-    port = _free_port()
+def start_server(tmp: Path, *args: str, request_log: bool = False, port: int | None = None) -> Server:
+    """A `kvprefix serve` on ``port`` (default: a free one; give the old one to restart a replica in place)."""
+    port = port or free_port()
     log_path = tmp / f"server-{port}.log"
     rl = tmp / f"requests-{port}.jsonl" if request_log else None
     cmd = [sys.executable, "-m", "kvprefix.cli", "serve", "--port", str(port), "--log-level", "warning",

@@ -122,7 +122,7 @@ def test_eviction_policy_is_pluggable(monkeypatch):
     outputs=st.lists(st.integers(0, 12), min_size=30, max_size=30),
     capacity=st.integers(1, 14),
     replicas=st.integers(1, 3),
-    routing=st.sampled_from(["round-robin", "prefix-affinity", "shared"]),
+    routing=st.sampled_from(["round-robin", "kv-events", "shared"]),
 )
 def test_timed_replay_with_overlap_leaks_no_blocks(requests, gaps, outputs, capacity, replicas, routing):
     t = 0.0

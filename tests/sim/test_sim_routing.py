@@ -1,9 +1,20 @@
 """Routing over replicas: no router beats one shared pool of the same total size, and routing by cached prefix
 beats spreading blindly when prompts share prefixes."""
 
+import dataclasses
+
 import pytest
 
-from kvprefix.router.policies import POLICIES, ConsistentHash, PrefixAffinity, RandomChoice, RoundRobin, make_policy
+from kvprefix.router.policies import (
+    POLICIES,
+    LeastLoad,
+    PrefixScore,
+    RandomChoice,
+    RoundRobin,
+    RoutedIndex,
+    SessionAffinity,
+    make_policy,
+)
 from kvprefix.sim.trace import TraceRequest
 
 SHARED_PREFIX_TRACES = ["sglang_gsp_default_bs16.jsonl", "vllm_prefix_repetition_default_bs16.jsonl"]
@@ -32,20 +43,44 @@ def test_round_robin_never_beats_one_shared_pool(load, run, name, replicas):
 # Per-replica capacities where one replica holds its share of the prefixes but not all of them.
 @pytest.mark.parametrize("name, capacity", [(SHARED_PREFIX_TRACES[0], 2000), (SHARED_PREFIX_TRACES[1], 64)])
 @pytest.mark.parametrize("mode", ["order", "timed"])
-def test_prefix_affinity_beats_round_robin_on_shared_prefixes(load, run, name, capacity, mode):
+@pytest.mark.parametrize("routing", ["prefix", "kv-events"])
+def test_prefix_policies_beat_round_robin_and_approach_the_shared_pool(load, run, name, capacity, mode, routing):
     trace = load(name)
     replicas = 4
     rr = run(trace, capacity_blocks=capacity, replicas=replicas, routing="round-robin", mode=mode)
-    pa = run(trace, capacity_blocks=capacity, replicas=replicas, routing="prefix-affinity", mode=mode)
+    pa = run(trace, capacity_blocks=capacity, replicas=replicas, routing=routing, mode=mode)
+    shared = run(trace, capacity_blocks=capacity, replicas=replicas, routing="shared", mode=mode)
     assert pa.token_hit_rate > rr.token_hit_rate + 0.05, (pa.token_hit_rate, rr.token_hit_rate)
+    assert pa.token_hit_rate >= 0.9 * shared.token_hit_rate, (pa.token_hit_rate, shared.token_hit_rate)
     assert pa.load_imbalance <= 1.5  # the load cap keeps it balanced
 
 
-class View:
-    """A fleet whose replicas hold given hash sets, with given loads."""
+def without_sessions(trace):
+    """The conversation shape with no session key: every request starts with the same system-prompt block."""
+    return dataclasses.replace(trace, requests=[dataclasses.replace(r, session=None) for r in trace.requests])
 
-    def __init__(self, held: list[set], loads: list[float]):
-        self.held, self.loads, self.num_replicas = held, loads, len(held)
+
+@pytest.mark.parametrize("mode", ["order", "timed"])
+def test_session_routing_does_not_herd(load, run, mode):
+    # Mooncake's synthetic trace has no sessions and 1,107 requests shorter than one block; the LMCache shape
+    # (stripped of its user ids) starts every request with one block. The old ring keyed both on the first
+    # block and sent them all to one replica.
+    mooncake = run(load("mooncake_synthetic_trace.jsonl"), capacity_blocks=6000, replicas=10, routing="session",
+                   mode=mode)
+    assert mooncake.load_imbalance < 1.5, mooncake.load_imbalance
+    conversation = without_sessions(load("lmcache_multi_round_qa_example_bs16.jsonl"))
+    s = run(conversation, replicas=4, routing="session", mode=mode)
+    assert s.load_imbalance < 1.5, s.load_imbalance
+
+
+class View:
+    """A fleet whose replicas hold given hash sets, with given loads (and health)."""
+
+    def __init__(self, held: list[set], loads: list[float], down: frozenset = frozenset()):
+        self.held, self.loads, self.num_replicas, self.down = held, loads, len(held), down
+
+    def healthy(self, replica):
+        return replica not in self.down
 
     def cached_prefix_blocks(self, replica, block_hashes):
         n = 0
@@ -76,8 +111,24 @@ def test_random_is_reproducible_with_a_seed():
     assert len(set(picks)) == 5
 
 
-def test_consistent_hash_keeps_sessions_and_moves_few_keys():
-    policy = ConsistentHash()
+def test_round_robin_and_random_skip_unhealthy_replicas():
+    view = View([set()] * 3, [0, 0, 0], down=frozenset({1}))
+    rr, rnd = RoundRobin(), RandomChoice(3)
+    assert [rr.choose(req([1]), view) for _ in range(4)] == [0, 2, 0, 2]
+    assert {rnd.choose(req([1]), view) for _ in range(50)} == {0, 2}
+
+
+def test_least_load_takes_the_lighter_of_two():
+    view = View([set()] * 4, [5, 0, 5, 5])
+    policy = LeastLoad(seed=1)
+    picks = [policy.choose(req([1]), view) for _ in range(200)]
+    assert picks.count(1) > 200 * 0.4  # replica 1 wins whenever it is drawn (half the pairs contain it)
+    view.down = frozenset({1})
+    assert 1 not in {policy.choose(req([1]), view) for _ in range(50)}
+
+
+def test_session_keeps_sessions_and_moves_few_keys():
+    policy = SessionAffinity(load_cap=1e9)  # unbounded: pure consistent hashing
     four, five = View([set()] * 4, [0] * 4), View([set()] * 5, [0] * 5)
     before = {s: policy.choose(req([s], session=f"s{s}"), four) for s in range(400)}
     assert all(policy.choose(req([99], session=f"s{s}"), four) == r for s, r in before.items())
@@ -87,8 +138,18 @@ def test_consistent_hash_keeps_sessions_and_moves_few_keys():
     assert all(after[s] == 4 for s in before if before[s] != after[s])
 
 
-def test_prefix_affinity_prefers_the_longest_prefix_within_the_load_cap():
-    policy = PrefixAffinity(load_cap=1.25)
+def test_session_load_is_bounded():
+    policy = SessionAffinity(load_cap=1.25)
+    view = View([set()] * 4, [0] * 4)
+    for _ in range(400):  # one hot session
+        view.loads[policy.choose(req([1], session="hot"), view)] += 1
+    assert max(view.loads) <= 1.25 * 400 / 4 + 1, view.loads
+    home = SessionAffinity(load_cap=1.25).choose(req([1], session="hot"), View([set()] * 4, [0] * 4))
+    assert view.loads[home] == max(view.loads)  # its home replica still takes the most
+
+
+def test_kv_events_prefers_the_longest_prefix_within_the_load_cap():
+    policy = PrefixScore("kv-events", load_cap=1.25)
     view = View([{1}, {1, 2, 3}, set()], [0, 0, 0])
     assert policy.choose(req([1, 2, 3, 4]), view) == 1
     view.loads = [1, 9, 2]  # replica 1 is far above the mean (4): skipped
@@ -96,7 +157,32 @@ def test_prefix_affinity_prefers_the_longest_prefix_within_the_load_cap():
     assert policy.choose(req([7]), View([set()] * 3, [3, 1, 2])) == 1  # no prefix anywhere: least loaded
 
 
+def test_prefix_spreads_one_hot_prefix_and_breaks_ties_at_random():
+    policy = PrefixScore("prefix", load_cap=1.25, seed=0, routed=RoutedIndex(1000))
+    view = View([set()] * 4, [0] * 4)
+    for _ in range(100):  # requests stay in flight: load grows where they go
+        view.loads[policy.choose(req([1, 2, 3]), view)] += 1
+    assert max(view.loads) <= 1.25 * 100 / 4 + 2, view.loads  # the cap spreads the hot prefix
+    sequential, counts = PrefixScore("kv-events", load_cap=1.25), [0] * 4
+    held = View([{1, 2, 3}, set(), set(), set()], [0] * 4)  # nothing stays in flight: only the recent share
+    for _ in range(200):
+        counts[sequential.choose(req([1, 2, 3]), held)] += 1
+    assert max(counts) <= 0.45 * 200, counts
+    cold = PrefixScore("prefix", seed=5, routed=RoutedIndex(1000))
+    assert len({cold.choose(req([i]), View([set()] * 4, [0] * 4)) for i in range(40)}) == 4  # new prefixes rotate
+
+
+def test_routed_index_is_lru_and_capped():
+    index = RoutedIndex(3)
+    index.record(0, [1, 2, 3])
+    index.record(0, [1, 4])  # 1 refreshed, 2 evicted
+    assert index.cached_prefix_blocks(0, [1, 2]) == 1 and index.cached_prefix_blocks(0, [1, 4]) == 2
+    index.forget(0)
+    assert index.cached_prefix_blocks(0, [1]) == 0
+
+
 def test_make_policy_names_the_choices():
-    assert set(POLICIES) == {"round-robin", "random", "consistent-hash", "prefix-affinity"}
+    assert set(POLICIES) == {"round-robin", "random", "least-load", "session", "prefix", "kv-events"}
+    assert make_policy("consistent-hash").name == "session" and make_policy("prefix-affinity").name == "kv-events"
     with pytest.raises(ValueError, match="round-robin"):
         make_policy("fastest")

@@ -1,14 +1,18 @@
 """Routing policies: which replica serves a request.
 
-A policy sees a request (its block hashes and session key) and a ``ReplicaView`` of the replicas (cached prefix
-length and load). The planner implements the view with real ``KVCacheManager``s; an HTTP router implements it
-with an index fed by KV cache events. The same policy objects serve both.
+A policy sees a request (its block hashes and session key) and a ``ReplicaView`` of the replicas (which are
+healthy, their load, and the exact cached prefix where the view knows it). The planner implements the view with
+real ``KVCacheManager``s; the HTTP router implements it with replica health, in-flight counts and an index fed by
+KV cache events. The same policy objects serve both, and none of them knows about HTTP, so any request router
+(a Ray Serve one, say) can call them.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 import random
+from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from typing import Protocol
 
@@ -25,8 +29,12 @@ class Routable(Protocol):
 class ReplicaView(Protocol):
     num_replicas: int
 
+    def healthy(self, replica: int) -> bool:
+        """Whether the replica may be chosen now (the planner's replicas always are)."""
+        ...
+
     def cached_prefix_blocks(self, replica: int, block_hashes: Sequence[Hashable]) -> int:
-        """How many leading blocks of ``block_hashes`` the replica holds."""
+        """How many leading blocks of ``block_hashes`` the replica holds (or is computing for a routed request)."""
         ...
 
     def load(self, replica: int) -> float:
@@ -40,6 +48,25 @@ class RoutingPolicy(Protocol):
     def choose(self, request: Routable, view: ReplicaView) -> int: ...
 
 
+def candidates(view: ReplicaView) -> list[int]:
+    """The healthy replicas; all of them when none is (a request must go somewhere, and fail visibly)."""
+    up = [r for r in range(view.num_replicas) if view.healthy(r)]
+    return up or list(range(view.num_replicas))
+
+
+def least_loaded(replicas: Sequence[int], view: ReplicaView, rng: random.Random) -> int:
+    """The least loaded of ``replicas``, ties broken at random (so equal replicas share the work)."""
+    low = min(view.load(r) for r in replicas)
+    return rng.choice([r for r in replicas if view.load(r) == low])
+
+
+def load_bound(view: ReplicaView, replicas: Sequence[int], load_cap: float) -> int:
+    """The load a replica may reach by taking the request: ``load_cap`` x the mean after adding it, rounded up.
+    Bounded-load consistent hashing (Mirrokni et al.); with load_cap >= 1 some replica is always under it."""
+    total = sum(view.load(r) for r in replicas) + 1
+    return math.ceil(load_cap * total / len(replicas))
+
+
 class RoundRobin:
     name = "round-robin"
 
@@ -47,7 +74,13 @@ class RoundRobin:
         self._next = 0
 
     def choose(self, request: Routable, view: ReplicaView) -> int:
-        replica = self._next % view.num_replicas
+        n = view.num_replicas
+        for step in range(n):
+            replica = (self._next + step) % n
+            if view.healthy(replica):
+                break
+        else:
+            replica = self._next % n
         self._next = replica + 1
         return replica
 
@@ -59,7 +92,22 @@ class RandomChoice:
         self._rng = random.Random(seed)
 
     def choose(self, request: Routable, view: ReplicaView) -> int:
-        return self._rng.randrange(view.num_replicas)
+        return self._rng.choice(candidates(view))
+
+
+class LeastLoad:
+    """Power of two choices: the less loaded of two replicas drawn at random. Nearly as even as asking every
+    replica, without every router sending to the one that looked idlest a moment ago."""
+
+    name = "least-load"
+
+    def __init__(self, seed: int = 0) -> None:
+        self._rng = random.Random(seed)
+
+    def choose(self, request: Routable, view: ReplicaView) -> int:
+        up = candidates(view)
+        pair = self._rng.sample(up, min(2, len(up)))
+        return least_loaded(pair, view, self._rng)
 
 
 def _stable_hash(key: Hashable) -> int:
@@ -67,14 +115,21 @@ def _stable_hash(key: Hashable) -> int:
     return xxhash.xxh64_intdigest(repr(key).encode())
 
 
-class ConsistentHash:
-    """Session affinity on a hash ring: a session (else the request's first block) always lands on the same
-    replica, and adding a replica moves only about 1/N of the keys."""
+class SessionAffinity:
+    """A session (``prompt_cache_key``, ``user``, an ``x-session-id`` header, a trace's session id) lands on its
+    replica of a hash ring, so a conversation keeps hitting its own history; adding a replica moves about 1/N of
+    the sessions. The load is bounded: a replica over ``load_cap`` x the mean is passed over for the next one on
+    the ring, so a few heavy sessions cannot herd onto one replica. A request without a session has no affinity
+    to keep and goes by load (power of two choices)."""
 
-    name = "consistent-hash"
+    name = "session"
 
-    def __init__(self, virtual_nodes: int = 64) -> None:
+    def __init__(self, load_cap: float = 1.25, seed: int = 0, virtual_nodes: int = 64) -> None:
+        if load_cap < 1.0:
+            raise ValueError(f"load_cap must be >= 1.0, got {load_cap}")
+        self.load_cap = load_cap
         self.virtual_nodes = virtual_nodes
+        self._fallback = LeastLoad(seed)
         self._ring_size = 0
         self._points: list[int] = []
         self._owners: list[int] = []
@@ -88,58 +143,165 @@ class ConsistentHash:
         self._ring_size = num_replicas
 
     def choose(self, request: Routable, view: ReplicaView) -> int:
+        if request.session is None:
+            return self._fallback.choose(request, view)
         if view.num_replicas != self._ring_size:
             self._build(view.num_replicas)
-        if request.session is not None:
-            key = request.session
-        elif request.block_hashes:
-            key = request.block_hashes[0]
-        else:
-            key = None
-        i = bisect.bisect(self._points, _stable_hash(key)) % len(self._points)
-        return self._owners[i]
+        up = candidates(view)
+        bound = load_bound(view, up, self.load_cap)
+        allowed = set(up)
+        start = bisect.bisect(self._points, _stable_hash(request.session))
+        first = None
+        for step in range(len(self._points)):
+            replica = self._owners[(start + step) % len(self._points)]
+            if replica not in allowed:
+                continue
+            first = replica if first is None else first
+            if view.load(replica) + 1 <= bound:
+                return replica
+        return first
 
 
-class PrefixAffinity:
-    """Longest cached prefix wins, among replicas not overloaded.
+class RoutedIndex:
+    """Per replica, the block hashes recently routed there: the router's prediction of what each one caches,
+    when it reads no events. LRU and capped, like the pools it guesses at (a replica evicts too)."""
 
-    A replica is eligible while its load is at most ``load_cap`` x the mean load (+1, so an idle fleet admits
-    anyone); the least loaded replica is always eligible. Ties go to the less loaded, then the lower index.
+    def __init__(self, capacity_blocks: int) -> None:
+        if capacity_blocks < 1:
+            raise ValueError(f"the routed-prefix index needs at least one block per replica, got {capacity_blocks}")
+        self.capacity_blocks = capacity_blocks
+        self._replicas: dict[int, OrderedDict[Hashable, None]] = {}
+
+    def cached_prefix_blocks(self, replica: int, block_hashes: Sequence[Hashable]) -> int:
+        held = self._replicas.get(replica)
+        if not held:
+            return 0
+        n = 0
+        for h in block_hashes:
+            if h not in held:
+                break
+            n += 1
+        return n
+
+    def record(self, replica: int, block_hashes: Sequence[Hashable]) -> None:
+        held = self._replicas.setdefault(replica, OrderedDict())
+        for h in block_hashes:
+            held[h] = None
+            held.move_to_end(h)
+        while len(held) > self.capacity_blocks:
+            held.popitem(last=False)
+
+    def forget(self, replica: int) -> None:
+        """The replica restarted or was reset: it holds nothing we sent it."""
+        self._replicas.pop(replica, None)
+
+
+class RecentShare:
+    """Each replica's share of the recently routed requests (counts decayed per request, over about ``window``
+    requests). Requests in flight show load only while they run; at low concurrency a hot prefix could take
+    every request for ever without ever looking loaded. This is the bound that sees it."""
+
+    def __init__(self, window: int) -> None:
+        self.decay = 1.0 - 1.0 / window
+        self._counts: dict[int, float] = {}
+
+    def over(self, replica: int, replicas: Sequence[int], load_cap: float) -> bool:
+        """Whether one more request would put the replica over ``load_cap`` x the mean share (+1 request)."""
+        total = sum(self._counts.get(r, 0.0) for r in replicas)
+        return self._counts.get(replica, 0.0) + 1 > load_cap * (total + 1) / len(replicas) + 1
+
+    def record(self, replica: int) -> None:
+        counts, decay = self._counts, self.decay
+        for r in counts:
+            counts[r] *= decay
+        counts[replica] = counts.get(replica, 0.0) + 1
+
+
+class PrefixScore:
+    """The longest cached prefix wins, among replicas under the load bound.
+
+    Credit is the cached prefix; the load cap is what it is weighed against, on two clocks: requests in flight
+    now (at most ``load_cap`` x the mean, + 1) and the share of recent requests (``RecentShare``, the same
+    cap). A replica over either is passed over however much it caches, so one hot prefix spreads to a second
+    replica (which then caches it too) instead of herding onto one. Among equal prefixes the less loaded
+    wins, then a seeded coin. A request that hits nowhere goes to the least loaded replica (equal loads: the next
+in rotation).
+
+    Two sources of "cached": ``prefix`` remembers where it routed each block (``RoutedIndex``: approximate, no
+    events needed); ``kv-events`` asks the view, which holds each replica's exact set (the router's event-fed
+    mirrors, the planner's pools).
     """
 
-    name = "prefix-affinity"
-
-    def __init__(self, load_cap: float = 1.25) -> None:
+    def __init__(self, name: str, load_cap: float = 1.25, seed: int = 0, routed: RoutedIndex | None = None,
+                 window_per_replica: int = 16):
         if load_cap < 1.0:
             raise ValueError(f"load_cap must be >= 1.0, got {load_cap}")
+        self.name = name
+        self.window_per_replica = window_per_replica
+        self._recent: RecentShare | None = None
+        self._recent_size = 0
         self.load_cap = load_cap
+        self.routed = routed
+        self._rng = random.Random(seed)
+        self._next = 0  # where the rotation of new prefixes continues
+
+    def cached(self, replica: int, request: Routable, view: ReplicaView) -> int:
+        if self.routed is not None:
+            return self.routed.cached_prefix_blocks(replica, request.block_hashes)
+        return view.cached_prefix_blocks(replica, request.block_hashes)
+
+    def _new_prefix_home(self, eligible: list[int], view: ReplicaView) -> int:
+        """The least loaded replica; among equally loaded ones (an idle fleet), the next in rotation, so that new
+        prefixes spread evenly over the pools instead of by chance (three on one pool may not fit)."""
+        low = min(view.load(r) for r in eligible)
+        ties = [r for r in eligible if view.load(r) == low]
+        replica = min(ties, key=lambda r: (r - self._next) % view.num_replicas)
+        self._next = replica + 1
+        return replica
 
     def choose(self, request: Routable, view: ReplicaView) -> int:
-        n = view.num_replicas
-        loads = [view.load(r) for r in range(n)]
-        limit = self.load_cap * sum(loads) / n + 1
-        best, best_key = 0, None
-        for r in range(n):
-            if loads[r] > limit:
-                continue
-            key = (view.cached_prefix_blocks(r, request.block_hashes), -loads[r])
-            if best_key is None or key > best_key:
-                best, best_key = r, key
-        return best
+        up = candidates(view)
+        # Not overloaded: at most load_cap x the mean (+1, so an idle fleet admits anyone); the least loaded
+        # replica always qualifies.
+        limit = self.load_cap * sum(view.load(r) for r in up) / len(up) + 1
+        eligible = [r for r in up if view.load(r) <= limit]
+        if self._recent is None or self._recent_size != view.num_replicas:
+            self._recent = RecentShare(self.window_per_replica * view.num_replicas)
+            self._recent_size = view.num_replicas
+        recent = self._recent
+        eligible = [r for r in eligible if not recent.over(r, up, self.load_cap)] or eligible
+        scores = {r: self.cached(r, request, view) for r in eligible} if request.block_hashes else {}
+        best = max(scores.values(), default=0)
+        if best == 0:
+            replica = self._new_prefix_home(eligible, view)
+        else:
+            replica = least_loaded([r for r in eligible if scores[r] == best], view, self._rng)
+        if self.routed is not None:
+            self.routed.record(replica, request.block_hashes)
+        recent.record(replica)
+        return replica
 
 
-# name -> factory(seed, load_cap); policies keep state, so each replay builds its own.
+# A predicted index this large costs a few tens of MB per replica at most and outlives typical pools.
+DEFAULT_ROUTED_BLOCKS = 1 << 18
+
+# name -> factory(seed, load_cap); policies keep state, so each replay (and each router) builds its own.
 POLICIES: dict[str, Callable[[int, float], RoutingPolicy]] = {
     RoundRobin.name: lambda seed, load_cap: RoundRobin(),
     RandomChoice.name: lambda seed, load_cap: RandomChoice(seed),
-    ConsistentHash.name: lambda seed, load_cap: ConsistentHash(),
-    PrefixAffinity.name: lambda seed, load_cap: PrefixAffinity(load_cap),
+    LeastLoad.name: lambda seed, load_cap: LeastLoad(seed),
+    SessionAffinity.name: lambda seed, load_cap: SessionAffinity(load_cap, seed),
+    "prefix": lambda seed, load_cap: PrefixScore("prefix", load_cap, seed, RoutedIndex(DEFAULT_ROUTED_BLOCKS)),
+    "kv-events": lambda seed, load_cap: PrefixScore("kv-events", load_cap, seed),
 }
+# Earlier names, still accepted: the hash ring is now load-bounded, prefix affinity reads the exact view.
+RENAMED = {"consistent-hash": "session", "prefix-affinity": "kv-events"}
 
 
 def make_policy(name: str, seed: int = 0, load_cap: float = 1.25) -> RoutingPolicy:
     """A fresh policy by name."""
-    factory = POLICIES.get(name)
+    factory = POLICIES.get(RENAMED.get(name, name))
     if factory is None:
         raise ValueError(f"unknown routing policy {name!r}; choose one of {', '.join(POLICIES)}")
     return factory(seed, load_cap)
+

@@ -10,7 +10,7 @@ import math
 import sys
 
 from kvprefix.sim.formats import FORMATS
-from kvprefix.sim.replay import EVICTIONS, MODES, ROUTINGS
+from kvprefix.sim.replay import ACCEPTED_ROUTINGS, EVICTIONS, MODES, ROUTINGS
 
 
 def _positive_int(text: str) -> int:
@@ -58,7 +58,7 @@ def _int_list(text: str) -> list[int]:
 def _routing_list(text: str) -> list[str]:
     names = [p.strip() for p in text.split(",")]
     for name in names:
-        if name not in ROUTINGS:
+        if name not in ACCEPTED_ROUTINGS:
             raise argparse.ArgumentTypeError(f"unknown routing {name!r}; choose from {', '.join(ROUTINGS)}")
     return names
 
@@ -99,7 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--load-cap",
         type=float,
         default=1.25,
-        help="prefix-affinity: skip replicas above this x the mean load (default 1.25)",
+        help="session, prefix, kv-events: pass over replicas above this x the mean load (default 1.25)",
     )
     c.add_argument("--seed", type=int, default=0, help="seed of the random routing (default 0)")
     c.add_argument("--eviction", choices=list(EVICTIONS), default="lru", help="eviction policy (default lru)")

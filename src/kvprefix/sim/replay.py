@@ -21,12 +21,14 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from kvprefix.cache import CacheRequest, FreeBlockQueue, KVCacheManager, cdiv
-from kvprefix.router.policies import POLICIES, make_policy
+from kvprefix.router.pending import PendingBlocks
+from kvprefix.router.policies import POLICIES, RENAMED, make_policy
 from kvprefix.sim.trace import Trace, TraceRequest
 
 MODES = ("order", "timed")
 SHARED = "shared"  # not a routing policy: one pool of replicas x capacity, the upper bound for any router
 ROUTINGS = (*POLICIES, SHARED)
+ACCEPTED_ROUTINGS = (*ROUTINGS, *RENAMED)  # earlier names still run
 # Eviction policy -> the pool's free-queue class (its popleft picks the victim). Add a policy here.
 EVICTIONS: dict[str, type[FreeBlockQueue]] = {"lru": FreeBlockQueue}
 
@@ -48,7 +50,7 @@ class ReplayConfig:
             raise ValueError(f"capacity must be at least one block, got {self.capacity_blocks} blocks")
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
-        if self.routing not in ROUTINGS:
+        if self.routing not in ACCEPTED_ROUTINGS:
             raise ValueError(f"unknown routing {self.routing!r}; choose one of {', '.join(ROUTINGS)}")
         if self.eviction not in EVICTIONS:
             raise ValueError(f"unknown eviction {self.eviction!r}; choose one of {', '.join(EVICTIONS)}")
@@ -73,18 +75,17 @@ class ReplayRecords:
 
 
 class _ManagersView:
-    """``ReplicaView`` over the replay's managers, for the routing policy.
-
-    A replica's prefix counts blocks it has cached plus blocks a request already routed to it will compute
-    (``pending``), as a router that remembers where it sent prefixes would see them; without this, a burst of
-    requests with one new prefix looks uncached everywhere until the first of them finishes prefill.
-    """
+    """``ReplicaView`` over the replay's managers, for the routing policy. A replica's prefix counts blocks it
+    has cached plus blocks a request already routed to it will compute (``PendingBlocks``)."""
 
     def __init__(self, managers: list[KVCacheManager]):
         self.managers = managers
         self.num_replicas = len(managers)
         self.loads = [0] * len(managers)
-        self.pending: list[dict[Hashable, int]] = [{} for _ in managers]  # hash -> routed requests computing it
+        self.pending = [PendingBlocks() for _ in managers]
+
+    def healthy(self, replica: int) -> bool:
+        return True
 
     def cached_prefix_blocks(self, replica: int, block_hashes: Sequence[Hashable]) -> int:
         cached = self.managers[replica].pool.cached_blocks
@@ -98,19 +99,6 @@ class _ManagersView:
 
     def load(self, replica: int) -> float:
         return self.loads[replica]
-
-    def add_pending(self, replica: int, block_hashes: Sequence[Hashable]) -> None:
-        pending = self.pending[replica]
-        for h in block_hashes:
-            pending[h] = pending.get(h, 0) + 1
-
-    def drop_pending(self, replica: int, block_hashes: Sequence[Hashable]) -> None:
-        pending = self.pending[replica]
-        for h in block_hashes:
-            if pending[h] == 1:
-                del pending[h]
-            else:
-                pending[h] -= 1
 
 
 def unbounded_capacity_blocks(trace: Trace) -> int:
@@ -230,7 +218,7 @@ def _replay_timed(
             if kind == _PREFILL_DONE:
                 mgr.cache_blocks(req, req.num_tokens)
                 if policy is not None:
-                    view.drop_pending(rep, req.block_hashes)
+                    view.pending[rep].drop(req.block_hashes)
                 prefilling[rep] = False
                 push(now + reqs[i].output_length / decode_tps, _FINISH, rep, i, req)
             else:
@@ -245,7 +233,7 @@ def _replay_timed(
             continue  # could never fit, even alone: rejected
         loads[rep] += 1
         if policy is not None:
-            view.add_pending(rep, r.block_hashes)
+            view.pending[rep].add(r.block_hashes)
         queues[rep].append(i)
         start_next(rep, r.timestamp)
         if bar is not None and (i + 1) % _BAR_STEP == 0:

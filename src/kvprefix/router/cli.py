@@ -1,0 +1,58 @@
+"""`kvprefix route`: the prefix-aware router in front of `kvprefix serve` replicas. Light at import; the web stack
+loads in run()."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvprefix.router.policies import POLICIES, RENAMED
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--replica", action="append", required=True, metavar="URL",
+                        help="a replica's base URL, e.g. http://10.0.0.5:8000 (repeat for each replica)")
+    parser.add_argument("--policy", default="round-robin", choices=[*POLICIES, *RENAMED],
+                        help="how to pick a replica (docs/router.md; default round-robin)")
+    parser.add_argument("--model", default=None,
+                        help="the replicas' checkpoint directory: prefix and kv-events render and hash prompts "
+                             "with its tokenizer and identity")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument("--allowed-hosts", default=None, metavar="NAMES",
+                        help="comma-separated Host names to serve, * for any (as for kvprefix serve)")
+    parser.add_argument("--load-cap", type=float, default=1.25,
+                        help="session, prefix, kv-events: pass over replicas above this x the mean load")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random choices (ties, two choices)")
+    parser.add_argument("--health-interval", type=float, default=1.0, help="seconds between health checks")
+    parser.add_argument("--api-key", default=None, help="as for kvprefix serve: callers form the tenant 'default'")
+    parser.add_argument("--api-keys-file", default=None, help='as for kvprefix serve: {"<key>": "<tenant>"}')
+    parser.add_argument("--admin-key", default=None,
+                        help="the replicas' admin key: guards the router's /metrics and cache resets, and reads "
+                             "the replicas' KV events")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+
+    from kvprefix.router.app import RouterConfig, create_app
+    from kvprefix.server.browsers import allowed_hosts
+    from kvprefix.server.connections import timed_protocol
+    from kvprefix.server.tenancy import Auth
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = RouterConfig(
+            replicas=args.replica, policy=args.policy, model=args.model,
+            auth=Auth.from_options(args.api_key, args.api_keys_file, args.admin_key), admin_key=args.admin_key,
+            load_cap=args.load_cap, seed=args.seed, health_interval_s=args.health_interval,
+            allowed_hosts=allowed_hosts(args.allowed_hosts, args.host),
+        )
+        app = create_app(config)
+    except ValueError as exc:
+        raise SystemExit(f"kvprefix route: {exc}") from None
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, http=timed_protocol(20.0, 60.0),
+                timeout_keep_alive=5)
+    return 0

@@ -1,0 +1,66 @@
+"""Following a replica's KV event stream (docs/kv-events.md) into its ``StreamMirror``, for ever.
+
+On any end (goodbye, a dropped connection, a read timeout past the heartbeat) the follower reconnects with the
+mirror's ``since`` and ``epoch``; the replica resumes or sends a snapshot. A restarted replica has a new epoch,
+so it sends a snapshot and the mirror is resynced. A stream that breaks its contract (``StreamError``) starts
+over from a snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import httpx
+
+from kvprefix.cache.event_index import StreamError, StreamMirror
+from kvprefix.cache.event_wire import Hello, SnapshotEnd, loads
+from kvprefix.router.fleet import Replica
+
+log = logging.getLogger("kvprefix.router")
+
+READ_TIMEOUT_S = 30.0  # past the replica's 10 s heartbeat: silence this long means the replica is gone
+
+
+async def read_hello(client: httpx.AsyncClient, url: str, headers: dict[str, str]) -> Hello:
+    """The first message of a replica's stream: its block size, hash algorithm and root."""
+    async with client.stream("GET", url + "/v1/kv_events", headers=headers) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            msg = loads(line)
+            if isinstance(msg, Hello):
+                return msg
+            break
+    raise ValueError(f"{url}/v1/kv_events did not start with a hello")
+
+
+async def follow(
+    client: httpx.AsyncClient,
+    replica: Replica,
+    headers: dict[str, str],
+    on_resync: Callable[[Replica], None],
+    retry_s: float = 0.5,
+) -> None:
+    """Keeps ``replica.mirror`` exact while the task runs; ``on_resync`` after every snapshot."""
+    replica.mirror = mirror = replica.mirror or StreamMirror()
+    timeout = httpx.Timeout(10.0, read=READ_TIMEOUT_S)
+    while True:
+        params = {"since": mirror.since, "epoch": mirror.epoch} if mirror.since is not None else {}
+        try:
+            async with client.stream("GET", replica.url + "/v1/kv_events", params=params, headers=headers,
+                                     timeout=timeout) as resp:
+                resp.raise_for_status()
+                async for line in resp.aiter_lines():
+                    msg = loads(line)
+                    mirror.apply(msg)
+                    if isinstance(msg, SnapshotEnd):
+                        replica.resyncs += 1
+                        on_resync(replica)
+        except StreamError as exc:
+            log.warning("kv events of %s: %s; starting over from a snapshot", replica.url, exc)
+            replica.mirror = mirror = StreamMirror()
+        except (httpx.HTTPError, ValueError) as exc:
+            log.debug("kv events of %s: %s; reconnecting", replica.url, exc)
+        mirror.ready = False  # until the next resume or snapshot
+        await asyncio.sleep(retry_s)

@@ -1,0 +1,66 @@
+"""The router's replicas and its ``ReplicaView`` of them: health, requests in flight, and what each caches.
+
+"Cached" is the replica's exact set from its KV event stream (``StreamMirror``, when the router follows the
+streams) plus the blocks of requests routed there and still running (``PendingBlocks``). Load is requests in
+flight through this router. Pure state: the HTTP side (``router.app``, ``router.events``) updates it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+from kvprefix.cache.event_index import StreamMirror
+from kvprefix.router.pending import PendingBlocks
+
+
+@dataclass
+class Replica:
+    url: str
+    healthy: bool = False  # until the first health check answers
+    in_flight: int = 0
+    mirror: StreamMirror | None = None  # only when following KV events
+    pending: PendingBlocks = field(default_factory=PendingBlocks)
+    resyncs: int = 0  # snapshots applied: the first, then one per restart or lost stream
+
+    @property
+    def name(self) -> str:
+        return self.url
+
+
+class FleetView:
+    """``ReplicaView`` over the fleet; ``excluding`` gives the same view without replicas that already failed
+    this request (a retry goes elsewhere)."""
+
+    def __init__(self, replicas: list[Replica], excluded: frozenset[int] = frozenset()):
+        self.replicas = replicas
+        self.num_replicas = len(replicas)
+        self._excluded = excluded
+
+    def excluding(self, replica: int) -> FleetView:
+        return FleetView(self.replicas, self._excluded | {replica})
+
+    def usable(self) -> bool:
+        return any(self.healthy(r) for r in range(self.num_replicas))
+
+    def healthy(self, replica: int) -> bool:
+        return replica not in self._excluded and self.replicas[replica].healthy
+
+    def cached_prefix_blocks(self, replica: int, block_hashes: Sequence[Hashable]) -> int:
+        rep = self.replicas[replica]
+        index = rep.mirror.index if rep.mirror is not None and rep.mirror.ready else None
+        n = 0
+        for h in block_hashes:
+            if h not in rep.pending and (index is None or h not in index):
+                break
+            n += 1
+        return n
+
+    def load(self, replica: int) -> float:
+        return self.replicas[replica].in_flight
+
+    def imbalance(self) -> float:
+        """Busiest replica's requests in flight / the mean (1.0 = even; 1.0 when idle)."""
+        loads = [r.in_flight for r in self.replicas]
+        mean = sum(loads) / len(loads)
+        return max(loads) / mean if mean else 1.0

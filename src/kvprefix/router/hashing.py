@@ -1,0 +1,52 @@
+"""The router's copy of the replicas' block identity: render a request body, tokenize it and hash its blocks
+exactly as a replica will, so the router can look them up in what each replica caches.
+
+The renderer is ``kvprefix.prompts`` and the hash ``kvprefix.cache.BlockHasher`` (the replicas' own code). The
+execution context is computed from the checkpoint given to the router (``context_for_checkpoint``) and checked
+against the root a replica announces in its KV event stream's hello, which also gives the block size and the
+hash algorithm: a router whose hashes could never match says so at start instead of routing blind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from kvprefix.cache import BlockHash, BlockHasher, context_for_checkpoint
+from kvprefix.cache.event_wire import Hello
+from kvprefix.prompts import PromptError, Tokenizer, render_body
+
+# The KV dtypes a replica may run with: the dtype is part of the root, and the hello names only the root.
+KV_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class RequestHasher:
+    def __init__(self, tokenizer: Tokenizer, hasher: BlockHasher):
+        self.tokenizer = tokenizer
+        self.hasher = hasher
+
+    @classmethod
+    def for_replica(cls, model: str, hello: Hello) -> RequestHasher:
+        """The hasher for ``model`` that gives the root ``hello`` announces; ValueError when none does."""
+        tokenizer = Tokenizer(model)
+        context = context_for_checkpoint(model, "", tokenizer.chat_template)  # fingerprints the files once
+        for kv_dtype in KV_DTYPES:
+            hasher = BlockHasher(hello.block_size, hello.hash_algo, dataclasses.replace(context, kv_dtype=kv_dtype))
+            if hasher.root == hello.root:
+                return cls(tokenizer, hasher)
+        raise ValueError(
+            f"--model {model} does not hash like replica {hello.replica_id} (its root {hello.root.hex()[:16]}... "
+            f"matches none of {', '.join(KV_DTYPES)}): give the router the replicas' checkpoint"
+        )
+
+    def block_hashes(self, body: Mapping[str, Any], tenant: str | None) -> list[BlockHash]:
+        """The full-block hashes of the body's first prompt in the caller's namespace; [] for a body the replica
+        will refuse anyway (it answers with the error, the router only routes)."""
+        salt = body.get("cache_salt")
+        try:
+            prompts = render_body(self.tokenizer, body)
+            hasher = self.hasher.for_namespace(tenant, salt if isinstance(salt, str) else None)
+        except (PromptError, ValueError, TypeError):
+            return []
+        return hasher.hash_blocks(prompts[0].token_ids) if prompts else []

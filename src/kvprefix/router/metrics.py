@@ -1,0 +1,47 @@
+"""The router's Prometheus metrics (docs/router.md): one registry per router, no global state."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from kvprefix.router.fleet import FleetView
+
+P = "kvprefix:router_"
+# Why a replica was chosen: a retry after another failed, a cached prefix there, a session key, or neither.
+REASONS = ("retry", "cached_prefix", "session", "no_prefix")
+
+
+class RouterMetrics:
+    def __init__(self, view: FleetView):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter(P + "requests", "Requests sent to each replica, by decision reason",
+                                ["replica", "reason"], registry=r)
+        self.predicted_cached = Counter(P + "predicted_cached_tokens", "Prompt tokens the policy expected cached "
+                                        "at the replica it chose", ["replica"], registry=r)
+        self.reported_cached = Counter(P + "reported_cached_tokens", "usage.prompt_tokens_details.cached_tokens "
+                                       "the replicas reported", ["replica"], registry=r)
+        self.retries = Counter(P + "retries", "Requests retried elsewhere after this replica failed before "
+                               "answering", ["replica"], registry=r)
+        self.resyncs = Counter(P + "kv_events_resyncs", "KV event snapshots applied (first sync, restarts, lost "
+                               "streams)", ["replica"], registry=r)
+        self.unroutable = Counter(P + "unroutable", "Requests refused with 503: no replica could take them",
+                                  registry=r)
+        in_flight = Gauge(P + "requests_in_flight", "Requests in flight through the router", ["replica"], registry=r)
+        healthy = Gauge(P + "replica_healthy", "1 while the replica passes health checks", ["replica"], registry=r)
+        blocks = Gauge(P + "kv_events_blocks", "Blocks the replica caches, as its event stream says (-1: not "
+                       "synced)", ["replica"], registry=r)
+        imbalance = Gauge(P + "load_imbalance", "Busiest replica's requests in flight / the mean", registry=r)
+        imbalance.set_function(view.imbalance)
+        for rep in view.replicas:
+            name = rep.name
+            in_flight.labels(name).set_function(lambda rep=rep: rep.in_flight)
+            healthy.labels(name).set_function(lambda rep=rep: float(rep.healthy))
+            blocks.labels(name).set_function(
+                lambda rep=rep: len(rep.mirror.index) if rep.mirror is not None and rep.mirror.ready else -1)
+            for reason in REASONS:
+                self.requests.labels(name, reason)
+            for c in (self.predicted_cached, self.reported_cached, self.retries, self.resyncs):
+                c.labels(name)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,46 @@
+"""Three real `kvprefix serve` replicas on 127.0.0.1 with small pools, started once for the router tests, and
+real `kvprefix route` processes in front of them. The replicas are started with the server tests' helpers."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "server"))  # the server tests' helpers: one copy
+
+from router_helpers import REPLICA_BLOCKS, start_router  # noqa: E402
+from server_helpers import Server, start_server, stop_server  # noqa: E402
+
+POLICIES_UNDER_TEST = ("round-robin", "prefix", "kv-events", "session")
+
+
+@pytest.fixture(scope="session")
+def router_tmp(tmp_path_factory: pytest.TempPathFactory, default_model_dir: str) -> Path:
+    return tmp_path_factory.mktemp("router")
+
+
+@pytest.fixture(scope="session")
+def replicas(router_tmp: Path) -> Iterator[list[Server]]:
+    args = ("--num-gpu-blocks", str(REPLICA_BLOCKS), "--max-num-seqs", "16")
+    with ThreadPoolExecutor(3) as pool:
+        servers = list(pool.map(lambda _: start_server(router_tmp, *args), range(3)))
+    yield servers
+    for s in servers:
+        assert stop_server(s) in (0, -15) and "Traceback" not in s.log_path.read_text(), s.log_path.read_text()
+
+
+@pytest.fixture(scope="session")
+def routers(router_tmp: Path, replicas: list[Server], default_model_dir: str) -> Iterator[dict[str, Server]]:
+    """One router per policy under test, all over the same three replicas, started side by side."""
+    urls = [s.url for s in replicas]
+    with ThreadPoolExecutor(len(POLICIES_UNDER_TEST)) as pool:
+        started = dict(zip(POLICIES_UNDER_TEST, pool.map(
+            lambda policy: start_router(router_tmp, urls, policy, default_model_dir), POLICIES_UNDER_TEST),
+            strict=True))
+    yield started
+    for r in started.values():
+        assert stop_server(r) in (0, -15) and "Traceback" not in r.log_path.read_text(), r.log_path.read_text()
