@@ -68,8 +68,8 @@ class RouteRequest:
 
 @dataclass
 class _Relay:
-    """One upstream response on its way to the client; ``close`` settles its bookkeeping exactly once, however
-    the response ends (finished, replica gone, client gone)."""
+    """One upstream response on its way to the client; its bookkeeping is settled exactly once, however the
+    response ends (finished, replica gone, client gone), and ``close`` releases the upstream connection."""
 
     upstream: httpx.Response
     replica: Replica
@@ -85,8 +85,11 @@ class _Relay:
                 yield chunk
         except httpx.HTTPError as exc:  # the replica went away mid-stream: nothing to retry once bytes went out
             log.warning("stream from %s cut off: %s", self.replica.url, exc)
+        # Settled before the response's end goes out: a client that sends its next request as soon as it has this
+        # one must find the replica's load already released.
+        self.settle()
 
-    async def close(self) -> None:
+    def settle(self) -> None:
         if self.closed:
             return
         self.closed = True
@@ -95,6 +98,9 @@ class _Relay:
         found = _CACHED_TOKENS.findall(self.tail)
         if found:
             self.metrics.reported_cached.labels(self.replica.name).inc(int(found[-1]))
+
+    async def close(self) -> None:
+        self.settle()
         with anyio.CancelScope(shield=True):  # runs even when the client's disconnect cancelled the response
             await self.upstream.aclose()
 
