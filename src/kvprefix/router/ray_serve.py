@@ -13,10 +13,11 @@ Ray is imported here only: ``kvprefix.router`` stays importable without it (and 
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator, Hashable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
@@ -26,6 +27,11 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from kvprefix.router.app import HASHING_POLICIES, RouteRequest
 from kvprefix.router.policies import make_policy
+from kvprefix.server.errors import install_error_handlers
+from kvprefix.server.tenancy import Auth
+
+if TYPE_CHECKING:  # server.app loads the engine and torch: only the engine replicas do
+    from kvprefix.server.app import ServerConfig
 
 log = logging.getLogger("kvprefix.router.ray")
 
@@ -137,13 +143,13 @@ async def _call_asgi(app, method: str, path: str, query: bytes, headers: list[tu
 class Engine:
     """One engine replica: an AsyncLLM behind `kvprefix serve`'s app."""
 
-    async def __init__(self, engine_args: dict[str, Any]):
+    async def __init__(self, engine_args: dict[str, Any], config: "ServerConfig"):
         from kvprefix.engine import AsyncLLM, EngineArgs
-        from kvprefix.server.app import ServerConfig, create_app
+        from kvprefix.server.app import create_app
 
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.engine = AsyncLLM(EngineArgs(**engine_args))
-        self.app = create_app(self.engine, ServerConfig(replica_id=self.replica_id))
+        self.app = create_app(self.engine, dataclasses.replace(config, replica_id=self.replica_id))
         self._lifespan = self.app.router.lifespan_context(self.app)
         await self._lifespan.__aenter__()
 
@@ -169,6 +175,7 @@ FORWARD_HEADERS = ("authorization", "content-type", "accept", "x-session-id")
 
 
 _app = FastAPI(title="kvprefix on Ray Serve")
+install_error_handlers(_app)
 
 
 @serve.deployment
@@ -176,8 +183,9 @@ _app = FastAPI(title="kvprefix on Ray Serve")
 class Ingress:
     """The HTTP entry: hashes the prompt (for the prefix policies), then lets the handle's router pick a replica."""
 
-    def __init__(self, engine, policy: str):
+    def __init__(self, engine, policy: str, auth: Auth):
         self.engine = engine
+        self.auth = auth  # the tenant names the namespace to hash in; the replica checks the key again
         self.hashing = policy in HASHING_POLICIES
         self.hasher = None
 
@@ -202,13 +210,14 @@ class Ingress:
     @_app.post("/v1/completions")
     @_app.post("/v1/chat/completions")
     async def generate(self, raw: Request):
+        tenant = self.auth.tenant(raw.headers.get("authorization"))
         body = await raw.body()
         try:
             parsed = json.loads(body)
         except ValueError:
             parsed = None  # the replica says what is wrong with it
         parsed = parsed if isinstance(parsed, dict) else {}
-        hashes = (await self._hasher()).block_hashes(parsed, None) if self.hashing else []
+        hashes = (await self._hasher()).block_hashes(parsed, tenant) if self.hashing else []
         session = parsed.get("prompt_cache_key") or parsed.get("user") or raw.headers.get("x-session-id")
         return await self._send(raw, RouteRequest(hashes, session if isinstance(session, str) else None), body)
 
@@ -220,48 +229,33 @@ class Ingress:
 
 
 def build_app(engine_args: dict[str, Any], num_replicas: int, policy: str, seed: int = 0, load_cap: float = 1.25,
-              num_cpus: float = 1.0, num_gpus: float = 0.0):
-    """The Ray Serve application: ``num_replicas`` engine replicas routed by ``policy``."""
+              config: "ServerConfig | None" = None, num_cpus: float = 1.0, num_gpus: float = 0.0):
+    """The Ray Serve application: ``num_replicas`` engine replicas routed by ``policy``, each a `kvprefix serve`
+    with ``config`` (its replica_id replaced by Ray's)."""
+    if config is None:
+        from kvprefix.server.app import ServerConfig
+
+        config = ServerConfig()
     if make_policy(policy, seed, load_cap).name == "kv-events":  # an unknown name fails here too, not in a replica
         raise ValueError("--policy kv-events reads the replicas' KV event streams, which the Ray Serve app does not "
                          "follow yet; use prefix (it predicts the caches from where it routed)")
     router = RequestRouterConfig(request_router_class=PolicyRequestRouter,
                                  request_router_kwargs={"policy": policy, "seed": seed, "load_cap": load_cap})
     engine = Engine.options(num_replicas=num_replicas, request_router_config=router, max_ongoing_requests=256,
-                            ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus}).bind(engine_args)
-    return Ingress.options(ray_actor_options={"num_cpus": 0}).bind(engine, policy)
+                            ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus}).bind(engine_args, config)
+    return Ingress.options(ray_actor_options={"num_cpus": 0}).bind(engine, policy, config.auth or Auth())
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m kvprefix.router.ray_serve`: `kvprefix serve`'s engine options, plus the cluster and the policy.
-    Deploys on the cluster at ``--ray-address`` (default: a new local one) and serves until interrupted."""
-    import dataclasses
-
+def run_on_ray(args: argparse.Namespace, engine_args: dict[str, Any], config: "ServerConfig") -> int:
+    """`kvprefix serve --ray`: deploys on the cluster at ``--ray-address`` (default: a new local one) and serves
+    until interrupted."""
     import ray
 
-    from kvprefix.engine.args import EngineArgs
-    from kvprefix.router.policies import POLICIES, RENAMED
-    from kvprefix.server.cli import add_arguments
-
-    parser = argparse.ArgumentParser(prog="python -m kvprefix.router.ray_serve", description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    ray_opts = parser.add_argument_group("Ray Serve (docs/router.md)")
-    ray_opts.add_argument("--replicas", type=int, default=2, help="engine replicas (default 2)")
-    ray_opts.add_argument("--ray-address", default=None,
-                          help="a running cluster (auto, or HEAD:6379); default: start a local one")
-    ray_opts.add_argument("--policy", default="prefix", choices=[*POLICIES, *RENAMED],
-                          help="how to pick a replica (default prefix; not kv-events)")
-    ray_opts.add_argument("--load-cap", type=float, default=1.25)
-    ray_opts.add_argument("--routing-seed", type=int, default=0)
-    ray_opts.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves per engine replica")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine_args = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs) if hasattr(args, f.name)}
     try:
-        application = build_app(engine_args, args.replicas, args.policy, args.routing_seed, args.load_cap,
+        application = build_app(engine_args, args.replicas, args.policy, args.seed, args.load_cap, config,
                                 num_cpus=args.replica_cpus, num_gpus=1.0 if args.device == "cuda" else 0.0)
     except ValueError as exc:
-        raise SystemExit(f"kvprefix ray_serve: {exc}") from None
+        raise SystemExit(f"kvprefix serve --ray: {exc}") from None
     ray.init(address=args.ray_address, include_dashboard=False)
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(application, name="kvprefix", route_prefix="/")
@@ -275,5 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+if __name__ == "__main__":  # python -m kvprefix.router.ray_serve ... == kvprefix serve --ray ...
+    import sys
+
+    from kvprefix.cli import main
+
+    sys.exit(main(["serve", "--ray", *sys.argv[1:]]))
