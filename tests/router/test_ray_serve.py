@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import httpx
 import openai
 import pytest
 from router_helpers import REPLICA_BLOCKS, shared_prefix_traffic
@@ -33,6 +34,7 @@ def test_ray_serve_routes_like_the_standalone_policy(default_model_dir: str):
                        "max_num_seqs": 16}
         serve.run(build_app(engine_args, 2, "prefix", num_cpus=0.5), name="kvprefix", route_prefix="/")
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200  # goes anywhere, moves no rotation
         traffic = shared_prefix_traffic(rounds=3)
         served, cached = [], []
         for messages in traffic:

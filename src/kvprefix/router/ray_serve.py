@@ -85,7 +85,7 @@ class PolicyRequestRouter(RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         self._place(candidate_replicas)
         route = pending_request.kwargs.get("route") if pending_request is not None else None
-        if route is None:  # not a client request (the ingress asking for the block identity): any replica
+        if route is None:  # not a client request (the block identity, a health probe): any replica
             return [candidate_replicas]
         by_id = {r.replica_id: r for r in candidate_replicas}
         chosen = by_id.get(self.slots[self.policy.choose(route, _SlotView(self.slots, set(by_id), self.in_flight))])
@@ -159,7 +159,7 @@ class Engine:
         return self.engine.tokenizer, h.block_size, h.algo, h.context
 
     async def handle(self, method: str, path: str, query: bytes, headers: list[tuple[str, str]], body: bytes,
-                     route: RouteRequest) -> AsyncIterator[Any]:
+                     route: RouteRequest | None) -> AsyncIterator[Any]:
         # ``route`` is for the request router (it reads the call's kwargs); the replica has no use for it.
         async for item in _call_asgi(self.app, method, path, query, headers, body):
             if isinstance(item, tuple):
@@ -198,7 +198,7 @@ class Ingress:
             self.hasher = RequestHasher(tokenizer, BlockHasher(block_size, algo, context))
         return self.hasher
 
-    async def _send(self, raw, route: RouteRequest, body: bytes):
+    async def _send(self, raw, route: RouteRequest | None, body: bytes):
         headers = [(k, raw.headers[k]) for k in FORWARD_HEADERS if k in raw.headers]
         stream = self.engine.options(stream=True).handle.remote(raw.method, raw.url.path, raw.url.query.encode(),
                                                                 headers, body, route=route)
@@ -223,9 +223,12 @@ class Ingress:
 
     @_app.get("/v1/models")
     @_app.get("/v1/models/{model_id:path}")
-    @_app.get("/health")
     async def relay(self, raw: Request):
         return await self._send(raw, NO_ROUTE, b"")
+
+    @_app.get("/health")
+    async def health(self, raw: Request):
+        return await self._send(raw, None, b"")  # any replica: a probe must not move the policy's rotation
 
 
 def build_app(engine_args: dict[str, Any], num_replicas: int, policy: str, seed: int = 0, load_cap: float = 1.25,
