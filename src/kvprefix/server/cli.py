@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvprefix.cache import COLLISION_SAFE_ALGOS, HASH_ALGOS
+from kvprefix.router.policies import POLICIES
 
 # The KV cache fraction shared out as tenants' reserved room when there are tenants (docs/security.md): half stays
 # shared LRU room for whoever is busy; the other half is what idle tenants are owed and others cannot cache in.
@@ -78,6 +79,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     logs.add_argument("--request-log-prompts", action="store_true",
                       help="also log raw prompt text (off by default: prompts may hold private data)")
 
+    ray = parser.add_argument_group("Ray Serve: replicas on a Ray cluster, routed by a policy (docs/router.md)")
+    ray.add_argument("--ray", action="store_true", help="serve --replicas engine replicas as a Ray Serve deployment")
+    ray.add_argument("--replicas", type=_positive_int, default=2, help="with --ray: engine replicas (default 2)")
+    ray.add_argument("--ray-address", default=None,
+                     help="with --ray: a running cluster (auto, or HEAD_IP:6379); default: start a local one")
+    ray.add_argument("--policy", default="prefix", choices=[p for p in POLICIES if p != "kv-events"],
+                     help="with --ray: how to pick a replica (default prefix)")
+    ray.add_argument("--load-cap", type=float, default=1.25,
+                     help="with --ray: session and prefix pass over replicas above this x the mean load")
+    ray.add_argument("--replica-cpus", type=float, default=1.0, help="with --ray: CPUs reserved per replica")
+
     eng = parser.add_argument_group("engine")
     eng.add_argument("--model", default=None,
                      help="checkpoint directory or hub id (default: the built-in random-weight model)")
@@ -115,13 +127,14 @@ def run(args: argparse.Namespace) -> int:
                          f"resistant: one of {', '.join(COLLISION_SAFE_ALGOS)}")
     if args.tenant_kv_reserve is None:
         args.tenant_kv_reserve = DEFAULT_TENANT_KV_RESERVE if auth.enabled else 0.0
+    if args.ray and args.request_log:
+        raise SystemExit("kvprefix serve: --request-log is not supported with --ray (the replicas would share it)")
     # Options are checked before the engine and web stack load: a bad one fails in a moment, not after torch.
     from kvprefix.engine import AsyncLLM, EngineArgs
     from kvprefix.server.app import ServerConfig, create_app, serve
     # Every engine option we expose has EngineArgs' field name; a field without an option keeps its default.
     engine_args = EngineArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)
                                 if hasattr(args, f.name)})
-    engine = AsyncLLM(engine_args)
     config = ServerConfig(
         served_model_name=args.served_model_name,
         auth=auth,
@@ -133,7 +146,11 @@ def run(args: argparse.Namespace) -> int:
         replica_id=args.replica_id or f"{socket.gethostname()}:{args.port}",
         allowed_hosts=hosts,
     )
-    serve(create_app(engine, config), args.host, args.port, args.log_level, args.shutdown_timeout,
+    if args.ray:
+        from kvprefix.router.ray_serve import run_on_ray
+
+        return run_on_ray(args, dataclasses.asdict(engine_args), config)
+    serve(create_app(AsyncLLM(engine_args), config), args.host, args.port, args.log_level, args.shutdown_timeout,
           timeout_keep_alive=args.timeout_keep_alive, timeout_headers=args.timeout_headers,
           timeout_body=args.timeout_body, limit_concurrency=args.limit_concurrency)
     return 0
