@@ -20,8 +20,7 @@ def test_ray_serve_routes_like_the_standalone_policy(default_model_dir: str):
     from ray import serve
 
     from kvprefix.cache import BlockHasher
-    from kvprefix.router.app import RouteRequest
-    from kvprefix.router.hashing import RequestHasher
+    from kvprefix.router.hashing import RequestHasher, RouteRequest
     from kvprefix.router.policies import make_policy
     from kvprefix.router.ray_serve import REPLICA_HEADER, _SlotView, build_app
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import re
 from collections.abc import AsyncIterator, Hashable, Sequence
@@ -26,16 +25,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvprefix.router.events import follow, read_hello
 from kvprefix.router.fleet import FleetView, Replica
-from kvprefix.router.hashing import RequestHasher
+from kvprefix.router.hashing import RequestHasher, RouteRequest, route_request
 from kvprefix.router.metrics import RouterMetrics
 from kvprefix.router.policies import make_policy
+from kvprefix.server.bodies import read_body
 from kvprefix.server.browsers import BrowserGuard
 from kvprefix.server.errors import APIError, install_error_handlers
 from kvprefix.server.tenancy import Auth
 
 log = logging.getLogger("kvprefix.router")
 
-MAX_BODY_BYTES = 16 * 2**20  # what `kvprefix serve` accepts
 HASHING_POLICIES = ("prefix", "kv-events")  # the policies that need the request's block hashes
 FORWARD_HEADERS = ("authorization", "content-type", "accept")
 DROP_RESPONSE_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "date", "server"}
@@ -56,14 +55,6 @@ class RouterConfig:
     connect_timeout_s: float = 3.0
     startup_timeout_s: float = 60.0
     allowed_hosts: frozenset[str] | None = None
-
-
-@dataclass
-class RouteRequest:
-    """A request as a policy sees it (``policies.Routable``)."""
-
-    block_hashes: Sequence[Hashable]
-    session: str | None
 
 
 @dataclass
@@ -238,27 +229,10 @@ def create_app(config: RouterConfig) -> FastAPI:
                 metrics.predicted_cached.labels(rep.name).inc(predicted * state["hasher"].hasher.block_size)
             return _RelayResponse(relay)
 
-    async def read_body(raw: Request) -> bytes:
-        declared = raw.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-            raise APIError(413, f"request body is over the limit of {MAX_BODY_BYTES} bytes")
-        body = await raw.body()
-        if len(body) > MAX_BODY_BYTES:
-            raise APIError(413, f"request body is over the limit of {MAX_BODY_BYTES} bytes")
-        return body
-
     async def generate(raw: Request) -> Response:
         tenant = auth.tenant(raw.headers.get("authorization"))
         body = await read_body(raw)
-        try:
-            parsed = json.loads(body)
-        except ValueError:
-            parsed = None  # the replica says what is wrong with it
-        parsed = parsed if isinstance(parsed, dict) else {}
-        hasher = state["hasher"]
-        hashes = hasher.block_hashes(parsed, tenant) if hasher is not None else []
-        session = parsed.get("prompt_cache_key") or parsed.get("user") or raw.headers.get("x-session-id")
-        return await send(raw, RouteRequest(hashes, session if isinstance(session, str) else None), body)
+        return await send(raw, route_request(body, raw.headers, tenant, state["hasher"]), body)
 
     app.post("/v1/completions")(generate)
     app.post("/v1/chat/completions")(generate)

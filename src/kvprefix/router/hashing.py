@@ -10,7 +10,9 @@ hash algorithm: a router whose hashes could never match says so at start instead
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import json
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kvprefix.cache import BlockHash, BlockHasher, context_for_checkpoint
@@ -19,6 +21,29 @@ from kvprefix.prompts import PromptError, Tokenizer, render_body
 
 # The KV dtypes a replica may run with: the dtype is part of the root, and the hello names only the root.
 KV_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class RouteRequest:
+    """A request as a policy sees it (``policies.Routable``)."""
+
+    block_hashes: Sequence[Hashable]
+    session: str | None
+
+
+def route_request(body: bytes, headers: Mapping[str, str], tenant: str | None,
+                  hasher: RequestHasher | None) -> RouteRequest:
+    """What the policies need of a raw request: its block hashes (with ``hasher``; else none) and its session key
+    (``prompt_cache_key``, ``user`` or an ``x-session-id`` header). A body that is not a JSON object routes with
+    neither: the replica answers what is wrong with it."""
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        parsed = None
+    parsed = parsed if isinstance(parsed, dict) else {}
+    hashes = hasher.block_hashes(parsed, tenant) if hasher is not None else []
+    session = parsed.get("prompt_cache_key") or parsed.get("user") or headers.get("x-session-id")
+    return RouteRequest(hashes, session if isinstance(session, str) else None)
 
 
 class RequestHasher:

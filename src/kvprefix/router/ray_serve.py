@@ -14,7 +14,6 @@ Ray is imported here only: ``kvprefix.router`` stays importable without it (and 
 import argparse
 import asyncio
 import dataclasses
-import json
 import logging
 from collections.abc import AsyncIterator, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -25,8 +24,10 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from kvprefix.router.app import HASHING_POLICIES, RouteRequest
+from kvprefix.router.app import HASHING_POLICIES
+from kvprefix.router.hashing import RouteRequest, route_request
 from kvprefix.router.policies import make_policy
+from kvprefix.server.bodies import read_body
 from kvprefix.server.errors import install_error_handlers
 from kvprefix.server.tenancy import Auth
 
@@ -211,15 +212,9 @@ class Ingress:
     @_app.post("/v1/chat/completions")
     async def generate(self, raw: Request):
         tenant = self.auth.tenant(raw.headers.get("authorization"))
-        body = await raw.body()
-        try:
-            parsed = json.loads(body)
-        except ValueError:
-            parsed = None  # the replica says what is wrong with it
-        parsed = parsed if isinstance(parsed, dict) else {}
-        hashes = (await self._hasher()).block_hashes(parsed, tenant) if self.hashing else []
-        session = parsed.get("prompt_cache_key") or parsed.get("user") or raw.headers.get("x-session-id")
-        return await self._send(raw, RouteRequest(hashes, session if isinstance(session, str) else None), body)
+        body = await read_body(raw)
+        hasher = await self._hasher() if self.hashing else None
+        return await self._send(raw, route_request(body, raw.headers, tenant, hasher), body)
 
     @_app.get("/v1/models")
     @_app.get("/v1/models/{model_id:path}")

@@ -13,10 +13,10 @@ from fastapi import FastAPI, Query, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
-from starlette.requests import ClientDisconnect
 
 from kvprefix.logs import RequestLogWriter
 from kvprefix.server.admission import Admission
+from kvprefix.server.bodies import read_body
 from kvprefix.server.browsers import BrowserGuard
 from kvprefix.server.cache_detail import CacheTracker
 from kvprefix.server.errors import APIError, bad_request, from_validation_error, install_error_handlers
@@ -28,7 +28,6 @@ from kvprefix.server.tenancy import Auth, Caller
 
 log = logging.getLogger("kvprefix.server")
 
-MAX_BODY_BYTES = 16 * 2**20
 
 
 @dataclass
@@ -51,21 +50,7 @@ _PARSE_INLINE_BYTES = 256 * 1024
 
 async def _parse(raw: Request, model: type[BaseModel]) -> Any:
     """Reads and validates a JSON body, turning every way it can be wrong into a 400 that says what is wrong."""
-    too_big = APIError(413, f"request body is over the limit of {MAX_BODY_BYTES} bytes")
-    declared = raw.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise too_big
-    # Read in chunks and stop at the limit: never hold an oversized (or unannounced chunked) body in memory.
-    chunks, size = [], 0
-    try:
-        async for chunk in raw.stream():
-            size += len(chunk)
-            if size > MAX_BODY_BYTES:
-                raise too_big
-            chunks.append(chunk)
-    except ClientDisconnect:  # the client went, or --timeout-body closed it: nobody reads this answer
-        raise bad_request("the connection closed before the whole body arrived") from None
-    body = b"".join(chunks)
+    body = await read_body(raw)
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
