@@ -150,7 +150,11 @@ def run(args: argparse.Namespace) -> int:
         from kvprefix.router.ray_serve import run_on_ray
 
         return run_on_ray(args, dataclasses.asdict(engine_args), config)
-    serve(create_app(AsyncLLM(engine_args), config), args.host, args.port, args.log_level, args.shutdown_timeout,
+    try:  # a checkpoint that cannot be loaded (missing, truncated, unsupported) is a one-line error
+        engine = AsyncLLM(engine_args)
+    except (ValueError, FileNotFoundError) as exc:
+        raise SystemExit(f"kvprefix serve: {exc}") from None
+    serve(create_app(engine, config), args.host, args.port, args.log_level, args.shutdown_timeout,
           timeout_keep_alive=args.timeout_keep_alive, timeout_headers=args.timeout_headers,
           timeout_body=args.timeout_body, limit_concurrency=args.limit_concurrency)
     return 0
