@@ -105,6 +105,7 @@ def test_unsupported_architecture_is_a_one_line_error(tmp_path) -> None:
     assert "unsupported architecture 'falcon'" in one_line_error(exc, path)
 
 
+@pytest.mark.slow
 def test_serve_on_a_bad_file_exits_with_one_line(tmp_path) -> None:
     path = tmp_path / "bad.gguf"
     path.write_bytes(b"GGUF" + b"\0" * 20)

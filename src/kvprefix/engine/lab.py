@@ -23,7 +23,8 @@ SYSTEM_TEXT = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="checkpoint directory or hub id (default: built-in random model)")
+    parser.add_argument("--model", default=None,
+                        help="checkpoint directory, .gguf file or hub id (default: built-in SmolLM2-135M-Instruct)")
     parser.add_argument("--num-requests", type=int, default=4, help="prompts sharing the system prompt (>= 3)")
     parser.add_argument("--system-tokens", type=int, default=1024, help="length of the shared system prompt")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request (greedy)")
@@ -34,17 +35,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvprefix.engine import LLM, SamplingParams
-    from kvprefix.model.default_model import NOTICE
 
     if args.num_requests < 3:
         raise SystemExit(f"--num-requests must be >= 3, got {args.num_requests}")
-    if args.model is None:
-        print(f"NOTE: {NOTICE}\n")
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     settings = dict(block_size=args.block_size, dtype=args.dtype, device=args.device)
     results = {}
     for caching in (True, False):
-        llm = LLM(args.model, enable_prefix_caching=caching, **settings)
+        try:  # a checkpoint that cannot be loaded is a one-line error
+            llm = LLM(args.model, enable_prefix_caching=caching, **settings)
+        except (ValueError, FileNotFoundError) as exc:
+            raise SystemExit(f"kvprefix lab: {exc}") from None
         prompts = build_prompts(llm.get_tokenizer(), args.num_requests, args.system_tokens)
         llm.generate(QUESTIONS[0], params)  # warm-up, so request 1 is not charged for one-time setup
         # One at a time, so each TTFT is that request's own prefill, not time spent queued behind others.

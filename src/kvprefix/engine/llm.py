@@ -17,8 +17,8 @@ Conversation = list[dict[str, Any]]
 
 class LLM:
     """``LLM(model=None, enable_prefix_caching=True, block_size=16, prefix_caching_hash_algo="sha256", ...)``;
-    every keyword is an ``EngineArgs`` field. ``model=None`` is the built-in default model: random weights,
-    meaningless text; pass a checkpoint directory or hub id for real text."""
+    every keyword is an ``EngineArgs`` field. ``model=None`` is the built-in default model
+    (SmolLM2-135M-Instruct); or pass a checkpoint directory, a .gguf file or a hub id."""
 
     def __init__(self, model: str | None = None, **kwargs: Any):
         try:

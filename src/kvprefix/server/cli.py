@@ -92,7 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     eng = parser.add_argument_group("engine")
     eng.add_argument("--model", default=None,
-                     help="checkpoint directory or hub id (default: the built-in random-weight model)")
+                     help="checkpoint directory, .gguf file or hub id (default: the built-in SmolLM2-135M-Instruct)")
     eng.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     eng.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     eng.add_argument("--seed", type=int, default=0)
