@@ -30,7 +30,7 @@ def test_ray_serve_routes_like_the_standalone_policy(default_model_dir: str):
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         from kvprefix.server.app import ServerConfig
 
-        engine_args = {"model": default_model_dir, "device": "cpu", "num_gpu_blocks": REPLICA_BLOCKS,
+        engine_args = {"model": default_model_dir, "dtype": "float32", "device": "cpu", "num_gpu_blocks": REPLICA_BLOCKS,
                        "max_num_seqs": 16}
         serve.run(build_app(engine_args, 2, "prefix", num_cpus=0.5, config=ServerConfig(served_model_name=MODEL)),
                   name="kvprefix", route_prefix="/")

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 @dataclass
 class EngineArgs:
     """``model`` None is the built-in default model (SmolLM2-135M-Instruct, from its GGUF file). ``dtype`` "auto" is
-    bfloat16 on CUDA and float32 on CPU. The KV cache holds ``num_gpu_blocks`` blocks if given, else as many as fit
-    in ``kv_cache_memory`` bytes, else (CUDA) ``gpu_memory_utilization`` of the free memory or (CPU) 1 GiB.
+    bfloat16 on CUDA and on CPUs with native bfloat16 (AVX512-BF16 or AMX), else float32. The KV cache holds
+    ``num_gpu_blocks`` blocks if given, else as many as fit in ``kv_cache_memory`` bytes, else (CUDA) ``gpu_memory_utilization`` of the free memory or (CPU) 1 GiB.
     ``max_model_len`` None is the model's ``max_position_embeddings``. ``tenant_kv_reserve`` > 0 isolates eviction
     between tenants: that fraction of the KV cache is shared out as each tenant's reserved room (0: one LRU for
     all; docs/security.md)."""

@@ -19,7 +19,7 @@ from kvprefix.engine.sampling_params import SamplingParams
 from kvprefix.engine.scheduler import Scheduler
 from kvprefix.model import ModelConfig, default_model_path, load_model
 from kvprefix.model.default_model import DEFAULT_MODEL_NAME
-from kvprefix.model.loader import resolve_dtype, resolve_model_path
+from kvprefix.model.loader import default_dtype, resolve_dtype, resolve_model_path
 from kvprefix.prompts import Tokenizer
 
 # A prompt: text, token ids, or a dict with "prompt_token_ids" or "prompt" (vLLM's input forms).
@@ -60,8 +60,7 @@ class LLMEngine:
     def __init__(self, args: EngineArgs):
         self.args = args
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        dtype_name = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
-        dtype = resolve_dtype(dtype_name)
+        dtype = default_dtype(device) if args.dtype == "auto" else resolve_dtype(args.dtype)
         self.model_name = args.model or DEFAULT_MODEL_NAME
         self.uses_default_model = args.model is None
         path = default_model_path() if args.model is None else resolve_model_path(args.model)
