@@ -114,3 +114,26 @@ def test_serve_on_a_bad_file_exits_with_one_line(tmp_path) -> None:
     assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("kvprefix serve:") and str(path) in last, p.stderr
+
+
+def test_engine_serves_a_gguf_like_its_safetensors_twin_and_roots_hashes_in_its_bytes(llama_dir, tmp_path) -> None:
+    from kvprefix import LLM, SamplingParams
+    from kvprefix.cache import context_for_checkpoint
+
+    f32, q8 = str(tmp_path / "f32.gguf"), str(tmp_path / "q8.gguf")
+    write_gguf(f32, llama_dir, CONFIG, Q.F32)
+    write_gguf(q8, llama_dir, CONFIG, Q.Q8_0)
+    os.symlink(f32, tmp_path / "elsewhere.gguf")
+    assert context_for_checkpoint(f32, "float32") == context_for_checkpoint(str(tmp_path / "elsewhere.gguf"), "float32")
+    assert context_for_checkpoint(f32, "float32").model != context_for_checkpoint(q8, "float32").model
+
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompt = {"prompt_token_ids": list(range(20, 60))}
+    gguf_llm = LLM(f32, dtype="float32", num_gpu_blocks=64)
+    twin = LLM(llama_dir, dtype="float32", num_gpu_blocks=64).generate(prompt, greedy)[0]
+    first, again = gguf_llm.generate([prompt, prompt], greedy)
+    assert first.outputs[0].token_ids == twin.outputs[0].token_ids == again.outputs[0].token_ids
+    assert gguf_llm.llm_engine.hasher.context == context_for_checkpoint(f32, "float32",
+                                                                       gguf_llm.get_tokenizer().chat_template)
+    chat = gguf_llm.chat([{"role": "user", "content": "Hi!"}], greedy)[0]
+    assert chat.prompt.startswith("<|im_start|>user\nHi!")  # the chat template from the file's metadata
