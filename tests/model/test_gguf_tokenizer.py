@@ -79,3 +79,17 @@ def test_default_model_tokenizes_as_llama_cpp() -> None:
     path = default_model_path()
     tok = Tokenizer(path)
     assert [s for s in PARITY_STRINGS if tok.encode(s, add_special_tokens=False) != llama_cpp_ids(path, s)] == []
+
+
+@pytest.mark.slow
+def test_a_gguf_tokenizes_without_torch(tmp_path) -> None:
+    """A router or planner given a .gguf file tokenizes and fingerprints it without loading a model."""
+    import subprocess
+    import sys
+
+    path = write_tokenizer_gguf(str(tmp_path / "t.gguf"), "smollm")
+    code = ("import sys; from kvprefix.prompts import Tokenizer; from kvprefix.cache import context_for_checkpoint; "
+            f"t = Tokenizer({path!r}); c = context_for_checkpoint({path!r}, '', t.chat_template); "
+            "print(len(t.encode('hello 123')), bool(c.model), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.split() == [str(len(Tokenizer(path).encode("hello 123"))), "True", "False"]
