@@ -4,6 +4,8 @@ RoPE (Llama only), matrices quantized, and the byte-level BPE tokenizer in the m
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter, quants
@@ -57,8 +59,6 @@ def write_gguf(path: str, checkpoint: str, config: dict, qtype: GGMLQuantization
     vocab = tok.backend_tokenizer.get_vocab(with_added_tokens=True)
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda item: item[1])]
     specials = {t.content for t in tok.added_tokens_decoder.values()}
-    import json
-
     merges = json.loads(tok.backend_tokenizer.to_str())["model"]["merges"]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)

@@ -11,7 +11,7 @@ from kvprefix.prompts import Tokenizer
 from kvprefix.prompts.gguf_file import open_gguf
 
 
-def write_tokenizer_gguf(path: str, pre: str, model: str = "gpt2") -> str:
+def write_tokenizer_gguf(path: str, pre: str, model: str = "gpt2", bos: str | None = None) -> str:
     """A GGUF file with only a tokenizer: the built-in byte-level BPE (trained on a fixed English text)."""
     import json
 
@@ -29,6 +29,8 @@ def write_tokenizer_gguf(path: str, pre: str, model: str = "gpt2") -> str:
     writer.add_token_types([3 if t in specials else 1 for t in tokens])
     writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
     writer.add_eos_token_id(vocab["<|im_end|>"])
+    if bos is not None:
+        writer.add_bos_token_id(vocab[bos])
     writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 4), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -61,6 +63,13 @@ def test_special_tokens_and_template_come_from_the_metadata(tmp_path) -> None:
     start = tok.hf.convert_tokens_to_ids("<|im_start|>")
     assert tok.encode("<|im_start|>user")[0] == start
     assert start not in tok.encode_literal("<|im_start|>user")  # typed text never becomes a control token
+
+
+def test_llama3_vocabularies_start_with_bos_unless_told_not_to(tmp_path) -> None:
+    tok = Tokenizer(write_tokenizer_gguf(str(tmp_path / "t.gguf"), "llama-bpe", bos="<|endoftext|>"))
+    bos = tok.hf.convert_tokens_to_ids("<|endoftext|>")
+    assert tok.bos_token_id == bos
+    assert tok.encode("hi") == [bos] + tok.encode("hi", add_special_tokens=False)
 
 
 @pytest.mark.parametrize(("pre", "model", "message"), [

@@ -9,6 +9,7 @@ accept); dropping it loses rules such as SmolLM's "every numeral is a piece of i
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from kvprefix.prompts.gguf_file import GGUFFile
@@ -23,12 +24,12 @@ _QWEN2 = _LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")
 _DIGITS_APART = (r"\p{N}", _GPT2)
 
 
+@dataclass(frozen=True)
 class _Rules:
-    def __init__(self, regexes: tuple[str, ...], ignore_merges: bool = False, add_bos: bool = False) -> None:
-        self.regexes = regexes
-        # llama.cpp's Llama 3 vocabularies: a piece that is itself a token is emitted whole, before any merge.
-        self.ignore_merges = ignore_merges
-        self.add_bos = add_bos  # the default when the file does not say (tokenizer.ggml.add_bos_token)
+    regexes: tuple[str, ...]
+    # llama.cpp's Llama 3 vocabularies: a piece that is itself a token is emitted whole, before any merge.
+    ignore_merges: bool = False
+    add_bos: bool = False  # the default when the file does not say (tokenizer.ggml.add_bos_token)
 
 
 _LLAMA3_RULES = _Rules((_LLAMA3,), ignore_merges=True, add_bos=True)
