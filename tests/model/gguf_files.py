@@ -41,9 +41,11 @@ def roundtrip(w: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
 
 
 def write_gguf(path: str, checkpoint: str, config: dict, qtype: GGMLQuantizationType, *, pre: str = "smollm",
-               arch: str = "llama", tokenizer_vocab_size: int = 512, **metadata) -> dict[str, np.ndarray]:
+               arch: str = "llama", tokenizer_vocab_size: int = 512,
+               rope_freqs: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Writes ``checkpoint`` (a write_random_checkpoint directory) as a GGUF file; returns, per Hugging Face name,
     the float32 values the file holds (quantized matrices dequantized, in Hugging Face row order)."""
+    config = {"rope_theta": 10000.0, **config}
     tensors = {k: v.float().numpy() for k, v in load_file(f"{checkpoint}/model.safetensors").items()}
     writer = GGUFWriter(path, arch)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
@@ -53,7 +55,7 @@ def write_gguf(path: str, checkpoint: str, config: dict, qtype: GGMLQuantization
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
-    writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
+    writer.add_rope_freq_base(config["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     tok = build_tokenizer(tokenizer_vocab_size)
     vocab = tok.backend_tokenizer.get_vocab(with_added_tokens=True)
@@ -68,8 +70,8 @@ def write_gguf(path: str, checkpoint: str, config: dict, qtype: GGMLQuantization
     writer.add_eos_token_id(vocab[IM_END])
     writer.add_add_bos_token(False)
     writer.add_chat_template(tok.chat_template)
-    for key, value in metadata.items():
-        writer.add_key_value(key, value[0], value[1])
+    if rope_freqs is not None:  # Llama 3.1+: llama.cpp's converter stores the per-frequency divisors
+        writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     held = {}
     for name, w in tensors.items():
         stored = w

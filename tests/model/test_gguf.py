@@ -1,6 +1,7 @@
 """GGUF checkpoints: tiny random models written as real GGUF files (F32, F16, Q8_0, Q4_1), loaded against the
 values the file holds and against transformers' forward on those values; bad files give one-line errors."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -49,6 +50,25 @@ def test_qwen2_rows_are_not_permuted_and_tied_embeddings_load(tmp_path) -> None:
     model = load_model(path)
     assert model.config.qkv_bias and model.config.tie_word_embeddings
     assert model.lm_head.weight is model.model.embed_tokens.weight
+    prompt = Tokenizer(path).encode(PROMPT)
+    with torch.no_grad():
+        theirs = reference_model(ckpt, held)(torch.tensor([prompt])).logits[0]
+    assert (all_logits(model, prompt) - theirs).abs().max().item() <= 1e-4
+
+
+def test_llama31_rope_freqs_scale_like_the_llama3_rope_type(tmp_path) -> None:
+    from conftest import LLAMA3_ROPE
+
+    from kvprefix.model.rope import inverse_frequencies
+
+    config = {**CONFIG, "rope_scaling": LLAMA3_ROPE, "rope_theta": 500000.0}
+    ckpt = write_random_checkpoint(str(tmp_path / "llama31"), "llama", seed=5, **config)
+    hf = ModelConfig.from_path(ckpt)
+    plain = inverse_frequencies(dataclasses.replace(hf, rope_type="default", rope_parameters={}))
+    path = str(tmp_path / "llama31.gguf")
+    held = write_gguf(path, ckpt, config, Q.F32, rope_freqs=(plain / inverse_frequencies(hf)).numpy())
+    model = load_model(path)
+    assert "freq_factors" in model.config.rope_parameters
     prompt = Tokenizer(path).encode(PROMPT)
     with torch.no_grad():
         theirs = reference_model(ckpt, held)(torch.tensor([prompt])).logits[0]
