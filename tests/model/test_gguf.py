@@ -57,11 +57,12 @@ def test_qwen2_rows_are_not_permuted_and_tied_embeddings_load(tmp_path) -> None:
 
 
 def test_llama31_rope_freqs_scale_like_the_llama3_rope_type(tmp_path) -> None:
-    from conftest import LLAMA3_ROPE
-
     from kvprefix.model.rope import inverse_frequencies
 
-    config = {**CONFIG, "rope_scaling": LLAMA3_ROPE, "rope_theta": 500000.0}
+    # A small original context, so that the scaled band matters at the test's positions.
+    rope = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 2.0,
+            "original_max_position_embeddings": 32}
+    config = {**CONFIG, "rope_scaling": rope, "rope_theta": 500000.0}
     ckpt = write_random_checkpoint(str(tmp_path / "llama31"), "llama", seed=5, **config)
     hf = ModelConfig.from_path(ckpt)
     plain = inverse_frequencies(dataclasses.replace(hf, rope_type="default", rope_parameters={}))
