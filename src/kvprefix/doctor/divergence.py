@@ -121,6 +121,11 @@ def volatile_span(old: str, new: str) -> tuple[int, int, int] | None:
             return None
         j = new.find(window, q, s + MAX_SPAN + WINDOW)
         if j >= 0 and common_prefix(old[i:], new[j:]) >= MIN_AGREEMENT:
+            # To the end of the word that changed and the whitespace after it, so the cut leaves clean text.
+            while i < len(old) and not old[i].isspace():
+                i, j = i + 1, j + 1
+            while i < len(old) and old[i].isspace():
+                i, j = i + 1, j + 1
             return s, i, j
     return None
 
