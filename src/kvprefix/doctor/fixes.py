@@ -55,9 +55,11 @@ class MoveVolatileToEnd:
         return self._text_field(body, "prompt", prompt)
 
     def text(self, text: str) -> str:
+        """A rendered prompt (a request log's text): every site, found by its anchors anywhere in the text."""
         moved: list[str] = []
-        cut = self._cut("prompt", text, moved)
-        return cut + "\n" + " ".join(moved) if moved else text
+        for name in self.by_field:
+            text = self._cut(name, text, moved)
+        return text + "\n" + " ".join(moved) if moved else text
 
     def _text_field(self, body: dict[str, Any], name: str, content: str) -> dict[str, Any]:
         moved: list[str] = []
