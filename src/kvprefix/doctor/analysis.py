@@ -17,7 +17,7 @@ from kvprefix.doctor.fixes import MoveVolatileToEnd, OneOrder, OneSpelling
 from kvprefix.doctor.kinds import KINDS
 from kvprefix.doctor.readers import BODIES, DoctorInputError, LogEntry, iter_entries, log_format
 from kvprefix.doctor.rendering import Renderer
-from kvprefix.doctor.replaying import Setting, Timing, cached_tokens
+from kvprefix.doctor.replaying import Replayer, Setting, Timing
 from kvprefix.prompts import Tokenizer
 from kvprefix.sim.trace import TraceError, coarsen, coarsening_factor
 
@@ -294,8 +294,7 @@ class _Doctor:
         now_setting = Setting(cap_blocks, len(groups) > 1, timed)
         base = self.variants["as is"]
 
-        def replay(variant: Variant, setting: Setting) -> array:
-            return cached_tokens(variant, order, groups, setting, timing)
+        replay = Replayer(order, groups, timing).cached_tokens
 
         now = replay(base, now_setting)
         total = sum(base.tokens)

@@ -14,7 +14,7 @@ from kvprefix.sim.trace import TraceRequest
 class BlockTree:
     def __init__(self) -> None:
         self._ids: dict[Hashable, int] = {}
-        self.parent = array("q")
+        self.parent: list[int] = []  # a list: indexing it is what replays do most, and lists index fastest
         self.first_request = array("q")  # the request (variant-local index) that first had the block
         self._seen_by = array("Q")  # bit v: variant v has the block
 

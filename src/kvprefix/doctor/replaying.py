@@ -32,21 +32,50 @@ class Timing:
     prefill_s: Sequence[float | None] | None
 
 
-def cached_tokens(variant: Variant, order: Sequence[int], groups: list[list[int]], setting: Setting,
-                  timing: Timing) -> array:
-    """Cached prompt tokens per request (log order). ``order``: all requests in arrival order; ``groups``: the
-    same per replica (used when ``setting.per_replica``)."""
-    bs = variant.block_size
-    cached = array("q", bytes(8 * len(variant)))
-    for members in groups if setting.per_replica else [order]:
-        capacity = setting.capacity_blocks or (variant.distinct_blocks + variant.max_blocks + 1)
-        trace = Trace(variant.name, bs, TraceView(variant, members))  # type: ignore[arg-type]
-        rec = replay(trace, ReplayConfig(capacity_blocks=capacity, mode="order"))
-        for i, blocks in zip(members, rec.cached_blocks, strict=True):
-            cached[i] = blocks * bs
-    if setting.in_flight and timing.arrival is not None:
-        _drop_in_flight_hits(variant, order, cached, timing)
-    return cached
+class Replayer:
+    """Replays variants of one log; the replay behind two settings that differ only in ``in_flight`` runs once."""
+
+    def __init__(self, order: Sequence[int], groups: list[list[int]], timing: Timing):
+        self.order = order  # all requests in arrival order
+        self.groups = groups  # the same per replica
+        self.timing = timing
+        self._raw: dict[tuple, array] = {}
+
+    def cached_tokens(self, variant: Variant, setting: Setting) -> array:
+        """Cached prompt tokens per request (log order)."""
+        key = (variant.name, setting.capacity_blocks, setting.per_replica)
+        raw = self._raw.get(key)
+        if raw is None:
+            raw = self._raw[key] = self._replay(variant, setting)
+        cached = array("q", raw)
+        if setting.in_flight and self.timing.arrival is not None:
+            _drop_in_flight_hits(variant, self.order, cached, self.timing)
+        return cached
+
+    def _replay(self, variant: Variant, setting: Setting) -> array:
+        bs = variant.block_size
+        cached = array("q", bytes(8 * len(variant)))
+        for members in self.groups if setting.per_replica else [self.order]:
+            capacity = setting.capacity_blocks or _distinct_blocks(variant, members) + variant.max_blocks + 1
+            trace = Trace(variant.name, bs, TraceView(variant, members))  # type: ignore[arg-type]
+            rec = replay(trace, ReplayConfig(capacity_blocks=capacity, mode="order"))
+            for i, blocks in zip(members, rec.cached_blocks, strict=True):
+                cached[i] = blocks * bs
+        return cached
+
+
+def _distinct_blocks(variant: Variant, members: Sequence[int]) -> int:
+    """The distinct full blocks of some requests: a pool of that many (plus one request's) never evicts."""
+    seen = bytearray(len(variant.tree))
+    parent = variant.tree.parent
+    n = 0
+    for i in members:
+        node = variant.leaves[i]
+        while node >= 0 and not seen[node]:
+            seen[node] = 1
+            n += 1
+            node = parent[node]
+    return n
 
 
 def _drop_in_flight_hits(variant: Variant, order: Sequence[int], cached: array, timing: Timing) -> None:
