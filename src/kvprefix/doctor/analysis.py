@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import os
 from array import array
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvprefix.cache import BlockHasher
 from kvprefix.doctor.chains import BlockTree, Variant
-from kvprefix.doctor.divergence import Divergence, Rendered, VolatileSite, classify, common_tokens
+from kvprefix.doctor.divergence import Divergence, Rendered, VolatileSite, classify, common_tokens, tools_json
 from kvprefix.doctor.fixes import MoveVolatileToEnd, OneOrder, OneSpelling
 from kvprefix.doctor.kinds import KINDS
 from kvprefix.doctor.readers import BODIES, DoctorInputError, LogEntry, iter_entries, log_format
@@ -24,7 +24,8 @@ from kvprefix.sim.trace import TraceError, coarsen, coarsening_factor
 DEFAULT_BLOCK_SIZE = 16
 # The doctor's own hashes are only ever compared with each other, so the fast algorithm of kvprefix.cache does.
 HASH_ALGO = "xxhash"
-_RING = 16  # recent requests each request is compared with, to find where it parts from the nearest
+_RING = 8  # recent requests a request is compared with when no earlier block of it is known
+_RECENT = 1024  # renderings kept, so the request that first had a block is usually still at hand
 _MAX_SITES = 32
 _MAX_CAPACITY_STEPS = 16
 
@@ -73,6 +74,7 @@ class _Seen:
     line: int
     rendered: Rendered
     body: dict | None
+    tools: str | None  # the tools as sent, as JSON
 
 
 def diagnose(path: str, load_tokenizer: Callable[[], Tokenizer], options: Options | None = None) -> Diagnosis:
@@ -97,6 +99,7 @@ class _Doctor:
         self.namespaces: Counter[str] = Counter()
         self.miss_reasons: Counter[str] = Counter()
         self.ring: deque[_Seen] = deque(maxlen=_RING)
+        self.recent: OrderedDict[int, _Seen] = OrderedDict()
         self.examples: dict[str, Divergence] = {}
         self.pairs: Counter[str] = Counter()
         self.sites: Counter[VolatileSite] = Counter()
@@ -174,7 +177,7 @@ class _Doctor:
                 shared = self._variant("one namespace")
                 shared.add(self._hashes(rendered, ""), n) if e.namespace else shared.copy(base, i)
             if rendered is not None:
-                self._compare(i, e, rendered)
+                self._compare(i, e, rendered, base)
         if not self.lines:
             raise DoctorInputError(f"{self.path}: the log is empty")
 
@@ -185,14 +188,23 @@ class _Doctor:
             raise DoctorInputError(str(exc)) from None
         return coarsen(e.block_hashes, factor, e.prompt_tokens // self.bs)
 
-    def _compare(self, i: int, e: LogEntry, rendered: Rendered) -> None:
-        """Finds the recent request this one shares most with, and why it stops sharing there."""
+    def _compare(self, i: int, e: LogEntry, rendered: Rendered, base: Variant) -> None:
+        """Finds the earlier request this one shares most with, and why it stops sharing there: the request that
+        first had this one's last block that was seen before, else the closest of the last few."""
+        chain = self.tree.chain(base.leaves[i])
+        known = next((node for node in reversed(chain) if self.tree.first_request[node] != i), None)
+        owner = self.recent.get(self.tree.first_request[known]) if known is not None else None
+        candidates = [owner] if owner is not None else list(self.ring)
         best, best_t = None, -1
-        for seen in self.ring:
+        for seen in candidates:
             t = common_tokens(rendered, seen.rendered)
             if t > best_t:
                 best, best_t = seen, t
-        self.ring.append(_Seen(i, e.line, rendered, e.body))
+        me = _Seen(i, e.line, rendered, e.body, tools_json(e.body))
+        self.ring.append(me)
+        self.recent[i] = me
+        if len(self.recent) > _RECENT:
+            self.recent.popitem(last=False)
         if best is None or best_t >= len(rendered.token_ids):
             return
         self.positions.append(best_t)
@@ -200,7 +212,8 @@ class _Doctor:
             self.short_suspect = True
         chat = e.body is not None and "messages" in e.body or e.body is None and len(rendered.fields) > 1
         last = rendered.fields[-1][0] if chat and rendered.fields else None
-        d = classify(rendered, e.body, e.line, best.rendered, best.body, best.line, lambda name: name == last)
+        d = classify(rendered, e.body, e.line, best.rendered, best.body, best.line, lambda name: name == last,
+                     me.tools, best.tools)
         if d is None:
             return
         self.pairs[d.kind] += 1

@@ -78,14 +78,20 @@ class Divergence:
 
 
 def common_prefix(a, b) -> int:
-    """Length of the common prefix of two str or bytes, by bisection on C-speed slice comparisons."""
+    """Length of the common prefix of two str or bytes: galloping, then bisection, on C-speed slice comparisons
+    (a short common prefix costs short slices)."""
     n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n - 1  # a[:lo] == b[:lo]; a[:hi + 1] != b[:hi + 1]
+    lo, step = 0, 64  # a[:lo] == b[:lo]
+    while lo + step < n and a[lo : lo + step] == b[lo : lo + step]:
+        lo += step
+        step *= 2
+    hi = min(n, lo + step)  # the difference, if any, is in a[lo:hi]
+    if a[lo:hi] == b[lo:hi]:
+        return hi
+    hi -= 1  # a[:hi + 1] != b[:hi + 1]
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
+        if a[lo:mid] == b[lo:mid]:
             lo = mid
         else:
             hi = mid - 1
@@ -140,8 +146,15 @@ def _field_at(rendered: Rendered, char: int) -> tuple[str, int, int] | None:
     return next((f for f in rendered.fields if f[1] <= char < f[2]), None)
 
 
+def tools_json(body: dict | None) -> str | None:
+    """A body's tools as sent (key order kept), computed once per request for comparisons."""
+    tools = body.get("tools") if body is not None else None
+    return json.dumps(tools) if isinstance(tools, list) and tools else None
+
+
 def classify(new: Rendered, new_body: dict | None, new_line: int, old: Rendered, old_body: dict | None,
-             old_line: int, is_last_field) -> Divergence | None:
+             old_line: int, is_last_field, new_tools: str | None = None,
+             old_tools: str | None = None) -> Divergence | None:
     """Why ``new`` stops sharing with ``old`` (an earlier request), for the causes content can show; None when
     ``new`` extends ``old`` or the difference looks like different content (no-sharing)."""
     t = common_tokens(new, old)
@@ -155,7 +168,7 @@ def classify(new: Rendered, new_body: dict | None, new_line: int, old: Rendered,
                           excerpt(old.text, *span_old), site)
 
     here_new, here_old = _field_at(new, p), _field_at(old, p)
-    if new_body is not None and old_body is not None:
+    if new_tools is not None and old_tools is not None and new_tools != old_tools:
         tools = _tools_order(new_body.get("tools"), old_body.get("tools"))
         if tools is not None and (here_new is None or here_new[0] == "tools"):
             return div("reordered", "tools", tools, (p, p + 24), (p, p + 24))
@@ -185,7 +198,7 @@ def classify(new: Rendered, new_body: dict | None, new_line: int, old: Rendered,
 
 def _tools_order(new: Any, old: Any) -> str | None:
     """What differs between two tools lists that hold the same tools; None if they are equal or not the same."""
-    if not isinstance(new, list) or not isinstance(old, list) or len(new) != len(old) or json.dumps(new) == json.dumps(old):
+    if len(new) != len(old):
         return None
     canon_new = [json.dumps(t, sort_keys=True) for t in new]
     canon_old = [json.dumps(t, sort_keys=True) for t in old]

@@ -82,14 +82,20 @@ class OneOrder:
     def __init__(self) -> None:
         self._tool_rank: dict[str, int] = {}
         self._key_rank: dict[str, dict[str, int]] = {}
+        # Tools lists as sent -> as ordered (None: unchanged). Valid for good: every name and key of a list has its
+        # rank once the list was seen, and ranks never change. Logs repeat few distinct lists.
+        self._tools_memo: dict[str, list | None] = {}
 
     def body(self, body: dict[str, Any]) -> dict[str, Any]:
         out = body
         tools = body.get("tools")
         if isinstance(tools, list) and tools:
-            ranked = sorted(tools, key=self._rank)
-            ordered = [self._keys(t, "tools[]") for t in ranked]
-            if json.dumps(ordered) != json.dumps(tools):
+            sent = json.dumps(tools)
+            if sent not in self._tools_memo:
+                ordered = [self._keys(t, "tools[]") for t in sorted(tools, key=self._rank)]
+                self._tools_memo[sent] = None if json.dumps(ordered) == sent else ordered
+            ordered = self._tools_memo[sent]
+            if ordered is not None:
                 out = {**out, "tools": ordered}
         messages = body.get("messages")
         if isinstance(messages, list):
