@@ -100,10 +100,12 @@ class _Doctor:
         self.miss_reasons: Counter[str] = Counter()
         self.ring: deque[_Seen] = deque(maxlen=_RING)
         self.recent: OrderedDict[int, _Seen] = OrderedDict()
+        self.parted_at: dict[int, int] = {}  # block -> the latest request whose shared prefix ended there
         self.examples: dict[str, Divergence] = {}
         self.pairs: Counter[str] = Counter()
         self.sites: Counter[VolatileSite] = Counter()
         self.short_suspect = False
+        self.shared_namespace: str | None = None
         self.text_ok = True  # every record of a request log has its text
         self.positions: list[int] = []
 
@@ -168,18 +170,29 @@ class _Doctor:
                         raise DoctorInputError(
                             f"{self.path}:{e.line}: the prompt text tokenizes to {len(rendered.token_ids)} tokens, "
                             f"the log says {e.prompt_tokens}: give --model the checkpoint the server ran")
-                    self._variant("text").add(self._hashes(rendered, e.namespace), e.prompt_tokens)
-                    self._variant("one namespace").add(self._hashes(rendered, ""), e.prompt_tokens)
+                    text = self._variant("text")
+                    text.add(self._hashes(rendered, e.namespace), e.prompt_tokens)
+                    self._one_namespace(i, e, rendered, text)
             else:
                 rendered = self._render(e)
                 n = len(rendered.token_ids)
                 base.add(self._hashes(rendered, e.namespace), n)
-                shared = self._variant("one namespace")
-                shared.add(self._hashes(rendered, ""), n) if e.namespace else shared.copy(base, i)
+                self._one_namespace(i, e, rendered, base)
             if rendered is not None:
                 self._compare(i, e, rendered, base)
         if not self.lines:
             raise DoctorInputError(f"{self.path}: the log is empty")
+
+    def _one_namespace(self, i: int, e: LogEntry, rendered: Rendered, same: Variant) -> None:
+        """The namespace fix: every request in the first request's namespace (requests already there are as in
+        ``same``)."""
+        if self.shared_namespace is None:
+            self.shared_namespace = e.namespace
+        shared = self._variant("one namespace")
+        if e.namespace == self.shared_namespace:
+            shared.copy(same, i)
+        else:
+            shared.add(self._hashes(rendered, self.shared_namespace), len(rendered.token_ids))
 
     def _logged(self, e: LogEntry) -> list[str]:
         try:
@@ -193,7 +206,10 @@ class _Doctor:
         first had this one's last block that was seen before, else the closest of the last few."""
         chain = self.tree.chain(base.leaves[i])
         known = next((node for node in reversed(chain) if self.tree.first_request[node] != i), None)
-        owner = self.recent.get(self.tree.first_request[known]) if known is not None else None
+        owner = None
+        if known is not None:  # the latest request that parted at this block, else the first that had it
+            owner = self.recent.get(self.parted_at.get(known, -1)) or self.recent.get(self.tree.first_request[known])
+            self.parted_at[known] = i
         candidates = [owner] if owner is not None else list(self.ring)
         best, best_t = None, -1
         for seen in candidates:
@@ -266,7 +282,7 @@ class _Doctor:
                 if changed is None:
                     ideal.copy(shared, i)
                 else:
-                    ideal.add(self._hashes(changed, ""), len(changed.token_ids))
+                    ideal.add(self._hashes(changed, self.shared_namespace), len(changed.token_ids))
 
     def _apply(self, fix, e: LogEntry) -> Rendered | None:
         if e.body is not None:

@@ -15,7 +15,6 @@ from typing import Any
 MAX_SPAN, WINDOW, MIN_AGREEMENT, ANCHOR = 64, 16, 48, 24
 _EXCERPT = 36
 _THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
-_SPACE = re.compile(r"\s+")
 _LOOKS_LIKE = (
     ("a uuid", re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", re.I)),
     ("a timestamp", re.compile(r"\d{4}-\d{2}-\d{2}[T ]\d{1,2}:\d{2}")),
@@ -105,7 +104,9 @@ def common_tokens(a: Rendered, b: Rendered) -> int:
 def normalized(content: str) -> str:
     """A message's content as the same message however it is spelt: reasoning blocks out, whitespace runs as one
     space."""
-    return _SPACE.sub(" ", _THINK.sub("", content)).strip()
+    if "<think>" in content:
+        content = _THINK.sub("", content)
+    return " ".join(content.split())
 
 
 def looks_like(span: str) -> str:
