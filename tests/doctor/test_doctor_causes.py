@@ -115,9 +115,24 @@ def _drop(key):
     return lambda rows: [{k: v for k, v in r.items() if k != key} for r in rows]
 
 
+def _fixed_by_hand_drift(rows):
+    """Every copy of an answer as it was first sent."""
+    first: dict[str, str] = {}
+    out = []
+    for row in rows:
+        messages = []
+        for m in row["messages"]:
+            content = first.setdefault(" ".join(m["content"].split()), m["content"])
+            messages.append({**m, "content": content})
+        out.append({**row, "messages": messages})
+    return out
+
+
 COUNTERFACTUALS = [
     ("volatile-prefix", logs.volatile, _fixed_by_hand_volatile, (), ()),
     ("reordered", logs.shuffled_tools, _fixed_by_hand_tools, (), ()),
+    ("template-drift", logs.whitespace_drift, _fixed_by_hand_drift, (), ()),
+    ("short-prefix", logs.short_prefix, lambda rows: rows, (), ("--block-size", "4")),
     ("routing", logs.scattered, _drop("replica"), (), ()),
     ("concurrency", logs.concurrent, _drop("timestamp"), (), ()),
     ("namespace", logs.tenants, _drop("tenant"), (), ()),
