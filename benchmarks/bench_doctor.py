@@ -1,9 +1,10 @@
-"""`kvprefix doctor` on a large log: seconds and peak memory on one core, for logs of growing length whose
-distinct content stays the same (so memory should stay flat: it is bounded by the distinct blocks).
+"""`kvprefix doctor` on a large log, on one core: seconds and peak memory, for each log format.
 
-The log is chat bodies as clients send them: 16 system prompts of about 300 words, a quarter of them with a
-timestamp before the stable text, a tenth with their tools shuffled, each followed by a question from a pool of
-5,000, and a request id per body; arrivals 5 ms apart, four replicas behind a round-robin balancer. Each size runs
+The log is chat bodies as clients send them: 16 system prompts of 120 words, a quarter of them with a timestamp
+before the stable text (so each of those requests has its own system-prompt blocks: distinct blocks grow with
+the log), a tenth with their three tools shuffled, each followed by a question from a pool of 5,000; arrivals
+5 ms apart over four replicas, round robin. The same traffic is also written as the server's request log (hashes
+only, and with prompts), rendered and hashed as `kvprefix serve` does. Each log is analysed by
 `kvprefix doctor LOG --json` in a fresh process pinned to one CPU (``taskset -c 0`` where available).
 
     python benchmarks/bench_doctor.py [--sizes 25000,100000] [--formats bodies,request-log,request-log-prompts]

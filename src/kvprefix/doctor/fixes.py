@@ -13,15 +13,6 @@ from typing import Any
 
 from kvprefix.doctor.divergence import VolatileSite, normalized
 
-FIXES = ("volatile-prefix", "reordered", "template-drift")
-
-
-def content_fields(body: dict[str, Any]) -> list[str]:
-    """The names of a body's text fields, in prompt order (the names divergences and sites use)."""
-    if "messages" in body:
-        return [f"messages[{i}].content" for i in range(len(body["messages"]))]
-    return ["prompt"] if isinstance(body.get("prompt"), str) else []
-
 
 class MoveVolatileToEnd:
     """Cuts each known volatile span out of its field and appends it to the end of the prompt (the last message,
