@@ -89,6 +89,8 @@ class _Doctor:
         self._load_tokenizer = load_tokenizer
         self._renderer: Renderer | None = None
         self.bs = options.block_size or (DEFAULT_BLOCK_SIZE if self.fmt == BODIES else self._logged_block_size())
+        if options.capacity_tokens is not None and options.capacity_tokens < self.bs:
+            raise ValueError(f"--capacity {options.capacity_tokens} is smaller than one {self.bs}-token block")
         self.hasher = BlockHasher(self.bs, HASH_ALGO)
         self.tree = BlockTree()
         self.variants: dict[str, Variant] = {}
@@ -318,8 +320,6 @@ class _Doctor:
         timing = Timing(self.arrival, self.prefill) if timed else Timing(None, None)
         cap = self.options.capacity_tokens
         cap_blocks = None if cap is None else cap // self.bs
-        if cap_blocks == 0:
-            raise ValueError(f"--capacity {cap} is smaller than one {self.bs}-token block")
         now_setting = Setting(cap_blocks, len(groups) > 1, timed)
         base = self.variants["as is"]
 
