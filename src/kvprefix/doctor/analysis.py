@@ -273,37 +273,48 @@ class _Doctor:
             if short_variant is not None:
                 rendered = self._render(e)
                 short_variant.add(self._hashes(rendered, e.namespace, short_hasher), len(rendered.token_ids))
+            done: list[tuple[Any, Rendered]] = []  # this entry's fixed inputs, rendered
             for fix, variant in single.values():
-                changed = self._apply(fix, e)
+                changed = self._render_fixed(e, self._apply([fix], e), done)
                 if changed is None:
                     variant.copy(source, i)
                 else:
                     variant.add(self._hashes(changed, e.namespace), len(changed.token_ids))
             if ideal is not None:
-                changed = self._apply_all(composed, e)
+                changed = self._render_fixed(e, self._apply(composed, e), done)
                 if changed is None:
                     ideal.copy(shared, i)
                 else:
                     ideal.add(self._hashes(changed, self.shared_namespace), len(changed.token_ids))
 
-    def _apply(self, fix, e: LogEntry) -> Rendered | None:
-        if e.body is not None:
-            body = fix.body(e.body)
-            return None if body is e.body else self.renderer.body(body, e.line)
-        text = fix.text(e.text)
-        return None if text is e.text else self.renderer.text(text, e.add_special_tokens, None)
-
-    def _apply_all(self, fixes: list, e: LogEntry) -> Rendered | None:
+    @staticmethod
+    def _apply(fixes: list, e: LogEntry) -> Any:
+        """The entry's body (or text) with the fixes applied in turn; the same object where none changed it."""
         if e.body is not None:
             body = e.body
             for fix in fixes:
                 body = fix.body(body)
-            return None if body is e.body else self.renderer.body(body, e.line)
+            return body
         text = e.text
         for fix in fixes:
             if hasattr(fix, "text"):
                 text = fix.text(text)
-        return None if text is e.text else self.renderer.text(text, e.add_special_tokens, None)
+        return text
+
+    def _render_fixed(self, e: LogEntry, fixed: Any, done: list[tuple[Any, Rendered]]) -> Rendered | None:
+        """None where the fixes changed nothing. An input equal to one already rendered for this entry (all fixes
+        together where only one of them applied) is not rendered again: the renderer is a function of it."""
+        if fixed is e.body or fixed is e.text:
+            return None
+        for other, rendered in done:
+            if other == fixed:
+                return rendered
+        if e.body is not None:
+            rendered = self.renderer.body(fixed, e.line)
+        else:
+            rendered = self.renderer.text(fixed, e.add_special_tokens, None)
+        done.append((fixed, rendered))
+        return rendered
 
     # -- replays and attribution -----------------------------------------------------------------------------------
 

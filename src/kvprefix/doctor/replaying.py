@@ -33,7 +33,9 @@ class Timing:
 
 
 class Replayer:
-    """Replays variants of one log; the replay behind two settings that differ only in ``in_flight`` runs once."""
+    """Replays variants of one log; the replay behind two settings that differ only in ``in_flight`` runs once, and
+    so does the replay of two variants with the same chains (a fix that changed no request, one namespace already):
+    a replay is a function of the requests' chains and lengths."""
 
     def __init__(self, order: Sequence[int], groups: list[list[int]], timing: Timing):
         self.order = order  # all requests in arrival order
@@ -43,7 +45,7 @@ class Replayer:
 
     def cached_tokens(self, variant: Variant, setting: Setting) -> array:
         """Cached prompt tokens per request (log order)."""
-        key = (variant.name, setting.capacity_blocks, setting.per_replica)
+        key = (_content_key(variant), setting.capacity_blocks, setting.per_replica)
         raw = self._raw.get(key)
         if raw is None:
             raw = self._raw[key] = self._replay(variant, setting)
@@ -62,6 +64,11 @@ class Replayer:
             for i, blocks in zip(members, rec.cached_blocks, strict=True):
                 cached[i] = blocks * bs
         return cached
+
+
+def _content_key(variant: Variant) -> tuple:
+    """Equal for two variants of the same tree with the same chains and lengths, in the same block size."""
+    return variant.block_size, variant.leaves.tobytes(), variant.tokens.tobytes()
 
 
 def _distinct_blocks(variant: Variant, members: Sequence[int]) -> int:
