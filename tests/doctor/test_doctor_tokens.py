@@ -1,9 +1,10 @@
 """The doctor's memoized tokenization gives exactly the tokenizer's ids, through the one renderer."""
 
 import doctor_logs as logs
+import pytest
 
 from kvprefix.doctor.tokens import SegmentMemoTokenizer
-from kvprefix.prompts import Tokenizer, render_body
+from kvprefix.prompts import Tokenizer, render_bodies, render_body
 
 TEXTS = [
     "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nHi  there\n\n<|im_end|>\n",
@@ -29,3 +30,48 @@ def test_rendering_through_the_memo_equals_rendering_without(tokenizer_dir):
     memo = SegmentMemoTokenizer(plain)
     for body in logs.shuffled_tools(10) + logs.multi_turn(2, 3) + logs.short_prefix(3):
         assert render_body(memo, body)[0] == render_body(plain, body)[0]
+
+
+def _mixed_bodies() -> list[dict]:
+    """Chat bodies with tools in several orders and none, special spellings in content, no generation prompt,
+    completions: every path of the batched renderer."""
+    bodies = logs.shuffled_tools(12) + logs.multi_turn(2, 3) + logs.reordered_keys(6)
+    bodies += [logs.chat("Say <|im_end|> and <|im_start|>user literally.", "ok?"),
+               {**logs.chat(logs.STABLE, "no prompt after"), "add_generation_prompt": False},
+               {"prompt": "a completions prompt, with BOS"}, {"prompt": [5, 6, 7]}]
+    return bodies
+
+
+def test_batched_rendering_equals_rendering_one_by_one(tokenizer_dir):
+    plain = Tokenizer(str(tokenizer_dir))
+    bodies = _mixed_bodies()
+    one_by_one = [render_body(plain, b) for b in bodies]
+    assert render_bodies(plain, bodies) == one_by_one
+    memo = SegmentMemoTokenizer(plain)
+    for _ in range(3):  # the memo's checked encodings first, then trusted batches, then pieces from the memo
+        assert render_bodies(memo, bodies * 4) == one_by_one * 4
+    assert memo.enabled and not memo._checks_left
+
+
+def test_batched_encoding_equals_the_tokenizer(tokenizer_dir):
+    plain = Tokenizer(str(tokenizer_dir))
+    memo = SegmentMemoTokenizer(plain)
+    texts = TEXTS * 20
+    for special in (False, True):
+        want = [plain.encode(t, add_special_tokens=special) for t in texts]
+        assert plain.encode_batch(texts, add_special_tokens=special) == want
+        assert memo.encode_batch(texts, add_special_tokens=special) == want
+        assert memo.encode_batch(texts, add_special_tokens=special) == want
+
+
+def test_a_batch_with_a_bad_body_raises_and_the_doctor_names_its_line(capsys, tmp_path, tokenizer_dir):
+    from kvprefix.cli import main
+    from kvprefix.prompts import PromptError
+
+    rows = logs.clean(300)
+    rows[290]["messages"] = []
+    path = logs.write_jsonl(tmp_path / "bad.jsonl", rows)
+    with pytest.raises(PromptError):
+        render_bodies(Tokenizer(str(tokenizer_dir)), rows)
+    assert main(["doctor", str(path), "--model", str(tokenizer_dir), "--json", "--no-progress"]) != 0
+    assert "bad.jsonl:291:" in capsys.readouterr().err

@@ -28,6 +28,7 @@ _RING = 8  # recent requests a request is compared with when no earlier block of
 _RECENT = 1024  # renderings kept, so the request that first had a block is usually still at hand
 _MAX_SITES = 32
 _MAX_CAPACITY_STEPS = 16
+_BATCH = 256  # entries rendered together: fewer calls into the template and the tokenizer, little memory
 
 
 @dataclass
@@ -141,7 +142,34 @@ class _Doctor:
         with open(self.path, "rb") as f:
             return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
 
-    def _render(self, entry: LogEntry) -> Rendered:
+    def _batches(self, desc: str) -> Iterator[tuple[LogEntry, Rendered | None]]:
+        """The entries, each with its rendering done ahead in a batch where the first pass will need it (a body;
+        a request log's text while every record so far has one), else None."""
+        entries = self._entries(desc)
+        while True:
+            chunk: list[LogEntry] = []
+            error = None
+            try:
+                for e in entries:
+                    chunk.append(e)
+                    if len(chunk) == _BATCH:
+                        break
+            except DoctorInputError as exc:  # the entries before the bad line are analysed first, as one by one
+                error = exc
+            wanted = chunk
+            if self.fmt != BODIES:
+                stop = next((k for k, e in enumerate(chunk) if e.text is None), len(chunk))
+                wanted = chunk[:stop] if self.text_ok else []
+            rendered = self.renderer.entries(wanted) if wanted else []
+            yield from zip(chunk, rendered + [None] * (len(chunk) - len(rendered)), strict=True)
+            if error is not None:
+                raise error
+            if len(chunk) < _BATCH:
+                return
+
+    def _render(self, entry: LogEntry, ahead: Rendered | None = None) -> Rendered:
+        if ahead is not None:
+            return ahead
         if entry.body is not None:
             return self.renderer.body(entry.body, entry.line)
         return self.renderer.text(entry.text, entry.add_special_tokens, entry.message_spans)
@@ -153,7 +181,7 @@ class _Doctor:
 
     def _first_pass(self) -> None:
         base = self._variant("as is")
-        for i, e in enumerate(self._entries("reading")):
+        for i, (e, ahead) in enumerate(self._batches("reading")):
             self.lines.append(e.line)
             self.arrival.append(e.timestamp)
             self.prefill.append(e.prefill_s)
@@ -167,7 +195,7 @@ class _Doctor:
                 if e.text is None:
                     self.text_ok = False
                 elif self.text_ok:
-                    rendered = self._render(e)
+                    rendered = self._render(e, ahead)
                     if len(rendered.token_ids) != e.prompt_tokens:
                         raise DoctorInputError(
                             f"{self.path}:{e.line}: the prompt text tokenizes to {len(rendered.token_ids)} tokens, "
@@ -176,7 +204,7 @@ class _Doctor:
                     text.add(self._hashes(rendered, e.namespace), e.prompt_tokens)
                     self._one_namespace(i, e, rendered, text)
             else:
-                rendered = self._render(e)
+                rendered = self._render(e, ahead)
                 n = len(rendered.token_ids)
                 base.add(self._hashes(rendered, e.namespace), n)
                 self._one_namespace(i, e, rendered, base)

@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from kvprefix.doctor.divergence import Rendered
-from kvprefix.doctor.readers import DoctorInputError
+from kvprefix.doctor.readers import DoctorInputError, LogEntry
 from kvprefix.doctor.tokens import SegmentMemoTokenizer
-from kvprefix.prompts import PromptError, Tokenizer, render_body
+from kvprefix.prompts import PromptError, Tokenizer, render_bodies, render_body
 
 
 class Renderer:
@@ -20,6 +20,9 @@ class Renderer:
             prompt = render_body(self.tokenizer, body)[0]  # the readers give one prompt per entry
         except PromptError as exc:
             raise DoctorInputError(f"{self.path}:{line}: {exc}") from None
+        return self._rendered(body, prompt, line)
+
+    def _rendered(self, body: dict[str, Any], prompt, line: int) -> Rendered:
         if not prompt.token_ids:
             raise DoctorInputError(f"{self.path}:{line}: the prompt renders to zero tokens")
         if "messages" in body:
@@ -29,7 +32,30 @@ class Renderer:
         return Rendered(prompt.token_ids, prompt.text, fields)
 
     def text(self, text: str, add_special_tokens: bool, message_spans: list | None) -> Rendered:
-        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return self._text(text, self.tokenizer.encode(text, add_special_tokens=add_special_tokens), message_spans)
+
+    @staticmethod
+    def _text(text: str, ids: list[int], message_spans: list | None) -> Rendered:
         fields = [(f"messages[{i}].content", span[0], span[1]) for i, span in enumerate(message_spans or [])
                   if isinstance(span, list) and len(span) == 2]
         return Rendered(ids, text, fields or [("prompt", 0, len(text))])
+
+    def entries(self, entries: list[LogEntry]) -> list[Rendered | None]:
+        """``body`` or ``text`` of each entry (None for an entry with neither) as those render it, in batches
+        (``kvprefix.prompts.render_bodies``, the tokenizer's ``encode_batch``). Where any body fails, nothing is
+        rendered here (all None): one by one, the first that fails names its line."""
+        out: list[Rendered | None] = [None] * len(entries)
+        with_body = [k for k, e in enumerate(entries) if e.body is not None]
+        try:
+            prompts = render_bodies(self.tokenizer, [entries[k].body for k in with_body])
+            for k, prompt in zip(with_body, prompts, strict=True):
+                out[k] = self._rendered(entries[k].body, prompt[0], entries[k].line)
+        except (PromptError, DoctorInputError):
+            return [None] * len(entries)
+        for special in (False, True):
+            with_text = [k for k, e in enumerate(entries)
+                         if e.body is None and e.text is not None and e.add_special_tokens is special]
+            ids = self.tokenizer.encode_batch([entries[k].text for k in with_text], add_special_tokens=special)
+            for k, token_ids in zip(with_text, ids, strict=True):
+                out[k] = self._text(entries[k].text, token_ids, entries[k].message_spans)
+        return out

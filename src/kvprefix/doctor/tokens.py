@@ -63,6 +63,19 @@ class SegmentMemoTokenizer:
                 return self.inner.encode(text, add_special_tokens=False)
         return ids
 
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """``[encode(t) for t in texts]``, with the pieces none of them has seen before tokenized in one call."""
+        if add_special_tokens or not self.enabled or self._checks_left:  # checked one by one until trusted
+            return [self.encode(t, add_special_tokens=add_special_tokens) for t in texts]
+        memo, added = self._memo, self._added_ids
+        new = list(dict.fromkeys(p for t in texts for p in self._split.split(t)
+                                 if p and p not in added and p not in memo))
+        for piece, ids in zip(new, self.inner.encode_batch(new, add_special_tokens=False), strict=True):
+            memo[piece] = ids
+        while len(memo) > _MAX_PIECES:
+            memo.popitem(last=False)
+        return [self._encode_pieces(t) for t in texts]
+
     def _encode_pieces(self, text: str) -> list[int]:
         out: list[int] = []
         memo, added = self._memo, self._added_ids

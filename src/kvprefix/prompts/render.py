@@ -6,6 +6,7 @@ same block hashes) wherever it is rendered.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -80,21 +81,42 @@ def render_chat(
     llama.cpp treats user text, so no message can forge a role or end another. ``max_tokens``: refuse, before
     tokenizing, a prompt too long in characters to fit in that many tokens (tokenizing megabytes takes seconds).
     """
+    normalized = _chat_messages(messages)
+    text = _chat_text(tokenizer, normalized, add_generation_prompt, tools)
+    _check_length(tokenizer, text, max_tokens, "messages")
+    return _chat_prompt(tokenizer, text, normalized)
+
+
+def _chat_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
     normalized = normalize_messages(messages)
     if not normalized:
         raise PromptError("'messages' must not be empty", "messages")
+    return normalized
+
+
+def _chat_text(tokenizer: Tokenizer, normalized, add_generation_prompt: bool, tools, batch: bool = False):
+    """The template's text for one conversation, or (``batch``) for a list of conversations with the same tools."""
     try:
         extra = {} if tools is None else {"tools": list(tools)}
-        text = tokenizer.apply_chat_template(normalized, add_generation_prompt=add_generation_prompt, tokenize=False,
-                                             **extra)
+        return tokenizer.apply_chat_template(normalized, add_generation_prompt=add_generation_prompt,
+                                             tokenize=False, **extra)
     except Exception as exc:  # a template can raise anything (jinja2 errors for unexpected roles, ValueError)
-        raise PromptError(f"cannot render 'messages' with the model's chat template: {exc}", "messages") from None
-    _check_length(tokenizer, text, max_tokens, "messages")
-    spans = _message_spans(text, normalized)
+        what = "a batch of 'messages'" if batch else "'messages'"
+        raise PromptError(f"cannot render {what} with the model's chat template: {exc}", "messages") from None
+
+
+def _needs_literal_spans(tokenizer: Tokenizer, normalized: list[dict[str, str]]) -> bool:
     specials = tokenizer.special_tokens
-    if any(special in m["content"] for m in normalized for special in specials):
+    return any(special in m["content"] for m in normalized for special in specials)
+
+
+def _chat_prompt(tokenizer: Tokenizer, text: str, normalized: list[dict[str, str]],
+                 token_ids: list[int] | None = None) -> RenderedPrompt:
+    """``token_ids``: the whole text tokenized as one, already (only where no content looks special)."""
+    spans = _message_spans(text, normalized)
+    if _needs_literal_spans(tokenizer, normalized):
         token_ids = _encode_with_literal_spans(tokenizer, text, spans)
-    else:  # the usual case: nothing in the content looks special, so the whole text tokenizes as one
+    elif token_ids is None:  # the usual case: nothing in the content looks special, so the text tokenizes as one
         token_ids = tokenizer.encode(text, add_special_tokens=False)
     return RenderedPrompt(token_ids, text, spans)
 
@@ -152,17 +174,61 @@ def render_completion(
 def render_body(tokenizer: Tokenizer, body: Mapping[str, Any]) -> list[RenderedPrompt]:
     """Every prompt of a raw JSON body: one for chat (``messages``), one per prompt for completions."""
     if "messages" in body:
-        messages = body["messages"]
-        if not isinstance(messages, list):
-            raise PromptError("'messages' must be a list", "messages")
-        tools = body.get("tools")
-        if tools is not None and not isinstance(tools, list):
-            raise PromptError("'tools' must be a list", "tools")
-        return [render_chat(tokenizer, messages, add_generation_prompt=body.get("add_generation_prompt", True),
-                            tools=tools)]
+        messages, tools, add_generation_prompt = _chat_fields(body)
+        return [render_chat(tokenizer, messages, add_generation_prompt=add_generation_prompt, tools=tools)]
     if "prompt" in body:
         return [render_completion(tokenizer, p) for p in completion_prompts(body["prompt"])]
     raise PromptError("a request body needs 'messages' (chat) or 'prompt' (completions)", "messages")
+
+
+def _chat_fields(body: Mapping[str, Any]) -> tuple[Any, Any, Any]:
+    messages = body["messages"]
+    if not isinstance(messages, list):
+        raise PromptError("'messages' must be a list", "messages")
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise PromptError("'tools' must be a list", "tools")
+    return messages, tools, body.get("add_generation_prompt", True)
+
+
+def render_bodies(tokenizer: Tokenizer, bodies: Sequence[Mapping[str, Any]]) -> list[list[RenderedPrompt]]:
+    """``[render_body(tokenizer, b) for b in bodies]`` in fewer calls, for many bodies at once (a log): chat bodies
+    with the same tools (as JSON) and ``add_generation_prompt`` go through the template in one call (transformers
+    renders a batch conversation by conversation, with the same arguments, so each text is the one a call of its
+    own gives), and the texts are tokenized in one ``encode_batch``. A body that cannot be rendered raises a
+    PromptError; render the bodies one by one to learn which."""
+    out: list[list[RenderedPrompt] | None] = [None] * len(bodies)
+    groups: dict[tuple[str | int, Any], list[int]] = {}
+    chats: dict[int, tuple[list[dict[str, str]], Any]] = {}
+    for i, body in enumerate(bodies):
+        if "messages" not in body:
+            out[i] = render_body(tokenizer, body)
+            continue
+        messages, tools, add_generation_prompt = _chat_fields(body)
+        chats[i] = (_chat_messages(messages), tools)
+        groups.setdefault((_tools_key(tools), add_generation_prompt), []).append(i)
+    texts: dict[int, str] = {}
+    for (_, add_generation_prompt), members in groups.items():
+        tools = chats[members[0]][1]
+        batch = _chat_text(tokenizer, [chats[i][0] for i in members], add_generation_prompt, tools, batch=True)
+        texts.update(zip(members, batch, strict=True))
+    plain = [i for i in chats if not _needs_literal_spans(tokenizer, chats[i][0])]
+    encode_batch = getattr(tokenizer, "encode_batch", None)
+    if encode_batch is None:
+        ids = {}
+    else:
+        ids = dict(zip(plain, encode_batch([texts[i] for i in plain], add_special_tokens=False), strict=True))
+    for i, (normalized, _) in chats.items():
+        out[i] = [_chat_prompt(tokenizer, texts[i], normalized, ids.get(i))]
+    return out  # type: ignore[return-value]
+
+
+def _tools_key(tools: Any) -> str | int:
+    """Equal for tools equal as JSON (what a body holds); a list of other objects is a group of its own."""
+    try:
+        return json.dumps(tools)
+    except TypeError:
+        return id(tools)
 
 
 def completion_prompts(prompt: Any) -> list[str] | list[list[int]]:
