@@ -7,7 +7,7 @@ import os
 from array import array
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvprefix.cache import BlockHasher
@@ -142,9 +142,8 @@ class _Doctor:
         with open(self.path, "rb") as f:
             return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
 
-    def _batches(self, desc: str) -> Iterator[tuple[LogEntry, Rendered | None]]:
-        """The entries, each with its rendering done ahead in a batch where the first pass will need it (a body;
-        a request log's text while every record so far has one), else None."""
+    def _chunks(self, desc: str) -> Iterator[list[LogEntry]]:
+        """The entries, ``_BATCH`` at a time; a bad line ends the entries after the ones before it were given."""
         entries = self._entries(desc)
         while True:
             chunk: list[LogEntry] = []
@@ -154,18 +153,25 @@ class _Doctor:
                     chunk.append(e)
                     if len(chunk) == _BATCH:
                         break
-            except DoctorInputError as exc:  # the entries before the bad line are analysed first, as one by one
+            except DoctorInputError as exc:
                 error = exc
+            if chunk:
+                yield chunk
+            if error is not None:
+                raise error
+            if len(chunk) < _BATCH:
+                return
+
+    def _batches(self, desc: str) -> Iterator[tuple[LogEntry, Rendered | None]]:
+        """The entries, each with its rendering done ahead in a batch where the first pass will need it (a body;
+        a request log's text while every record so far has one), else None."""
+        for chunk in self._chunks(desc):
             wanted = chunk
             if self.fmt != BODIES:
                 stop = next((k for k, e in enumerate(chunk) if e.text is None), len(chunk))
                 wanted = chunk[:stop] if self.text_ok else []
             rendered = self.renderer.entries(wanted) if wanted else []
             yield from zip(chunk, rendered + [None] * (len(chunk) - len(rendered)), strict=True)
-            if error is not None:
-                raise error
-            if len(chunk) < _BATCH:
-                return
 
     def _render(self, entry: LogEntry, ahead: Rendered | None = None) -> Rendered:
         if ahead is not None:
@@ -296,24 +302,55 @@ class _Doctor:
         short_hasher = BlockHasher(short_bs, HASH_ALGO)
         source = self.variants["text" if texts else "as is"]
         shared = self.variants["one namespace"]
-        for i, e in enumerate(self._entries("fixing")):
-            rendered = None
-            if short_variant is not None:
-                rendered = self._render(e)
-                short_variant.add(self._hashes(rendered, e.namespace, short_hasher), len(rendered.token_ids))
-            done: list[tuple[Any, Rendered]] = []  # this entry's fixed inputs, rendered
-            for fix, variant in single.values():
-                changed = self._render_fixed(e, self._apply([fix], e), done)
-                if changed is None:
-                    variant.copy(source, i)
-                else:
-                    variant.add(self._hashes(changed, e.namespace), len(changed.token_ids))
-            if ideal is not None:
-                changed = self._render_fixed(e, self._apply(composed, e), done)
-                if changed is None:
-                    ideal.copy(shared, i)
-                else:
-                    ideal.add(self._hashes(changed, self.shared_namespace), len(changed.token_ids))
+        i = 0
+        for chunk in self._chunks("fixing"):
+            # The fixes run entry by entry (a fix keeps the first order it saw); their outputs render as a batch.
+            jobs: list[LogEntry] = []  # what to render: the entry as is (short-prefix), each distinct fixed input
+            plans = []
+            for e in chunk:
+                short_job = len(jobs) if short_variant is not None else None
+                if short_job is not None:
+                    jobs.append(e)
+                fixed = [self._apply([fix], e) for fix, _ in single.values()]
+                if ideal is not None:
+                    fixed.append(self._apply(composed, e))
+                start = len(jobs)
+                plans.append((short_job, [self._job(e, f, jobs, start) for f in fixed]))
+            rendered = self._render_jobs(jobs)
+            for e, (short_job, fixed_jobs) in zip(chunk, plans, strict=True):
+                if short_job is not None:
+                    r = rendered[short_job]
+                    short_variant.add(self._hashes(r, e.namespace, short_hasher), len(r.token_ids))
+                for (_, variant), job in zip(single.values(), fixed_jobs, strict=False):
+                    if job is None:
+                        variant.copy(source, i)
+                    else:
+                        variant.add(self._hashes(rendered[job], e.namespace), len(rendered[job].token_ids))
+                if ideal is not None:
+                    job = fixed_jobs[-1]
+                    if job is None:
+                        ideal.copy(shared, i)
+                    else:
+                        ideal.add(self._hashes(rendered[job], self.shared_namespace), len(rendered[job].token_ids))
+                i += 1
+
+    @staticmethod
+    def _job(e: LogEntry, fixed: Any, jobs: list[LogEntry], start: int) -> int | None:
+        """Where ``fixed`` (the entry with some fixes) is in ``jobs``, added if new; None where the fixes changed
+        nothing. An input equal to one of this entry's fixed inputs (from ``start``: all fixes together where only
+        one of them applied) is rendered once: the renderer is a function of it."""
+        if fixed is e.body or fixed is e.text:
+            return None
+        for k in range(start, len(jobs)):
+            if (jobs[k].body if e.body is not None else jobs[k].text) == fixed:
+                return k
+        jobs.append(replace(e, body=fixed) if e.body is not None else replace(e, text=fixed, message_spans=None))
+        return len(jobs) - 1
+
+    def _render_jobs(self, jobs: list[LogEntry]) -> list[Rendered]:
+        """In a batch; one by one where the batch fails (the first failure names its line)."""
+        rendered = self.renderer.entries(jobs) if jobs else []
+        return [r if r is not None else self._render(job) for r, job in zip(rendered, jobs, strict=True)]
 
     @staticmethod
     def _apply(fixes: list, e: LogEntry) -> Any:
@@ -328,21 +365,6 @@ class _Doctor:
             if hasattr(fix, "text"):
                 text = fix.text(text)
         return text
-
-    def _render_fixed(self, e: LogEntry, fixed: Any, done: list[tuple[Any, Rendered]]) -> Rendered | None:
-        """None where the fixes changed nothing. An input equal to one already rendered for this entry (all fixes
-        together where only one of them applied) is not rendered again: the renderer is a function of it."""
-        if fixed is e.body or fixed is e.text:
-            return None
-        for other, rendered in done:
-            if other == fixed:
-                return rendered
-        if e.body is not None:
-            rendered = self.renderer.body(fixed, e.line)
-        else:
-            rendered = self.renderer.text(fixed, e.add_special_tokens, None)
-        done.append((fixed, rendered))
-        return rendered
 
     # -- replays and attribution -----------------------------------------------------------------------------------
 
