@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The --quantization names (torch-free here for the CLI; kvprefix.model.quantized_linear implements them).
+QUANTIZATION_METHODS = ("int8", "int4", "gguf")
+
 
 @dataclass
 class EngineArgs:
@@ -12,10 +15,13 @@ class EngineArgs:
     in ``kv_cache_memory`` bytes, else (CUDA) ``gpu_memory_utilization`` of the free memory or (CPU) 1 GiB.
     ``max_model_len`` None is the model's ``max_position_embeddings``. ``tenant_kv_reserve`` > 0 isolates eviction
     between tenants: that fraction of the KV cache is shared out as each tenant's reserved room (0: one LRU for
-    all; docs/security.md)."""
+    all; docs/security.md). ``quantization`` (CPU only) keeps the projection and lm_head weights compact:
+    "int8" (per channel), "int4" (groups of 32) or "gguf" (a .gguf model's own blocks); None is dense
+    (docs/model.md)."""
 
     model: str | None = None
     dtype: str = "auto"
+    quantization: str | None = None
     device: str | None = None  # None: cuda when available, else cpu
     seed: int = 0
     block_size: int = 16

@@ -20,6 +20,7 @@ from kvprefix.engine.scheduler import Scheduler
 from kvprefix.model import ModelConfig, default_model_path, load_model
 from kvprefix.model.default_model import DEFAULT_MODEL_NAME
 from kvprefix.model.loader import resolve_dtype, resolve_model_path
+from kvprefix.model.quantized_linear import check_quantization, quantize_model
 from kvprefix.prompts import Tokenizer
 
 # A prompt: text, token ids, or a dict with "prompt_token_ids" or "prompt" (vLLM's input forms).
@@ -65,14 +66,18 @@ class LLMEngine:
         self.model_name = args.model or DEFAULT_MODEL_NAME
         self.uses_default_model = args.model is None
         path = default_model_path() if args.model is None else resolve_model_path(args.model)
+        check_quantization(args.quantization, path, device)
         self.model_config = ModelConfig.from_path(path)
         self.tokenizer = Tokenizer(path)
         self.max_model_len = min(args.max_model_len or 2**62, self.model_config.max_position_embeddings)
         # Everything besides the tokens that changes a block's KV roots the hash chain: the checkpoint's own bytes,
         # not its path, so replicas of one checkpoint (and a router) compute the same hashes.
-        context = context_for_checkpoint(path, str(dtype).removeprefix("torch."), self.tokenizer.chat_template)
+        # Quantized weights compute other KV than dense ones: the method joins the dtype in the root.
+        kv_dtype = str(dtype).removeprefix("torch.") + (f"+{args.quantization}" if args.quantization else "")
+        context = context_for_checkpoint(path, kv_dtype, self.tokenizer.chat_template)
         self.hasher = BlockHasher(args.block_size, args.prefix_caching_hash_algo, context)
-        model = load_model(path, dtype, device)  # first: on CUDA the KV budget is what the weights leave free
+        # First: on CUDA the KV budget is what the weights leave free.
+        model = quantize_model(load_model(path, dtype, device), args.quantization, path)
         num_blocks = num_kv_blocks(
             self.model_config,
             args.block_size,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvprefix.cache import COLLISION_SAFE_ALGOS, HASH_ALGOS
+from kvprefix.engine.args import QUANTIZATION_METHODS
 from kvprefix.router.policies import POLICIES
 
 # The KV cache fraction shared out as tenants' reserved room when there are tenants (docs/security.md): half stays
@@ -94,6 +95,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     eng.add_argument("--model", default=None,
                      help="checkpoint directory or hub id (default: the built-in random-weight model)")
     eng.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    eng.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
+                     help="CPU: weight-only int8 (per channel), int4 (groups of 32), or gguf (a .gguf model's own "
+                          "blocks); default dense (docs/model.md)")
     eng.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     eng.add_argument("--seed", type=int, default=0)
     eng.add_argument("--block-size", type=int, default=16, help="tokens per KV block: the minimum shareable prefix")
