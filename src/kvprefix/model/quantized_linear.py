@@ -97,7 +97,9 @@ class Int4Linear(nn.Module):
 
 
 def _finish(out: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor, out_features: int) -> torch.Tensor:
-    out = out[:, :out_features].to(x.dtype)  # drops the int4 padding rows; back to the model's dtype
+    if out.shape[1] != out_features:
+        out = out[:, :out_features]  # drops the int4 padding rows
+    out = out.to(x.dtype)  # back to the model's dtype (no copy when it is bfloat16)
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], out_features)
