@@ -2,8 +2,8 @@
 
 Decode on CPU is bound by the bytes of weights read per step. For dense float32, dense bfloat16, int8, int4 and
 the layout of the SmolLM2 Q4_1 GGUF (int4 projections, int8 lm_head from its Q8_0 embedding), interleaved over
-rounds: single-request decode ms per output token, 8 concurrent requests' output tokens/s, the bytes read per
-token, and the fraction of this machine's memory bandwidth (measured here: a sum over a tensor far larger than the
+rounds: single-request decode ms per output token, 8 concurrent requests' output tokens/s, a 512-token prefill,
+the bytes read per token, and the fraction of this machine's memory bandwidth (measured here: a sum over a tensor far larger than the
 caches) those bytes per token make. Each engine step is split into model forward, lm_head, sampling, scheduling
 and the rest, so the non-model time per step shows where it goes. Random weights (speed only).
 
@@ -45,7 +45,7 @@ VARIANTS = {
     "int4": ("bfloat16", "int4", False),
     "int4 + int8 lm_head (Q4_1 GGUF)": ("bfloat16", "int4", True),
 }
-PROMPT_TOKENS, OUTPUT_TOKENS, BATCH = 32, 64, 8
+PROMPT_TOKENS, OUTPUT_TOKENS, BATCH, PREFILL_TOKENS = 32, 64, 8, 512
 MODEL_PARTS = ("forward", "projections", "lm_head")  # the rest of a step is the engine's
 
 
@@ -151,10 +151,13 @@ def run_round(llm: LLM, timer: StepTimer, prompts: list[list[int]]) -> dict:
     steps = timer.decode_step_ms()
     steps["outside step"] = single_ms - steps.pop("step")  # LLM.generate's own loop
     start = time.perf_counter()
-    outs = llm.generate(prompts[1 : 1 + BATCH], params)
+    outs = llm.generate(prompts[1:-1], params)
     wall = time.perf_counter() - start
     assert all(len(o.outputs[0].token_ids) == OUTPUT_TOKENS for o in outs)
-    return {"single_ms_per_token": single_ms, "batch_tokens_per_s": BATCH * OUTPUT_TOKENS / wall, "steps": steps}
+    # Prefill too: the quantized ops are matrix-vector kernels, so a long prompt shows what they cost at M = 512.
+    long = llm.generate(prompts[-1], SamplingParams(max_tokens=1))[0]
+    return {"single_ms_per_token": single_ms, "batch_tokens_per_s": BATCH * OUTPUT_TOKENS / wall, "steps": steps,
+            "prefill_s": long.metrics.ttft}
 
 
 def main() -> None:
@@ -172,33 +175,40 @@ def main() -> None:
     print(f"memory read bandwidth ({args.threads} thread): {bandwidth / 1e9:.1f} GB/s")
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, SMOLLM2_135M["vocab_size"], (PROMPT_TOKENS,), generator=gen).tolist()
-               for _ in range(1 + BATCH)]
+
+    def fresh_prompts() -> list[list[int]]:  # new ones every round: no round hits the last one's cached blocks
+        return [torch.randint(0, SMOLLM2_135M["vocab_size"], (n,), generator=gen).tolist()
+                for n in [PROMPT_TOKENS] * (1 + BATCH) + [PREFILL_TOKENS]]
+
+    prompts = fresh_prompts()
     llms = {n: build(args.checkpoint, *VARIANTS[n]) for n in names}
     timers = {n: StepTimer(llm) for n, llm in llms.items()}
     for llm in llms.values():  # warm-up
         llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     rounds = defaultdict(list)
     for _ in range(args.rounds):  # interleaved: every variant once per round
+        prompts = fresh_prompts()
         for n in names:
             rounds[n].append(run_round(llms[n], timers[n], prompts))
     results = []
     print(f"\n{'weights':32} {'MB/token':>8} {'ms/token':>8} {'GB/s':>5} {'of bw':>6} {'8-req tok/s':>11}"
-          f" {'proj ms':>7} {'other fwd':>9} {'lm_head':>7} {'non-model':>9}")
+          f" {'proj ms':>7} {'other fwd':>9} {'lm_head':>7} {'non-model':>9} {'prefill 512 s':>13}")
     for n in names:
         single = statistics.median(r["single_ms_per_token"] for r in rounds[n])
         batch = statistics.median(r["batch_tokens_per_s"] for r in rounds[n])
         steps = {k: statistics.median(r["steps"][k] for r in rounds[n]) for k in rounds[n][0]["steps"]}
+        prefill = statistics.median(r["prefill_s"] for r in rounds[n])
         nbytes = bytes_per_token(llms[n], PROMPT_TOKENS + OUTPUT_TOKENS // 2)
         achieved = nbytes / (single / 1000)
         row = dict(weights=n, bytes_per_token=nbytes, single_ms_per_token=single, batch_tokens_per_s=batch,
+                   prefill_512_s=prefill,
                    achieved_bytes_per_s=achieved, bandwidth_fraction=achieved / bandwidth, step_ms=steps,
                    rounds=rounds[n])
         results.append(row)
         non_model = sum(v for k, v in steps.items() if k not in MODEL_PARTS)
         print(f"{n:32} {nbytes / 1e6:8.1f} {single:8.1f} {achieved / 1e9:5.1f} {achieved / bandwidth:6.0%} "
               f"{batch:11.1f} {steps['projections']:7.1f} {steps['forward'] - steps['projections']:9.1f} "
-              f"{steps['lm_head']:7.1f} {non_model:9.2f}")
+              f"{steps['lm_head']:7.1f} {non_model:9.2f} {prefill:13.2f}")
     print("\nnon-model time per step (ms, single request, median of rounds):")
     for row in results:
         parts = ", ".join(f"{k} {v:.2f}" for k, v in row["step_ms"].items() if k not in MODEL_PARTS)

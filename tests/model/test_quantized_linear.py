@@ -78,6 +78,17 @@ def test_requantization_error_is_bounded(cls) -> None:
     assert ((eff - w).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
+def test_prefill_sized_inputs_take_the_dequantized_path_with_the_same_weights(cls) -> None:
+    gen = torch.Generator().manual_seed(5)
+    layer = cls.from_float(torch.randn(40, 64, generator=gen), torch.randn(40, generator=gen))
+    x = torch.randn(cls.dense_above_rows + 1, 64, generator=gen)
+    kernel_rows = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
+    # Equal but for bfloat16 rounding of the outputs (the dense matmul rounds its result, the kernels too).
+    scale = float(kernel_rows.abs().max())
+    torch.testing.assert_close(layer(x), kernel_rows, rtol=0.0, atol=4 * BF16_EPS * scale)
+
+
 @pytest.fixture(scope="module")
 def gguf_file(tmp_path_factory) -> tuple[str, dict[str, np.ndarray]]:
     """A GGUF file with one [48, 64] tensor per type; returns its path and the float weights quantized."""
