@@ -87,7 +87,12 @@ class LLMEngine:
         )
         # The longest a request (prompt + output) may grow: the model's limit, or the whole KV cache if smaller.
         self.max_sequence_tokens = min(self.max_model_len, num_blocks * args.block_size)
-        self.scheduler = Scheduler(self.manager, args.max_num_seqs, args.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.manager,
+            args.max_num_seqs,
+            args.max_num_batched_tokens,
+            share_inflight_prefixes=args.share_inflight_prefixes and args.enable_prefix_caching,
+        )
         self.runner = ModelRunner.create(model, num_blocks, self.manager, dtype, device)
         self.sampler = Sampler(args.seed, device, self.tokenizer.decode)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | self.tokenizer.eos_token_ids
@@ -153,7 +158,6 @@ class LLMEngine:
                     eos_token_ids=self.eos_token_ids,
                     tokenizer=self.tokenizer,
                     index=i,
-                    leader=samples[0] if i and self.manager.enable_prefix_caching else None,
                     eviction_group=tenant,
                 )
             )
@@ -304,7 +308,8 @@ class LLMEngine:
 
     def get_metrics(self) -> dict[str, int | float]:
         """Counters since start (prefix_cache_* in tokens, each request counted at its first admission;
-        prefix_cache_preempted_* count re-admissions after preemption) and gauges (num_requests_*, kv_cache_usage,
+        prefix_cache_preempted_* count re-admissions after preemption; num_inflight_prefix_waits: requests that waited
+        behind a running request's in-flight prompt blocks) and gauges (num_requests_*, kv_cache_usage,
         num_free_blocks)."""
         stats = self.manager.stats
         pool = self.manager.pool
@@ -319,6 +324,7 @@ class LLMEngine:
             "prefix_cache_evictions": stats.evictions,
             "prefix_cache_resets": stats.resets,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_inflight_prefix_waits": self.scheduler.inflight.num_waits if self.scheduler.inflight else 0,
             "prompt_tokens": self._counters["prompt_tokens"],
             "prompt_tokens_computed": self.scheduler.num_prompt_tokens_computed,
             "generation_tokens": self._counters["generation_tokens"],

@@ -22,8 +22,8 @@ class RequestStatus(enum.Enum):
 class Request(CacheRequest):
     """One sample of a user request (a request with ``n`` samples becomes ``n`` of these, ``index`` 0..n-1).
 
-    ``leader`` is sample 0 of the same prompt: the other samples wait until its prompt blocks are cached, then
-    share them through the prefix cache instead of computing the prompt again.
+    Samples of one prompt share its blocks like any requests with a common prefix: the later ones wait behind
+    the first while it computes them (``InflightPrefixes``), then hit them.
     """
 
     def __init__(
@@ -37,13 +37,13 @@ class Request(CacheRequest):
         eos_token_ids: frozenset[int],
         tokenizer: Tokenizer,
         index: int = 0,
-        leader: Request | None = None,
         eviction_group: str | None = None,
     ):
         super().__init__(request_id, prompt_token_ids, hasher, eviction_group=eviction_group)
         self.params = params
         self.index = index
-        self.leader = leader
+        # Waiting behind a running request's in-flight prompt blocks: (first uncached block, step the wait ends).
+        self.inflight_wait: tuple[int, int] | None = None
         self.max_tokens = max_tokens
         self.eos_token_ids = eos_token_ids
         self.status = RequestStatus.WAITING
@@ -66,11 +66,6 @@ class Request(CacheRequest):
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
-
-    def needs_prompt_from_leader(self) -> bool:
-        """True while this sample should wait for its leader's prompt blocks to be cached."""
-        leader = self.leader
-        return leader is not None and not leader.finished and leader.num_computed_tokens < leader.num_prompt_tokens
 
     def append_output(self, token_id: int, logprobs: dict[int, Logprob] | None) -> None:
         """Appends a sampled token, updates the text, and decides whether the sample is finished."""

@@ -6,6 +6,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvprefix.cache import KVCacheManager
+from kvprefix.engine.inflight import InflightPrefixes
 from kvprefix.engine.request import Request, RequestStatus
 
 
@@ -32,9 +33,19 @@ class Scheduler:
     step computes its last token, a new token is sampled. Admission asks the cache manager for cached blocks
     first, so cached tokens cost no budget. When the pool is full, the latest-admitted running request is
     preempted: its blocks are freed (they stay cached) and it goes back to the front of the queue.
+
+    With ``share_inflight_prefixes``, a waiting request whose next uncached prompt blocks a running request is
+    computing stays in the queue (keeping its place) until they are registered, then hits them; later requests
+    are admitted past it meanwhile (``InflightPrefixes`` bounds the wait).
     """
 
-    def __init__(self, manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(
+        self,
+        manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        share_inflight_prefixes: bool = True,
+    ):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < 1:
@@ -46,6 +57,12 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_prompt_tokens_computed = 0  # prompt tokens run through the model (not served from the cache)
+        self.num_steps = 0
+        self.inflight = (
+            InflightPrefixes(manager.block_size, max_num_batched_tokens)
+            if share_inflight_prefixes and manager.enable_prefix_caching
+            else None
+        )
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -54,6 +71,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
+        self.num_steps += 1
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         preempted = False
@@ -78,24 +96,29 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         skipped: list[Request] = []
+        inflight = self.inflight
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            if req.needs_prompt_from_leader():
+            hits, num_hit_tokens = self.manager.get_computed_blocks(req)
+            if inflight is not None and inflight.should_wait(req, len(hits), self.num_steps):
                 skipped.append(self.waiting.popleft())
                 continue
-            hits, num_hit_tokens = self.manager.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_hit_tokens, budget)
             if self.manager.allocate_slots(req, num_new, hits) is None:
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
+            req.inflight_wait = None
             self.running.append(req)
+            if inflight is not None:
+                inflight.add(req)
             out.scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
         return budget
 
     def _preempt(self, req: Request) -> None:
+        self._leave_running(req)
         self.manager.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
@@ -116,6 +139,12 @@ class Scheduler:
         """Removes a finished or aborted request from the queues and releases its blocks."""
         if req in self.running:
             self.running.remove(req)
+            self._leave_running(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         self.manager.free(req)
+
+    def _leave_running(self, req: Request) -> None:
+        """Whoever waits behind ``req``'s in-flight blocks is free to go (hitting whatever it registered)."""
+        if self.inflight is not None:
+            self.inflight.remove(req)
