@@ -14,6 +14,14 @@ Two phases, each system after a short warm-up request:
 Every repeat uses fresh suffixes (their first token changes), so no probe hits blocks of an earlier one.
 
     python benchmarks/bench_engine.py [--requests 8] [--repeats 2] [--out results/bench_engine.json]
+
+Issue 12's scenarios run with --scenario (each writes its own JSON, results/bench_engine_<scenario>.json), the
+feature on and off side by side, interleaved run by run on two engines that live at the same time:
+  - burst: cold bursts of 8 and 32 requests sharing a 1,024-token prefix (each with a unique 32-64-token rest, 16
+    output tokens), token budgets 2,048 and 8,192, in-flight prefix sharing on vs off: prompt tokens computed
+    against the ideal (the prefix's full blocks once plus every request's rest), TTFT p50, total time.
+
+    python benchmarks/bench_engine.py --scenario burst [--repeats 2]
 """
 
 from __future__ import annotations
@@ -268,16 +276,124 @@ def report(r: dict) -> list[str]:
     return lines
 
 
+# ---- issue 12: in-flight prefix sharing ---------------------------------------------------------------------------
+
+
+def cold_burst(num: int, rng: random.Random) -> tuple[list[int], list[list[int]]]:
+    """A fresh 1,024-token prefix (cold in every engine) and ``num`` prompts of it with unique 32-64-token rests."""
+    prefix = [rng.randrange(VOCAB) for _ in range(SYSTEM_TOKENS)]
+    return prefix, [prefix + [rng.randrange(VOCAB) for _ in range(rng.randint(32, 64))] for _ in range(num)]
+
+
+def ideal_prompt_tokens(prefix: list[int], prompts: list[list[int]]) -> int:
+    shared = len(prefix) // BLOCK_SIZE * BLOCK_SIZE
+    return sum(map(len, prompts)) - (len(prompts) - 1) * shared
+
+
+def engine_pair(path: str, num_blocks: int, flag: str, **kwargs) -> dict[bool, LLM]:
+    """Two engines on one checkpoint that differ only in the boolean EngineArgs field ``flag``; warmed up."""
+    pair = {}
+    for on in (True, False):
+        llm = LLM(path, dtype="bfloat16", device="cpu", num_gpu_blocks=num_blocks, **{flag: on}, **kwargs)
+        llm.generate([1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=2))
+        pair[on] = llm
+    return pair
+
+
+def timed_generate(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict:
+    """One burst: every prompt at once. TTFTs, total time, prompt tokens computed, and the greedy tokens."""
+    before = llm.get_metrics()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    total = time.perf_counter() - start
+    after = llm.get_metrics()
+    ttfts = [o.metrics.ttft for o in outs]
+    return {
+        "total_s": total,
+        "ttft_p50_s": pct(ttfts, 50),
+        "ttft_mean_s": statistics.mean(ttfts),
+        "ttft_p99_s": pct(ttfts, 99),
+        "ttfts_s": ttfts,
+        "prompt_tokens_computed": after["prompt_tokens_computed"] - before["prompt_tokens_computed"],
+        "num_preemptions": after["num_preemptions"] - before["num_preemptions"],
+        "token_ids": [o.outputs[0].token_ids for o in outs],
+    }
+
+
+def run_burst(path: str, repeats: int) -> dict:
+    full = SamplingParams(temperature=0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
+    rng = random.Random(12)
+    rows = []
+    for budget in (2048, 8192):
+        num_blocks = 34 * ((SYSTEM_TOKENS + 64 + OUTPUT_TOKENS) // BLOCK_SIZE + 2)
+        pair = engine_pair(path, num_blocks, "share_inflight_prefixes", max_num_batched_tokens=budget)
+        for num in (8, 32):
+            runs: dict[bool, list[dict]] = {True: [], False: []}
+            for k in range(repeats):
+                prefix, prompts = cold_burst(num, rng)
+                for on in ((True, False) if k % 2 == 0 else (False, True)):  # interleaved, order alternating
+                    r = timed_generate(pair[on], prompts, full)
+                    r["ideal_prompt_tokens"] = ideal_prompt_tokens(prefix, prompts)
+                    runs[on].append(r)
+                    pair[on].reset_prefix_cache()
+            rows.append({"budget": budget, "requests": num, "on": runs[True], "off": runs[False]})
+        del pair
+        gc.collect()
+    return {"rows": rows}
+
+
+def median_of(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def report_burst(r: dict) -> list[str]:
+    lines = [
+        f"Cold bursts sharing a {SYSTEM_TOKENS}-token prefix (+ 32-64 unique tokens, {OUTPUT_TOKENS} output tokens), "
+        f"in-flight prefix sharing on vs off, medians of {len(r['rows'][0]['on'])} interleaved runs:",
+        "",
+        "| budget | requests | sharing | prompt tokens computed | / ideal | TTFT p50 (s) | total (s) | identical |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in r["rows"]:
+        same = sum(a["token_ids"] == b["token_ids"] for a, b in zip(row["on"], row["off"], strict=True))
+        for label, runs in (("on", row["on"]), ("off", row["off"])):
+            computed = median_of(runs, "prompt_tokens_computed")
+            ideal = median_of(runs, "ideal_prompt_tokens")
+            lines.append(
+                f"| {row['budget']:,} | {row['requests']} | {label} | {computed:,.0f} | {computed / ideal:.2f}x | "
+                f"{median_of(runs, 'ttft_p50_s'):.2f} | {median_of(runs, 'total_s'):.2f} | "
+                f"{same}/{len(runs)} runs |"
+            )
+    lines.append("")
+    for row in r["rows"]:
+        on, off = row["on"], row["off"]
+        lines.append(
+            f"- budget {row['budget']:,}, {row['requests']} requests: off/on prompt tokens "
+            f"{median_of(off, 'prompt_tokens_computed') / median_of(on, 'prompt_tokens_computed'):.2f}x, "
+            f"TTFT p50 {median_of(off, 'ttft_p50_s') / median_of(on, 'ttft_p50_s'):.2f}x, "
+            f"total {median_of(off, 'total_s') / median_of(on, 'total_s'):.2f}x"
+        )
+    return lines
+
+
+SCENARIOS = {"burst": (run_burst, report_burst)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=8, help="requests sharing the system prompt")
     parser.add_argument("--repeats", type=int, default=2, help="TTFT probe rounds and bursts per system")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch CPU threads")
     parser.add_argument("--model-dir", default="results/qwen2.5-0.5b-random", help="where the checkpoint is cached")
-    parser.add_argument("--out", default="results/bench_engine.json")
+    parser.add_argument("--out", default=None, help="default results/bench_engine.json (or _<scenario>.json)")
+    parser.add_argument("--scenario", default="baseline", choices=["baseline", *SCENARIOS],
+                        help="baseline: caching on/off vs transformers (issue 3); the others: issue 12")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     path = ensure_checkpoint(args.model_dir)
+    if args.scenario != "baseline":
+        return run_scenario(args, path)
+    args.out = args.out or "results/bench_engine.json"
     work = Workload(args.requests)
     r: dict = {
         "config": {
@@ -313,6 +429,21 @@ def main() -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(r, indent=2))
     print(f"\nwall time {r['wall_s']:.0f} s; JSON written to {args.out}")
+    return 0
+
+
+def run_scenario(args: argparse.Namespace, path: str) -> int:
+    run, report_fn = SCENARIOS[args.scenario]
+    start = time.perf_counter()
+    r = run(path, args.repeats)
+    r["config"] = {"scenario": args.scenario, "repeats": args.repeats, "threads": args.threads,
+                   "torch": torch.__version__, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs"}
+    r["wall_s"] = time.perf_counter() - start
+    print("\n".join(report_fn(r)))
+    out = Path(args.out or f"results/bench_engine_{args.scenario}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(r, indent=2))
+    print(f"\nwall time {r['wall_s']:.0f} s; JSON written to {out}")
     return 0
 
 
