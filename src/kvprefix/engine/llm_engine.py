@@ -86,6 +86,8 @@ class LLMEngine:
             args.max_num_seqs,
             args.max_num_batched_tokens,
             share_inflight_prefixes=args.share_inflight_prefixes and args.enable_prefix_caching,
+            scheduling_policy=args.scheduling_policy,
+            max_wait_steps=args.max_wait_steps,
         )
         self.runner = ModelRunner.create(model, num_blocks, self.manager, dtype, device)
         self.sampler = Sampler(args.seed, device)
