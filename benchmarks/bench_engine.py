@@ -20,8 +20,11 @@ feature on and off side by side, interleaved run by run on two engines that live
   - burst: cold bursts of 8 and 32 requests sharing a 1,024-token prefix (each with a unique 32-64-token rest, 16
     output tokens), token budgets 2,048 and 8,192, in-flight prefix sharing on vs off: prompt tokens computed
     against the ideal (the prefix's full blocks once plus every request's rest), TTFT p50, total time.
+  - mixed: 32 requests over 4 prefixes, 2 of them cached, FCFS vs cache-aware admission: TTFT mean and p99.
+  - decode: 64 requests decoding 1,000 tokens on a tiny model: the engine thread's own (non-model) time per step;
+    the same script measures another checkout with PYTHONPATH=<checkout>/src.
 
-    python benchmarks/bench_engine.py --scenario burst [--repeats 2]
+    python benchmarks/bench_engine.py --scenario burst|mixed|decode [--repeats 2]
 """
 
 from __future__ import annotations
@@ -376,7 +379,150 @@ def report_burst(r: dict) -> list[str]:
     return lines
 
 
-SCENARIOS = {"burst": (run_burst, report_burst)}
+# ---- issue 12: cache-aware admission ------------------------------------------------------------------------------
+
+MIXED_PREFIXES = 4  # half of them cached before each burst
+MIXED_REQUESTS = 32
+
+
+def run_mixed(path: str, repeats: int) -> dict:
+    """Bursts over 4 prefixes of 1,024 tokens, 2 of them cached (warmed before the burst), 32 requests in random
+    order; FCFS vs cache-aware admission (in-flight sharing on in both), budget 2,048."""
+    full = SamplingParams(temperature=0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
+    warm = SamplingParams(temperature=0, max_tokens=1)
+    rng = random.Random(13)
+    num_blocks = (MIXED_REQUESTS + 8) * ((SYSTEM_TOKENS + 64 + OUTPUT_TOKENS) // BLOCK_SIZE + 2)
+    pair = {}
+    for policy in ("cache_aware", "fcfs"):
+        llm = LLM(path, dtype="bfloat16", device="cpu", num_gpu_blocks=num_blocks, scheduling_policy=policy)
+        llm.generate([1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=2))
+        pair[policy] = llm
+    runs: dict[str, list[dict]] = {"cache_aware": [], "fcfs": []}
+    for k in range(repeats):
+        prefixes = [[rng.randrange(VOCAB) for _ in range(SYSTEM_TOKENS)] for _ in range(MIXED_PREFIXES)]
+        cached = prefixes[: MIXED_PREFIXES // 2]
+        prompts = [rng.choice(prefixes) + [rng.randrange(VOCAB) for _ in range(rng.randint(32, 64))]
+                   for _ in range(MIXED_REQUESTS)]
+        hot = [any(p[:SYSTEM_TOKENS] == c for c in cached) for p in prompts]
+        for policy in (("cache_aware", "fcfs") if k % 2 == 0 else ("fcfs", "cache_aware")):
+            llm = pair[policy]
+            llm.generate([c + [7] for c in cached], warm)
+            r = timed_generate(llm, prompts, full)
+            r["hot"] = hot
+            runs[policy].append(r)
+            llm.reset_prefix_cache()
+    return {"runs": runs}
+
+
+def report_mixed(r: dict) -> list[str]:
+    runs = r["runs"]
+    lines = [
+        f"Mixed bursts: {MIXED_REQUESTS} requests over {MIXED_PREFIXES} prefixes of {SYSTEM_TOKENS} tokens, half "
+        f"of them cached; budget 2,048; medians of {len(runs['fcfs'])} interleaved runs:",
+        "",
+        "| admission | TTFT mean (s) | TTFT p50 (s) | TTFT p99 (s) | cached-prefix TTFT mean (s) | "
+        "cold-prefix TTFT mean (s) | total (s) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+
+    def group_mean(run: dict, hot: bool) -> float:
+        return statistics.mean(t for t, h in zip(run["ttfts_s"], run["hot"], strict=True) if h == hot)
+
+    for policy in ("fcfs", "cache_aware"):
+        rs = runs[policy]
+        lines.append(
+            f"| {policy} | {median_of(rs, 'ttft_mean_s'):.2f} | {median_of(rs, 'ttft_p50_s'):.2f} | "
+            f"{median_of(rs, 'ttft_p99_s'):.2f} | {statistics.median(group_mean(x, True) for x in rs):.2f} | "
+            f"{statistics.median(group_mean(x, False) for x in rs):.2f} | {median_of(rs, 'total_s'):.2f} |"
+        )
+    same = sum(a["token_ids"] == b["token_ids"] for a, b in zip(runs["fcfs"], runs["cache_aware"], strict=True))
+    ratio = {k: median_of(runs["fcfs"], k) / median_of(runs["cache_aware"], k) for k in ("ttft_mean_s", "ttft_p99_s")}
+    lines += ["", f"- FCFS / cache-aware: TTFT mean {ratio['ttft_mean_s']:.2f}x, p99 {ratio['ttft_p99_s']:.2f}x; "
+              f"greedy outputs identical in {same}/{len(runs['fcfs'])} runs"]
+    return lines
+
+
+# ---- issue 12: engine-thread work per decode step -----------------------------------------------------------------
+
+
+def run_decode(path: str, repeats: int) -> dict:
+    """64 requests decoding 1,000 tokens each (logprobs=1, so the old per-step copies include logprobs), on a tiny
+    random model (2 layers, hidden 64) so that everything but the model shows. Times per engine step: the whole
+    step, the model (runner.execute) and the sampler; the rest is the engine's own work. The reader's work (folding
+    deltas into outputs, detokenizing, as an AsyncLLM stream does on the event loop) is timed apart, when the
+    installed kvprefix has OutputState. Runs with whichever kvprefix is on the path, so that the same script
+    measures an older checkout (PYTHONPATH=<checkout>/src)."""
+    import tempfile
+
+    from kvprefix.model import write_random_checkpoint
+
+    tiny = write_random_checkpoint(tempfile.mkdtemp(prefix="bench-decode-"), "llama", seed=0)
+    llm = LLM(tiny, dtype="float32", device="cpu", num_gpu_blocks=64 * 66, max_num_seqs=64)
+    engine = llm.llm_engine
+    timers = {"model": 0.0, "sampler": 0.0}
+
+    def timed(name: str, fn):
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                timers[name] += time.perf_counter() - t0
+        return wrapper
+
+    engine.runner.execute = timed("model", engine.runner.execute)
+    engine._sample = timed("sampler", engine._sample)
+    params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True, logprobs=1)
+    rng = random.Random(14)
+    runs = []
+    for k in range(repeats):
+        states = {}
+        for i in range(64):
+            states[f"{k}-{i}"] = engine.add_request(f"{k}-{i}", [rng.randrange(3, 500) for _ in range(32)], params)
+        steps, reader = [], []
+        while engine.has_unfinished_requests():
+            before = dict(timers)
+            t0 = time.perf_counter()
+            outs = engine.step()
+            total = time.perf_counter() - t0
+            steps.append((total, timers["model"] - before["model"], timers["sampler"] - before["sampler"]))
+            t0 = time.perf_counter()
+            for out in outs:
+                state = states.get(out.request_id)
+                if state is not None and hasattr(state, "apply"):
+                    state.apply(out)
+                    state.output()
+            reader.append(time.perf_counter() - t0)
+        runs.append({"steps": steps, "reader_s": reader})
+    return {"runs": runs}
+
+
+def report_decode(r: dict) -> list[str]:
+    lines = [
+        "Decode at batch 64, 1,000 output tokens each (logprobs=1), tiny model; per engine step, medians over the "
+        "steps of each window, last run:",
+        "",
+        "| output tokens so far | step (ms) | model (ms) | sampler (ms) | engine's own work (ms) | share of step | "
+        "reader (ms) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    run = r["runs"][-1]
+    steps, reader = run["steps"], run["reader_s"]
+    decode = steps[1:]  # step 0 is the prefill
+    for lo, hi in ((1, 100), (400, 500), (900, 1000)):
+        window = decode[lo - 1 : hi - 1]
+        own = [t - m - s for t, m, s in window]
+        total = statistics.median(t for t, _, _ in window)
+        lines.append(
+            f"| {lo}-{hi} | {total * 1e3:.2f} | {statistics.median(m for _, m, _ in window) * 1e3:.2f} | "
+            f"{statistics.median(s for _, _, s in window) * 1e3:.2f} | {statistics.median(own) * 1e3:.2f} | "
+            f"{statistics.median(own) / total:.1%} | {statistics.median(reader[lo:hi]) * 1e3:.2f} |"
+        )
+    return lines
+
+
+SCENARIOS = {"burst": (run_burst, report_burst), "mixed": (run_mixed, report_mixed),
+             "decode": (run_decode, report_decode)}
 
 
 def main() -> int:
