@@ -75,12 +75,17 @@ class Workload:
         return [self.system + s for s in self.suffixes_for(variant)]
 
 
-def ensure_checkpoint(path: str) -> str:
+def ensure_checkpoint(path: str, layers: int = QWEN25_05B["num_hidden_layers"]) -> str:
+    """The random Qwen2.5-0.5B-shaped checkpoint, written once; with fewer ``layers``, a shallower copy of it (the
+    issue-12 scenarios count tokens, so a shallower model gives the same counts, faster)."""
     from kvprefix.model import write_random_checkpoint
 
+    shape = dict(QWEN25_05B)
+    if layers != shape["num_hidden_layers"]:
+        path, shape["num_hidden_layers"] = f"{path}-{layers}-layers", layers
     if not os.path.isfile(os.path.join(path, "config.json")):
-        print(f"writing a random Qwen2.5-0.5B-shaped checkpoint to {path} (once)")
-        write_random_checkpoint(path, "qwen2", seed=0, dtype=torch.bfloat16, **QWEN25_05B)
+        print(f"writing a random Qwen2.5-0.5B-shaped checkpoint ({layers} layers) to {path} (once)")
+        write_random_checkpoint(path, "qwen2", seed=0, dtype=torch.bfloat16, **shape)
     return path
 
 
@@ -293,30 +298,51 @@ def ideal_prompt_tokens(prefix: list[int], prompts: list[list[int]]) -> int:
     return sum(map(len, prompts)) - (len(prompts) - 1) * shared
 
 
+def counting_llm(path: str, **kwargs) -> LLM:
+    """A warmed-up LLM whose model runs are logged as (time.monotonic(), tokens run so far): a load-independent
+    clock, since on a CPU the time of a step is about proportional to its tokens."""
+    llm = LLM(path, dtype="bfloat16", device="cpu", **kwargs)
+    llm.generate([1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=2))
+    runner = llm.llm_engine.runner
+    execute = runner.execute
+    llm.token_clock = [(0.0, 0)]
+
+    def counted(sched, sample_rows):
+        out = execute(sched, sample_rows)
+        llm.token_clock.append((time.monotonic(), llm.token_clock[-1][1] + sched.num_tokens))
+        return out
+
+    runner.execute = counted
+    return llm
+
+
 def engine_pair(path: str, num_blocks: int, flag: str, **kwargs) -> dict[bool, LLM]:
-    """Two engines on one checkpoint that differ only in the boolean EngineArgs field ``flag``; warmed up."""
-    pair = {}
-    for on in (True, False):
-        llm = LLM(path, dtype="bfloat16", device="cpu", num_gpu_blocks=num_blocks, **{flag: on}, **kwargs)
-        llm.generate([1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=2))
-        pair[on] = llm
-    return pair
+    """Two engines on one checkpoint that differ only in the boolean EngineArgs field ``flag``."""
+    return {on: counting_llm(path, num_gpu_blocks=num_blocks, **{flag: on}, **kwargs) for on in (True, False)}
 
 
 def timed_generate(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict:
-    """One burst: every prompt at once. TTFTs, total time, prompt tokens computed, and the greedy tokens."""
+    """One burst: every prompt at once. TTFTs (seconds, and tokens the model ran before the first token), total
+    time, prompt tokens computed, and the greedy tokens."""
     before = llm.get_metrics()
+    clock_start = llm.token_clock[-1][1]
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     total = time.perf_counter() - start
     after = llm.get_metrics()
     ttfts = [o.metrics.ttft for o in outs]
+    # The first token comes out of the step whose model run is the last one logged before it.
+    ttft_tokens = [max(n for t, n in llm.token_clock if t <= o.metrics.first_token_time) - clock_start for o in outs]
     return {
         "total_s": total,
         "ttft_p50_s": pct(ttfts, 50),
         "ttft_mean_s": statistics.mean(ttfts),
         "ttft_p99_s": pct(ttfts, 99),
         "ttfts_s": ttfts,
+        "ttft_tokens_p50": pct(ttft_tokens, 50),
+        "ttft_tokens_mean": statistics.mean(ttft_tokens),
+        "ttft_tokens_p99": pct(ttft_tokens, 99),
+        "ttft_tokens": ttft_tokens,
         "prompt_tokens_computed": after["prompt_tokens_computed"] - before["prompt_tokens_computed"],
         "num_preemptions": after["num_preemptions"] - before["num_preemptions"],
         "token_ids": [o.outputs[0].token_ids for o in outs],
@@ -354,8 +380,9 @@ def report_burst(r: dict) -> list[str]:
         f"Cold bursts sharing a {SYSTEM_TOKENS}-token prefix (+ 32-64 unique tokens, {OUTPUT_TOKENS} output tokens), "
         f"in-flight prefix sharing on vs off, medians of {len(r['rows'][0]['on'])} interleaved runs:",
         "",
-        "| budget | requests | sharing | prompt tokens computed | / ideal | TTFT p50 (s) | total (s) | identical |",
-        "|---|---|---|---|---|---|---|---|",
+        "| budget | requests | sharing | prompt tokens computed | / ideal | TTFT p50 (s) | TTFT p50 (model tokens) | "
+        "total (s) | identical |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in r["rows"]:
         same = sum(a["token_ids"] == b["token_ids"] for a, b in zip(row["on"], row["off"], strict=True))
@@ -364,8 +391,8 @@ def report_burst(r: dict) -> list[str]:
             ideal = median_of(runs, "ideal_prompt_tokens")
             lines.append(
                 f"| {row['budget']:,} | {row['requests']} | {label} | {computed:,.0f} | {computed / ideal:.2f}x | "
-                f"{median_of(runs, 'ttft_p50_s'):.2f} | {median_of(runs, 'total_s'):.2f} | "
-                f"{same}/{len(runs)} runs |"
+                f"{median_of(runs, 'ttft_p50_s'):.2f} | {median_of(runs, 'ttft_tokens_p50'):,.0f} | "
+                f"{median_of(runs, 'total_s'):.2f} | {same}/{len(runs)} runs |"
             )
     lines.append("")
     for row in r["rows"]:
@@ -373,7 +400,8 @@ def report_burst(r: dict) -> list[str]:
         lines.append(
             f"- budget {row['budget']:,}, {row['requests']} requests: off/on prompt tokens "
             f"{median_of(off, 'prompt_tokens_computed') / median_of(on, 'prompt_tokens_computed'):.2f}x, "
-            f"TTFT p50 {median_of(off, 'ttft_p50_s') / median_of(on, 'ttft_p50_s'):.2f}x, "
+            f"TTFT p50 {median_of(off, 'ttft_p50_s') / median_of(on, 'ttft_p50_s'):.2f}x "
+            f"(in model tokens {median_of(off, 'ttft_tokens_p50') / median_of(on, 'ttft_tokens_p50'):.2f}x), "
             f"total {median_of(off, 'total_s') / median_of(on, 'total_s'):.2f}x"
         )
     return lines
@@ -392,11 +420,7 @@ def run_mixed(path: str, repeats: int) -> dict:
     warm = SamplingParams(temperature=0, max_tokens=1)
     rng = random.Random(13)
     num_blocks = (MIXED_REQUESTS + 8) * ((SYSTEM_TOKENS + 64 + OUTPUT_TOKENS) // BLOCK_SIZE + 2)
-    pair = {}
-    for policy in ("cache_aware", "fcfs"):
-        llm = LLM(path, dtype="bfloat16", device="cpu", num_gpu_blocks=num_blocks, scheduling_policy=policy)
-        llm.generate([1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=2))
-        pair[policy] = llm
+    pair = {p: counting_llm(path, num_gpu_blocks=num_blocks, scheduling_policy=p) for p in ("cache_aware", "fcfs")}
     runs: dict[str, list[dict]] = {"cache_aware": [], "fcfs": []}
     for k in range(repeats):
         prefixes = [[rng.randrange(VOCAB) for _ in range(SYSTEM_TOKENS)] for _ in range(MIXED_PREFIXES)]
@@ -420,25 +444,32 @@ def report_mixed(r: dict) -> list[str]:
         f"Mixed bursts: {MIXED_REQUESTS} requests over {MIXED_PREFIXES} prefixes of {SYSTEM_TOKENS} tokens, half "
         f"of them cached; budget 2,048; medians of {len(runs['fcfs'])} interleaved runs:",
         "",
-        "| admission | TTFT mean (s) | TTFT p50 (s) | TTFT p99 (s) | cached-prefix TTFT mean (s) | "
-        "cold-prefix TTFT mean (s) | total (s) |",
-        "|---|---|---|---|---|---|---|",
+        "TTFT in seconds, and in model tokens (the tokens the engine ran before the request's first token: the "
+        "load-independent clock):",
+        "",
+        "| admission | TTFT mean (s) | TTFT p99 (s) | TTFT mean (tokens) | TTFT p99 (tokens) | cached-prefix mean "
+        "(tokens) | cold-prefix mean (tokens) | total (s) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
 
     def group_mean(run: dict, hot: bool) -> float:
-        return statistics.mean(t for t, h in zip(run["ttfts_s"], run["hot"], strict=True) if h == hot)
+        return statistics.mean(t for t, h in zip(run["ttft_tokens"], run["hot"], strict=True) if h == hot)
 
     for policy in ("fcfs", "cache_aware"):
         rs = runs[policy]
         lines.append(
-            f"| {policy} | {median_of(rs, 'ttft_mean_s'):.2f} | {median_of(rs, 'ttft_p50_s'):.2f} | "
-            f"{median_of(rs, 'ttft_p99_s'):.2f} | {statistics.median(group_mean(x, True) for x in rs):.2f} | "
-            f"{statistics.median(group_mean(x, False) for x in rs):.2f} | {median_of(rs, 'total_s'):.2f} |"
+            f"| {policy} | {median_of(rs, 'ttft_mean_s'):.2f} | {median_of(rs, 'ttft_p99_s'):.2f} | "
+            f"{median_of(rs, 'ttft_tokens_mean'):,.0f} | {median_of(rs, 'ttft_tokens_p99'):,.0f} | "
+            f"{statistics.median(group_mean(x, True) for x in rs):,.0f} | "
+            f"{statistics.median(group_mean(x, False) for x in rs):,.0f} | {median_of(rs, 'total_s'):.2f} |"
         )
     same = sum(a["token_ids"] == b["token_ids"] for a, b in zip(runs["fcfs"], runs["cache_aware"], strict=True))
-    ratio = {k: median_of(runs["fcfs"], k) / median_of(runs["cache_aware"], k) for k in ("ttft_mean_s", "ttft_p99_s")}
-    lines += ["", f"- FCFS / cache-aware: TTFT mean {ratio['ttft_mean_s']:.2f}x, p99 {ratio['ttft_p99_s']:.2f}x; "
-              f"greedy outputs identical in {same}/{len(runs['fcfs'])} runs"]
+    keys = ("ttft_mean_s", "ttft_p99_s", "ttft_tokens_mean", "ttft_tokens_p99")
+    ratio = {k: median_of(runs["fcfs"], k) / median_of(runs["cache_aware"], k) for k in keys}
+    lines += ["", f"- FCFS / cache-aware: TTFT mean {ratio['ttft_mean_s']:.2f}x, p99 {ratio['ttft_p99_s']:.2f}x "
+              f"(in model tokens: mean {ratio['ttft_tokens_mean']:.2f}x, p99 {ratio['ttft_tokens_p99']:.2f}x); "
+              f"greedy outputs identical in {same}/{len(runs['fcfs'])} runs (bfloat16: a different batch rounds "
+              f"differently)"]
     return lines
 
 
@@ -530,13 +561,15 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=8, help="requests sharing the system prompt")
     parser.add_argument("--repeats", type=int, default=2, help="TTFT probe rounds and bursts per system")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch CPU threads")
+    parser.add_argument("--layers", type=int, default=QWEN25_05B["num_hidden_layers"],
+                        help="issue-12 scenarios: a shallower copy of the model (same token counts, faster)")
     parser.add_argument("--model-dir", default="results/qwen2.5-0.5b-random", help="where the checkpoint is cached")
     parser.add_argument("--out", default=None, help="default results/bench_engine.json (or _<scenario>.json)")
     parser.add_argument("--scenario", default="baseline", choices=["baseline", *SCENARIOS],
                         help="baseline: caching on/off vs transformers (issue 3); the others: issue 12")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    path = ensure_checkpoint(args.model_dir)
+    path = ensure_checkpoint(args.model_dir, args.layers if args.scenario != "baseline" else 24)
     if args.scenario != "baseline":
         return run_scenario(args, path)
     args.out = args.out or "results/bench_engine.json"
@@ -582,7 +615,7 @@ def run_scenario(args: argparse.Namespace, path: str) -> int:
     run, report_fn = SCENARIOS[args.scenario]
     start = time.perf_counter()
     r = run(path, args.repeats)
-    r["config"] = {"scenario": args.scenario, "repeats": args.repeats, "threads": args.threads,
+    r["config"] = {"scenario": args.scenario, "repeats": args.repeats, "threads": args.threads, "layers": args.layers,
                    "torch": torch.__version__, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs"}
     r["wall_s"] = time.perf_counter() - start
     print("\n".join(report_fn(r)))
