@@ -105,6 +105,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     eng.add_argument("--num-gpu-blocks", type=int, default=None, help="KV blocks to allocate (overrides memory sizing)")
     eng.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache budget in bytes")
     eng.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    eng.add_argument("--share-inflight-prefixes", action=argparse.BooleanOptionalAction, default=True,
+                     help="a request whose prompt blocks a running request is computing waits for them and hits")
+    eng.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "cache_aware"],
+                     help="admission order: arrival, or most cached prompt tokens first (with --max-wait-steps)")
+    eng.add_argument("--max-wait-steps", type=_positive_int, default=100,
+                     help="cache_aware: a request waiting this many engine steps is admitted before cached ones")
 
 
 def run(args: argparse.Namespace) -> int:
