@@ -98,7 +98,9 @@ async def one_request(client: httpx.AsyncClient, url: str, payload: dict) -> dic
 async def run_users(url: str, model: str, system: str, users: int, per_user: int, max_tokens: int,
                     ids: itertools.count) -> dict:
     """`users` closed-loop clients, each sending `per_user` requests one after another."""
-    limits = httpx.Limits(max_connections=users + 4, max_keepalive_connections=users + 4)
+    # A fresh connection per request for both servers: reusing llama-server's keep-alive connections raced with its
+    # closing them ("Server disconnected without sending a response").
+    limits = httpx.Limits(max_connections=users + 4, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=900, limits=limits) as client:
         async def user() -> list[dict]:
             return [await one_request(client, url, body(model, system, question(next(ids)), max_tokens))
@@ -180,6 +182,8 @@ def main() -> None:
         run(args)
     except PeerError as e:
         sys.exit(f"bench_peer: {e}")
+    except httpx.HTTPError as e:
+        sys.exit(f"bench_peer: a request failed: {type(e).__name__}: {e}")
 
 
 def run(args: argparse.Namespace) -> None:
