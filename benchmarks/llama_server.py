@@ -25,8 +25,8 @@ LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 
 # A native build (-march=native) crashes in ggml's AMX path on this project's CPUs (Sapphire Rapids class, with
 # AMX-BF16/INT8): configure for an explicit instruction set instead, AMX off. The AVX512 extensions that the CPU has
-# (VNNI, BF16, VBMI) are on, so ggml uses its VNNI dot products; they run no AMX code, and the greedy answers are
-# the same with them, without them and with AVX512 off (docs/benchmarks.md, "CPU peer").
+# (VNNI, BF16, VBMI) are on, so ggml uses its VNNI dot products; they run no AMX code. The wrong-looking greedy answer to the
+# bare check question comes with them, without them and with AVX512 off alike (docs/benchmarks.md, "CPU peer").
 CMAKE_OPTIONS = {
     "CMAKE_BUILD_TYPE": "Release",
     "BUILD_SHARED_LIBS": "OFF",
