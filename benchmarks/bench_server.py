@@ -144,7 +144,7 @@ def main() -> None:
     p.add_argument("--system-words", type=int, default=200, help="words in the shared system prompt")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=4096)
-    p.add_argument("--model", default=None, help="checkpoint (default: the built-in random-weight model)")
+    p.add_argument("--model", default=None, help="checkpoint (default: the built-in SmolLM2-135M-Instruct)")
     p.add_argument("--out", default="results/bench_server.json")
     args = p.parse_args()
     args.rates = [float(r) for r in args.rates.split(",")]

@@ -18,11 +18,19 @@ def tiny_llama_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     return write_random_checkpoint(str(tmp_path_factory.mktemp("tiny-llama")), "llama", seed=0)
 
 
+# The model the server, router and engine tests serve where a user would get the built-in default
+# (SmolLM2-135M, 30 layers, far too slow for them): a random 4-layer Llama, big enough for prompts of several thousand
+# tokens, small enough that a 64-client load test is fast on 2 cores. Its text is meaningless.
+TEST_MODEL_CONFIG = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=8192)
+
+
 @pytest.fixture(scope="session")
 def default_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """Points KVPREFIX_CACHE_DIR at a session temp dir (never ~/.cache) and builds the default model there once."""
-    from kvprefix.model import default_model_path
-
+    """The tests' stand-in for the default model, written once per session; KVPREFIX_TEST_MODEL names it for the
+    servers the tests start (server_helpers.start_server passes it as --model)."""
+    path = write_random_checkpoint(str(tmp_path_factory.mktemp("test-model")), "llama", seed=1234,
+                                   tokenizer_vocab_size=1024, **TEST_MODEL_CONFIG)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("KVPREFIX_CACHE_DIR", str(tmp_path_factory.mktemp("kvprefix-cache")))
-        yield default_model_path()
+        mp.setenv("KVPREFIX_TEST_MODEL", path)
+        yield path

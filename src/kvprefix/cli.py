@@ -12,6 +12,7 @@ SUBCOMMANDS = {
     "simulate": ("kvprefix.sim.cli", "replay a trace (or the seed example) on the real cache code"),
     "serve": ("kvprefix.server.cli", "OpenAI-compatible server with prefix caching (default: 127.0.0.1:8000)"),
     "route": ("kvprefix.router.cli", "prefix-aware router over kvprefix serve replicas (default: 127.0.0.1:8100)"),
+    "doctor": ("kvprefix.doctor.cli", "what breaks prefix reuse in a request log, and what fixing it would win"),
     "lab": ("kvprefix.engine.lab", "the prefix cache on a real engine: shared system prompt, caching on vs off"),
 }
 

@@ -13,9 +13,8 @@ def llm(make_llm):
     return make_llm()
 
 
-def test_default_model_runs_text_prompts_and_chat(default_model_dir):
-    llm = LLM(num_gpu_blocks=64)
-    assert llm.llm_engine.uses_default_model
+def test_text_prompts_and_chat(default_model_dir):
+    llm = LLM(default_model_dir, num_gpu_blocks=64)
     out = llm.generate(["The capital of France is", "Hello"], GREEDY)
     assert [len(o.outputs[0].token_ids) for o in out] == [6, 6]
     assert all(

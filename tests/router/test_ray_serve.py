@@ -28,10 +28,12 @@ def test_ray_serve_routes_like_the_standalone_policy(default_model_dir: str):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        # The workers inherit KVPREFIX_CACHE_DIR, so they load the default model built for the session.
-        engine_args = {"device": "cpu", "num_gpu_blocks": REPLICA_BLOCKS,
+        from kvprefix.server.app import ServerConfig
+
+        engine_args = {"model": default_model_dir, "dtype": "float32", "device": "cpu", "num_gpu_blocks": REPLICA_BLOCKS,
                        "max_num_seqs": 16}
-        serve.run(build_app(engine_args, 2, "prefix", num_cpus=0.5), name="kvprefix", route_prefix="/")
+        serve.run(build_app(engine_args, 2, "prefix", num_cpus=0.5, config=ServerConfig(served_model_name=MODEL)),
+                  name="kvprefix", route_prefix="/")
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200  # goes anywhere, moves no rotation
         traffic = shared_prefix_traffic(rounds=3)

@@ -76,7 +76,10 @@ def start_server(tmp: Path, *args: str, request_log: bool = False, port: int | N
     port = port or free_port()
     log_path = tmp / f"server-{port}.log"
     rl = tmp / f"requests-{port}.jsonl" if request_log else None
+    # The tests' small random model (tests/conftest.py), under the name the tests send; float32 on every machine,
+    # so that outputs compare exactly whatever "auto" picks there.
     cmd = [sys.executable, "-m", "kvprefix.cli", "serve", "--port", str(port), "--log-level", "warning",
+           "--model", os.environ["KVPREFIX_TEST_MODEL"], "--served-model-name", "default-model-v1", "--dtype", "float32",
            "--max-num-seqs", "80", *args]
     if rl is not None:
         cmd += ["--request-log", str(rl)]

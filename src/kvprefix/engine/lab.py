@@ -1,6 +1,8 @@
 """`kvprefix lab`: the prefix cache on a real engine. Several prompts share a long system prompt; they run with
 caching on, then off, one at a time, and the table shows per request the cached tokens and the time to first token,
-that one changed early token loses the hit, and that the outputs are identical either way."""
+that one changed early token loses the hit, and that the outputs are identical either way. With a chat template the
+prompts are chat conversations (the shared text as the system message, each question as the user's), so an
+instruct model such as the built-in default answers them in real text."""
 
 from __future__ import annotations
 
@@ -23,10 +25,11 @@ SYSTEM_TEXT = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="checkpoint directory or hub id (default: built-in random model)")
+    parser.add_argument("--model", default=None,
+                        help="checkpoint directory, .gguf file or hub id (default: built-in SmolLM2-135M-Instruct)")
     parser.add_argument("--num-requests", type=int, default=4, help="prompts sharing the system prompt (>= 3)")
     parser.add_argument("--system-tokens", type=int, default=1024, help="length of the shared system prompt")
-    parser.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request (greedy)")
+    parser.add_argument("--max-tokens", type=int, default=32, help="most tokens generated per request (greedy)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -34,17 +37,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvprefix.engine import LLM, SamplingParams
-    from kvprefix.model.default_model import NOTICE
 
     if args.num_requests < 3:
         raise SystemExit(f"--num-requests must be >= 3, got {args.num_requests}")
-    if args.model is None:
-        print(f"NOTE: {NOTICE}\n")
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     settings = dict(block_size=args.block_size, dtype=args.dtype, device=args.device)
     results = {}
     for caching in (True, False):
-        llm = LLM(args.model, enable_prefix_caching=caching, **settings)
+        try:  # a checkpoint that cannot be loaded is a one-line error
+            llm = LLM(args.model, enable_prefix_caching=caching, **settings)
+        except (ValueError, FileNotFoundError) as exc:
+            raise SystemExit(f"kvprefix lab: {exc}") from None
         prompts = build_prompts(llm.get_tokenizer(), args.num_requests, args.system_tokens)
         llm.generate(QUESTIONS[0], params)  # warm-up, so request 1 is not charged for one-time setup
         # One at a time, so each TTFT is that request's own prefill, not time spent queued behind others.
@@ -60,14 +63,24 @@ def run(args: argparse.Namespace) -> int:
 
 
 def build_prompts(tokenizer, num_requests: int, system_tokens: int) -> list[list[int]]:
-    """Token ids: the same ``system_tokens``-token system prompt, then a different question each."""
-    text_ids = tokenizer.encode(SYSTEM_TEXT)
-    while len(text_ids) < system_tokens:
+    """Token ids: the same ``system_tokens``-token system prompt (the template's opening included), then a different
+    question each; through the chat template when the tokenizer has one."""
+    if tokenizer.chat_template:
+        # The template rendered around two markers: its text before the system message, between the system message
+        # and the question, and after the question.
+        marks = [{"role": "system", "content": "\x00SYSTEM\x00"}, {"role": "user", "content": "\x00USER\x00"}]
+        rendered = tokenizer.apply_chat_template(marks, tokenize=False)
+        before, rest = rendered.split("\x00SYSTEM\x00")
+        between, after = rest.split("\x00USER\x00")
+        head = tokenizer.encode(before, add_special_tokens=False)
+    else:
+        before, between, after, head = "", "\nQuestion: ", "\nAnswer:", tokenizer.encode("")
+    text_ids = []
+    while len(head) + len(text_ids) < system_tokens:
         text_ids += tokenizer.encode(SYSTEM_TEXT, add_special_tokens=False)
-    system = text_ids[:system_tokens]
+    system = (head + text_ids)[:system_tokens]
     return [
-        system
-        + tokenizer.encode(f"\nQuestion {i + 1}: {QUESTIONS[i % len(QUESTIONS)]}\nAnswer:", add_special_tokens=False)
+        system + tokenizer.encode(between + QUESTIONS[i % len(QUESTIONS)] + after, add_special_tokens=False)
         for i in range(num_requests)
     ]
 
@@ -98,4 +111,8 @@ def print_report(results: dict, system_tokens: int) -> None:
     same = [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]
     same_changed = on_changed.outputs[0].token_ids == off_changed.outputs[0].token_ids
     verdict = "identical" if same and same_changed else "DIFFERENT"
-    print(f"outputs with caching on and off: {verdict} (greedy token ids of every request)")
+    print(f"outputs with caching on and off: {verdict} (greedy token ids of every request)\n")
+    for i, (a, b) in enumerate(zip(on, off, strict=True)):
+        question = QUESTIONS[i % len(QUESTIONS)]
+        same_text = "same with caching off" if a.outputs[0].token_ids == b.outputs[0].token_ids else "OFF DIFFERS"
+        print(f"{i + 1}. {question}\n   -> {a.outputs[0].text.strip()!r} ({same_text})")

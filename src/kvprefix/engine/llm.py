@@ -17,8 +17,8 @@ Conversation = list[dict[str, Any]]
 
 class LLM:
     """``LLM(model=None, enable_prefix_caching=True, block_size=16, prefix_caching_hash_algo="sha256", ...)``;
-    every keyword is an ``EngineArgs`` field. ``model=None`` is the built-in default model: random weights,
-    meaningless text; pass a checkpoint directory or hub id for real text."""
+    every keyword is an ``EngineArgs`` field. ``model=None`` is the built-in default model
+    (SmolLM2-135M-Instruct); or pass a checkpoint directory, a .gguf file or a hub id."""
 
     def __init__(self, model: str | None = None, **kwargs: Any):
         try:
@@ -71,18 +71,21 @@ class LLM:
                 )
         engine = self.llm_engine
         ids = [str(next(self._ids)) for _ in prompts]
+        states = {}
         try:
             for request_id, prompt, params in zip(ids, prompts, params_list, strict=True):
-                engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
+                states[request_id] = engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
             finals: dict[str, RequestOutput] = {}
             bar = _progress(len(ids)) if use_tqdm else None
             while len(finals) < len(ids):
-                outputs = engine.step()
+                deltas = engine.step()
                 for _, error in engine.take_failures():
                     raise error
-                for out in outputs:
-                    if out.finished:
-                        finals[out.request_id] = out
+                for delta in deltas:
+                    state = states[delta.request_id]
+                    state.apply(delta)
+                    if delta.finished:  # text is decoded only now, once per request
+                        finals[delta.request_id] = state.output()
                         if bar is not None:
                             bar.update(1)
             if bar is not None:

@@ -1,5 +1,6 @@
 """LLMEngine: the synchronous core that LLM and AsyncLLM drive. Owns the model runner, the scheduler, the KV cache
-manager and the block hashers; turns prompts into requests and engine steps into RequestOutputs."""
+manager and the block hashers; turns prompts into requests and engine steps into RequestDeltas, which each caller's
+OutputState folds into RequestOutputs."""
 
 from __future__ import annotations
 
@@ -9,17 +10,18 @@ from typing import Any
 
 import torch
 
-from kvprefix.cache import BlockHash, BlockHasher, KVCacheManager, context_for_checkpoint
+from kvprefix.cache import BlockHasher, KVCacheManager, context_for_checkpoint
 from kvprefix.engine.args import EngineArgs
 from kvprefix.engine.model_runner import ModelRunner, num_kv_blocks
-from kvprefix.engine.outputs import RequestMetrics, RequestOutput
+from kvprefix.engine.output_state import OutputState
+from kvprefix.engine.outputs import RequestDelta, RequestMetrics, SampleDelta
 from kvprefix.engine.request import Request
 from kvprefix.engine.sampler import Sampler
 from kvprefix.engine.sampling_params import SamplingParams
 from kvprefix.engine.scheduler import Scheduler
 from kvprefix.model import ModelConfig, default_model_path, load_model
 from kvprefix.model.default_model import DEFAULT_MODEL_NAME
-from kvprefix.model.loader import resolve_dtype, resolve_model_path
+from kvprefix.model.loader import default_dtype, resolve_dtype, resolve_model_path
 from kvprefix.model.quantized_linear import check_quantization, quantize_model
 from kvprefix.prompts import Tokenizer
 
@@ -36,24 +38,16 @@ class _UserRequest:
     """A request as the caller sees it: one prompt, ``n`` samples."""
 
     request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
     samples: list[Request]
     metrics: RequestMetrics
-    prompt_block_hashes: list[BlockHash]
-    namespace_id: str
 
-    def output(self) -> RequestOutput:
-        return RequestOutput(
+    def delta(self, samples: list[SampleDelta]) -> RequestDelta:
+        return RequestDelta(
             request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            outputs=[s.completion() for s in self.samples],
+            samples=samples,
             finished=all(s.finished for s in self.samples),
             num_cached_tokens=max(0, self.samples[0].num_cached_tokens),
             metrics=dataclasses.replace(self.metrics),
-            prompt_block_hashes=self.prompt_block_hashes,
-            namespace_id=self.namespace_id,
         )
 
 
@@ -61,8 +55,7 @@ class LLMEngine:
     def __init__(self, args: EngineArgs):
         self.args = args
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        dtype_name = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
-        dtype = resolve_dtype(dtype_name)
+        dtype = default_dtype(device) if args.dtype == "auto" else resolve_dtype(args.dtype)
         self.model_name = args.model or DEFAULT_MODEL_NAME
         self.uses_default_model = args.model is None
         path = default_model_path() if args.model is None else resolve_model_path(args.model)
@@ -92,9 +85,16 @@ class LLMEngine:
         )
         # The longest a request (prompt + output) may grow: the model's limit, or the whole KV cache if smaller.
         self.max_sequence_tokens = min(self.max_model_len, num_blocks * args.block_size)
-        self.scheduler = Scheduler(self.manager, args.max_num_seqs, args.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.manager,
+            args.max_num_seqs,
+            args.max_num_batched_tokens,
+            share_inflight_prefixes=args.share_inflight_prefixes and args.enable_prefix_caching,
+            scheduling_policy=args.scheduling_policy,
+            max_wait_steps=args.max_wait_steps,
+        )
         self.runner = ModelRunner.create(model, num_blocks, self.manager, dtype, device)
-        self.sampler = Sampler(args.seed, device, self.tokenizer.decode)
+        self.sampler = Sampler(args.seed, device)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | self.tokenizer.eos_token_ids
         self._requests: dict[str, _UserRequest] = {}
         self._user_request_of: dict[str, _UserRequest] = {}  # sample id -> its user request
@@ -126,11 +126,12 @@ class LLMEngine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         tenant: str | None = None,
-    ) -> None:
+    ) -> OutputState:
         """Queues a request. Raises ValueError for a reused id, a bad prompt, or one that cannot fit.
 
         ``tenant`` and ``cache_salt`` pick the cache namespace (``identity.namespace_salt``): the request only ever
-        hits blocks of the same namespace."""
+        hits blocks of the same namespace. Returns the request's ``OutputState``: the caller feeds it the request's
+        ``RequestDelta``s (from ``step`` and ``abort_request``) and reads cumulative outputs from it."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
@@ -158,18 +159,19 @@ class LLMEngine:
                     eos_token_ids=self.eos_token_ids,
                     tokenizer=self.tokenizer,
                     index=i,
-                    leader=samples[0] if i and self.manager.enable_prefix_caching else None,
                     eviction_group=tenant,
                 )
             )
         metrics = RequestMetrics(arrival_time if arrival_time is not None else time.monotonic())
         prompt_hashes = samples[0].block_hashes[: len(ids) // hasher.block_size]
-        user_request = _UserRequest(request_id, text, ids, samples, metrics, prompt_hashes, hasher.namespace_id)
+        user_request = _UserRequest(request_id, samples, metrics)
         self._requests[request_id] = user_request
         for s in samples:
             self._user_request_of[s.request_id] = user_request
             self.scheduler.add(s)
         self._counters["prompt_tokens"] += len(ids)
+        return OutputState(request_id, text, ids, [s.params for s in samples], self.tokenizer, prompt_hashes,
+                           hasher.namespace_id, metrics.arrival_time)
 
     def _check_prompt(self, request_id: str, ids: list[int]) -> None:
         if not ids:
@@ -185,27 +187,30 @@ class LLMEngine:
                 f"request {request_id!r}: a prompt of {len(ids)} tokens leaves no room to generate; {what} is {limit}"
             )
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stops a request and frees its blocks; returns its final output (finish_reason "abort"), or None if it
-        is unknown or already finished."""
+    def abort_request(self, request_id: str) -> RequestDelta | None:
+        """Stops a request and frees its blocks; returns its last delta (its unfinished samples end with
+        finish_reason "abort"), or None if it is unknown or already finished."""
         user_request = self._requests.get(request_id)
         if user_request is None:
             return None
-        self._end(user_request, "requests_aborted")
-        return user_request.output()
+        return user_request.delta(self._end(user_request, "requests_aborted"))
 
-    def _end(self, user_request: _UserRequest, counter: str) -> None:
-        """Stops every unfinished sample (finish_reason "abort"), frees its blocks and forgets the request."""
+    def _end(self, user_request: _UserRequest, counter: str) -> list[SampleDelta]:
+        """Stops every unfinished sample (finish_reason "abort"), frees its blocks and forgets the request; returns
+        the aborted samples' deltas."""
         del self._requests[user_request.request_id]
+        aborted = []
         for s in user_request.samples:
             if not s.finished:
                 s.abort()
                 self.scheduler.finish(s)
+                aborted.append(SampleDelta(s.index, [], finish_reason="abort"))
         user_request.metrics.finished_time = time.monotonic()
         self._forget(user_request)
         self._counters[counter] += 1
+        return aborted
 
-    def abort_all(self) -> list[RequestOutput]:
+    def abort_all(self) -> list[RequestDelta]:
         return [out for request_id in list(self._requests) if (out := self.abort_request(request_id)) is not None]
 
     def _forget(self, user_request: _UserRequest) -> None:
@@ -217,8 +222,8 @@ class LLMEngine:
 
     # ---- stepping -------------------------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """Runs one batch; returns the outputs of requests that produced a token or finished in it."""
+    def step(self) -> list[RequestDelta]:
+        """Runs one batch; returns the deltas of requests that produced a token or finished in it."""
         if self._requests and not self.scheduler.has_unfinished():
             # Unfinished requests that the scheduler lost can never progress: callers would loop forever.
             raise RuntimeError(
@@ -244,7 +249,7 @@ class LLMEngine:
         requests = [sched.scheduled[i].request for i in sample_rows]
         samples = self._sample(logits, requests)
         now = time.monotonic()
-        changed: dict[str, _UserRequest] = {}
+        changed: dict[str, tuple[_UserRequest, list[SampleDelta]]] = {}
         for req, (token, lp) in zip(requests, samples, strict=True):
             user_request = self._user_request_of.get(req.request_id)
             if user_request is None:  # failed in this step with a sibling sample
@@ -252,7 +257,7 @@ class LLMEngine:
             try:
                 if isinstance(token, BaseException):
                     raise token
-                req.append_output(token, lp)
+                req.append_output(token)
             except Exception as exc:  # this request's fault (its params or text): it alone fails
                 self._fail(user_request, exc)
                 changed.pop(user_request.request_id, None)
@@ -260,9 +265,11 @@ class LLMEngine:
             self._counters["generation_tokens"] += 1
             if req.finished:
                 self.scheduler.finish(req)
-            changed[user_request.request_id] = user_request
+            delta = SampleDelta(req.index, [token], None if lp is None else [lp],
+                                None if req.text is None else req.text.text, req.finish_reason, req.stop_reason)
+            changed.setdefault(user_request.request_id, (user_request, []))[1].append(delta)
         outputs = []
-        for user_request in changed.values():
+        for user_request, deltas in changed.values():
             metrics = user_request.metrics
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
@@ -271,7 +278,7 @@ class LLMEngine:
                 del self._requests[user_request.request_id]
                 self._forget(user_request)
                 self._counters["requests_finished"] += 1
-            outputs.append(user_request.output())
+            outputs.append(user_request.delta(deltas))
         return outputs
 
     def _sample(self, logits, requests: list[Request]) -> list[tuple]:
@@ -309,7 +316,8 @@ class LLMEngine:
 
     def get_metrics(self) -> dict[str, int | float]:
         """Counters since start (prefix_cache_* in tokens, each request counted at its first admission;
-        prefix_cache_preempted_* count re-admissions after preemption) and gauges (num_requests_*, kv_cache_usage,
+        prefix_cache_preempted_* count re-admissions after preemption; num_inflight_prefix_waits: requests that waited
+        behind a running request's in-flight prompt blocks) and gauges (num_requests_*, kv_cache_usage,
         num_free_blocks)."""
         stats = self.manager.stats
         pool = self.manager.pool
@@ -324,6 +332,7 @@ class LLMEngine:
             "prefix_cache_evictions": stats.evictions,
             "prefix_cache_resets": stats.resets,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_inflight_prefix_waits": self.scheduler.inflight.num_waits if self.scheduler.inflight else 0,
             "prompt_tokens": self._counters["prompt_tokens"],
             "prompt_tokens_computed": self.scheduler.num_prompt_tokens_computed,
             "generation_tokens": self._counters["generation_tokens"],

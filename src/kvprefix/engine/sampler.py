@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -15,13 +15,13 @@ class Sampler:
     (argmax of p / Exp(1)), which needs one draw per row from that row's generator: a request with a seed has its
     own ``torch.Generator``, so its samples do not depend on what else is in the batch."""
 
-    def __init__(self, seed: int, device: torch.device, decode: Callable[[list[int]], str]):
+    def __init__(self, seed: int, device: torch.device):
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
-        self._decode = decode
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> tuple[list[int], list]:
-        """``logits``: float32 [len(requests), vocab]. Returns token ids and, per row, a logprobs dict or None."""
+        """``logits``: float32 [len(requests), vocab]. Returns token ids and, per row, a logprobs dict or None (its
+        ``decoded_token``s are filled in where the outputs are read, off the engine thread)."""
         raw = logits
         if any(r.params.has_penalties for r in requests):
             logits = self._apply_penalties(logits.clone(), requests)
@@ -88,8 +88,6 @@ class Sampler:
                 values, ids = row.topk(k)
                 for rank, (v, t) in enumerate(zip(values.tolist(), ids.tolist(), strict=True), start=1):
                     entry.setdefault(t, Logprob(v, rank))
-            for t, lp in entry.items():
-                lp.decoded_token = self._decode([t])
             out[i] = entry
         return out
 

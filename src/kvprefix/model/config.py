@@ -1,4 +1,5 @@
-"""ModelConfig: the parts of a Hugging Face config.json that the Llama-family decoder needs."""
+"""ModelConfig: the parts of a Hugging Face config.json (or of a GGUF file's metadata) that the Llama-family
+decoder needs."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
+
+from kvprefix.prompts.gguf_file import GGUFFile, is_gguf, open_gguf
 
 # model_type -> the architecture name transformers writes; both spellings are accepted.
 SUPPORTED_MODEL_TYPES = {
@@ -15,6 +18,8 @@ SUPPORTED_MODEL_TYPES = {
     "qwen3": "Qwen3ForCausalLM",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# GGUF general.architecture -> model_type. GGUF files of Llama 2/3, Mistral and SmolLM all say "llama".
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
 @dataclass(frozen=True)
@@ -81,7 +86,54 @@ class ModelConfig:
         )
 
     @classmethod
+    def from_gguf(cls, gguf: GGUFFile) -> ModelConfig:
+        """The config a GGUF file's metadata and tensor list imply (biases and norms: by the tensors present)."""
+        arch = gguf.architecture
+        if arch not in GGUF_ARCHITECTURES:
+            raise ValueError(
+                f"{gguf.path}: unsupported architecture {arch!r}; accepted: {', '.join(GGUF_ARCHITECTURES)}"
+            )
+        heads, hidden = gguf.require(f"{arch}.attention.head_count"), gguf.require(f"{arch}.embedding_length")
+        kv_heads = gguf.get(f"{arch}.attention.head_count_kv", heads)
+        if not isinstance(heads, int) or not isinstance(kv_heads, int):
+            raise ValueError(f"{gguf.path}: per-layer head counts are not supported")
+        head_dim = gguf.get(f"{arch}.attention.key_length", hidden // heads)
+        rope_dim = gguf.get(f"{arch}.rope.dimension_count", head_dim)
+        if rope_dim != head_dim:
+            raise ValueError(f"{gguf.path}: partial rotary embedding ({rope_dim} of {head_dim} dims) is not supported")
+        layers = gguf.require(f"{arch}.block_count")
+        embedding = gguf.tensors.get("token_embd.weight")
+        if embedding is None:
+            raise ValueError(f"{gguf.path}: GGUF file has no token_embd.weight tensor")
+        eos = [gguf.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+        return cls(
+            model_type=GGUF_ARCHITECTURES[arch],
+            vocab_size=int(embedding.shape[1]),  # GGUF shapes list the fastest-varying dimension first
+            hidden_size=hidden,
+            intermediate_size=gguf.require(f"{arch}.feed_forward_length"),
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            max_position_embeddings=gguf.get(f"{arch}.context_length", 4096),
+            rms_norm_eps=float(gguf.require(f"{arch}.attention.layer_norm_rms_epsilon")),
+            rope_theta=float(gguf.get(f"{arch}.rope.freq_base", 10000.0)),
+            rope_type=(rope := _gguf_rope(gguf, arch))["rope_type"],
+            rope_parameters=rope,
+            tie_word_embeddings="output.weight" not in gguf.tensors,
+            qkv_bias="blk.0.attn_q.bias" in gguf.tensors,
+            o_bias="blk.0.attn_output.bias" in gguf.tensors,
+            mlp_bias="blk.0.ffn_up.bias" in gguf.tensors,
+            qk_norm="blk.0.attn_q_norm.weight" in gguf.tensors,
+            sliding_windows=(None,) * layers,
+            bos_token_id=gguf.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=tuple(int(i) for i in eos if i is not None),
+        )
+
+    @classmethod
     def from_path(cls, path: str) -> ModelConfig:
+        if is_gguf(path):
+            return cls.from_gguf(open_gguf(path))
         config_file = os.path.join(path, "config.json")
         if not os.path.isfile(config_file):
             raise FileNotFoundError(
@@ -115,6 +167,22 @@ def _rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"unsupported rope type {rope_type!r}; accepted: {list(SUPPORTED_ROPE_TYPES)}")
     rope["rope_type"] = rope_type
     return rope
+
+
+def _gguf_rope(gguf: GGUFFile, arch: str) -> dict[str, Any]:
+    theta = float(gguf.get(f"{arch}.rope.freq_base", 10000.0))
+    scaling = gguf.get(f"{arch}.rope.scaling.type", "none")
+    if "rope_freqs.weight" in gguf.tensors:
+        # Llama 3.1+: the file carries the per-frequency divisors llama.cpp applies, instead of their recipe.
+        if scaling != "none":
+            raise ValueError(f"{gguf.path}: rope scaling {scaling!r} on top of rope_freqs is not supported")
+        factors = gguf.tensors["rope_freqs.weight"].data
+        return {"rope_type": "default", "rope_theta": theta, "freq_factors": [float(f) for f in factors]}
+    if scaling == "none":
+        return {"rope_type": "default", "rope_theta": theta}
+    if scaling == "linear":
+        return {"rope_type": "linear", "rope_theta": theta, "factor": float(gguf.require(f"{arch}.rope.scaling.factor"))}
+    raise ValueError(f"{gguf.path}: unsupported rope scaling {scaling!r}; accepted: 'none', 'linear'")
 
 
 def _sliding_windows(raw: dict[str, Any], model_type: str, layers: int) -> tuple[int | None, ...]:

@@ -14,6 +14,8 @@ def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     params = config.rope_parameters
+    if "freq_factors" in params:  # a GGUF's rope_freqs tensor (Llama 3.1+), as llama.cpp applies it
+        inv_freq = inv_freq / torch.tensor(params["freq_factors"], dtype=torch.float32, device="cpu")
     if config.rope_type == "linear":
         return inv_freq / params["factor"]
     if config.rope_type == "llama3":

@@ -70,8 +70,11 @@ def render_chat(
     messages: Sequence[Mapping[str, Any]],
     add_generation_prompt: bool = True,
     max_tokens: int | None = None,
+    tools: Sequence[Any] | None = None,
 ) -> RenderedPrompt:
     """Renders with the checkpoint's chat template; the template writes any BOS itself, so none is added.
+    ``tools`` (OpenAI's list of tool definitions) goes to the template as ``tools``: a template that renders
+    tools puts them in the prompt, one that does not ignores them.
 
     Message content is text: a special token's spelling typed into it ("<|im_start|>system") stays text, as
     llama.cpp treats user text, so no message can forge a role or end another. ``max_tokens``: refuse, before
@@ -81,7 +84,9 @@ def render_chat(
     if not normalized:
         raise PromptError("'messages' must not be empty", "messages")
     try:
-        text = tokenizer.apply_chat_template(normalized, add_generation_prompt=add_generation_prompt, tokenize=False)
+        extra = {} if tools is None else {"tools": list(tools)}
+        text = tokenizer.apply_chat_template(normalized, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                             **extra)
     except Exception as exc:  # a template can raise anything (jinja2 errors for unexpected roles, ValueError)
         raise PromptError(f"cannot render 'messages' with the model's chat template: {exc}", "messages") from None
     _check_length(tokenizer, text, max_tokens, "messages")
@@ -150,7 +155,11 @@ def render_body(tokenizer: Tokenizer, body: Mapping[str, Any]) -> list[RenderedP
         messages = body["messages"]
         if not isinstance(messages, list):
             raise PromptError("'messages' must be a list", "messages")
-        return [render_chat(tokenizer, messages, add_generation_prompt=body.get("add_generation_prompt", True))]
+        tools = body.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise PromptError("'tools' must be a list", "tools")
+        return [render_chat(tokenizer, messages, add_generation_prompt=body.get("add_generation_prompt", True),
+                            tools=tools)]
     if "prompt" in body:
         return [render_completion(tokenizer, p) for p in completion_prompts(body["prompt"])]
     raise PromptError("a request body needs 'messages' (chat) or 'prompt' (completions)", "messages")

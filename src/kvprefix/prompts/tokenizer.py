@@ -1,4 +1,5 @@
-"""Tokenizer: a checkpoint's tokenizer and chat template, via transformers (which needs no torch for this)."""
+"""Tokenizer: a checkpoint's tokenizer and chat template, via transformers (which needs no torch for this); for a
+.gguf file, the tokenizer rebuilt from its metadata (kvprefix.prompts.gguf_tokenizer)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,20 @@ import json
 import os
 from typing import Any
 
+from kvprefix.prompts.gguf_file import is_gguf, open_gguf
+
 
 class Tokenizer:
     def __init__(self, path: str) -> None:
+        if is_gguf(path):
+            from kvprefix.prompts.gguf_tokenizer import gguf_eos_token_ids, gguf_tokenizer
+
+            gguf = open_gguf(path)
+            self.hf = gguf_tokenizer(gguf)
+            self.eos_token_ids: frozenset[int] = gguf_eos_token_ids(gguf)
+            self.bos_token_id: int | None = self.hf.bos_token_id
+            self.vocab_size: int = len(self.hf)
+            return
         if not os.path.isfile(os.path.join(path, "tokenizer.json")) and not os.path.isfile(
             os.path.join(path, "tokenizer_config.json")
         ):

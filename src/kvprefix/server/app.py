@@ -83,8 +83,7 @@ def _log_startup(engine, info: ModelInfo, config: ServerConfig) -> None:
     num_blocks = engine.num_kv_blocks
     log.info("serving model %s (max_model_len %d tokens)", info.name, info.max_model_len)
     if engine.uses_default_model:
-        log.warning("the built-in default model has RANDOM weights: its text is meaningless; use --model for a real "
-                    "checkpoint")
+        log.info("the built-in default model: SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized); --model serves another")
     log.info(
         "prefix cache: %s, block size %d tokens (the minimum shareable prefix; only full blocks are cached), "
         "%d blocks = %d tokens of KV, hash %s",

@@ -93,7 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     eng = parser.add_argument_group("engine")
     eng.add_argument("--model", default=None,
-                     help="checkpoint directory or hub id (default: the built-in random-weight model)")
+                     help="checkpoint directory, .gguf file or hub id (default: the built-in SmolLM2-135M-Instruct)")
     eng.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     eng.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
                      help="CPU: weight-only int8 (per channel), int4 (groups of 32), or gguf (a .gguf model's own "
@@ -109,6 +109,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     eng.add_argument("--num-gpu-blocks", type=int, default=None, help="KV blocks to allocate (overrides memory sizing)")
     eng.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache budget in bytes")
     eng.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    eng.add_argument("--share-inflight-prefixes", action=argparse.BooleanOptionalAction, default=True,
+                     help="a request whose prompt blocks a running request is computing waits for them and hits")
+    eng.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "cache_aware"],
+                     help="admission order: arrival, or most cached prompt tokens first (with --max-wait-steps)")
+    eng.add_argument("--max-wait-steps", type=_positive_int, default=100,
+                     help="cache_aware: a request waiting this many engine steps is admitted before cached ones")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -154,7 +160,11 @@ def run(args: argparse.Namespace) -> int:
         from kvprefix.router.ray_serve import run_on_ray
 
         return run_on_ray(args, dataclasses.asdict(engine_args), config)
-    serve(create_app(AsyncLLM(engine_args), config), args.host, args.port, args.log_level, args.shutdown_timeout,
+    try:  # a checkpoint that cannot be loaded (missing, truncated, unsupported) is a one-line error
+        engine = AsyncLLM(engine_args)
+    except (ValueError, FileNotFoundError) as exc:
+        raise SystemExit(f"kvprefix serve: {exc}") from None
+    serve(create_app(engine, config), args.host, args.port, args.log_level, args.shutdown_timeout,
           timeout_keep_alive=args.timeout_keep_alive, timeout_headers=args.timeout_headers,
           timeout_body=args.timeout_body, limit_concurrency=args.limit_concurrency)
     return 0

@@ -57,6 +57,7 @@ class _Job:
     detail: CacheDetail | None = None  # the cache diagnosis, made at the first token
     sent_text: list[int] = field(default_factory=list)  # streaming, per sample: characters already sent
     sent_tokens: list[int] = field(default_factory=list)  # streaming, per sample: tokens whose logprobs went out
+    sent_finish: set[int] = field(default_factory=set)  # streaming: samples whose finish_reason went out
 
 
 class Serving:
@@ -398,6 +399,8 @@ class _Context:
             ticket.release()
 
     def _delta(self, job: _Job, o: CompletionOutput) -> dict | None:
+        if o.index in job.sent_finish:  # its last chunk went out; later outputs repeat it for the other samples
+            return None
         sent, sent_tokens = job.sent_text[o.index], job.sent_tokens[o.index]
         delta = o.text[sent:]
         new_tokens = len(o.token_ids) > sent_tokens
@@ -405,6 +408,8 @@ class _Context:
         if not delta and o.finish_reason is None and not (new_tokens and self.num_logprobs is not None):
             return None
         logprobs = self._logprobs(o, sent_tokens, sent) if new_tokens else None
+        if o.finish_reason is not None:
+            job.sent_finish.add(o.index)
         c = {"index": self._choice_index(job, o.index), "logprobs": logprobs, "finish_reason": o.finish_reason}
         if self.chat:
             c["delta"] = {"content": delta} if delta else {}

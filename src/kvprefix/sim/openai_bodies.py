@@ -14,8 +14,8 @@ from kvprefix.cache import BlockHasher, cdiv, context_for_checkpoint
 from kvprefix.prompts import PromptError, Tokenizer, render_body
 from kvprefix.sim.trace import TimestampCheck, Trace, TraceError, TraceRequest, iter_rows, require
 
-# The KV dtype only salts the root: hashes within one replay share it, whichever it is. float32 is the CPU default,
-# so a replay of bodies hashes like a CPU server of the same checkpoint.
+# The KV dtype only salts the root: hashes within one replay share it, whichever it is. float32 is the CPU default
+# where bfloat16 is not native, so a replay of bodies hashes like such a server (or one run with --dtype float32).
 DEFAULT_KV_DTYPE = "float32"
 
 

@@ -1,0 +1,80 @@
+"""The loop a user runs on production traffic, end to end: `kvprefix serve --request-log --request-log-prompts`,
+a client whose system prompt starts with the current time, then `kvprefix doctor` on the log the server wrote.
+
+Prints the server's own cached tokens per request, then the doctor's report; writes both as JSON. Uses the
+default model (or --model) and a free port on 127.0.0.1.
+
+    python benchmarks/doctor_server_example.py [--requests 12] [--model DIR] [--out results/doctor_example.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from openai import OpenAI
+
+SYSTEM = ("You are the support assistant of a company that runs a prefix cache for language models. Answer in two "
+          "sentences, cite the documentation page you used, and never invent a configuration option.")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=12)
+    parser.add_argument("--model")
+    parser.add_argument("--out", default="results/doctor_example.json")
+    args = parser.parse_args()
+    model = ["--model", args.model] if args.model else []
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "requests.jsonl"
+        server = subprocess.Popen([sys.executable, "-m", "kvprefix.cli", "serve", "--port", str(port), *model,
+                                   "--request-log", str(log), "--request-log-prompts"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            for _ in range(300):
+                try:
+                    if httpx.get(url + "/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.5)
+            client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+            served = client.models.list().data[0].id
+            cached = []
+            for i in range(args.requests):
+                now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+                r = client.chat.completions.create(model=served, max_tokens=4, messages=[
+                    {"role": "system", "content": f"Current time: {now}. {SYSTEM}"},
+                    {"role": "user", "content": f"Question {i}: why did my request miss the cache?"}])
+                cached.append((r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens))
+                time.sleep(1.1)  # the next request sees another second
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+        print("server: (prompt tokens, cached tokens) per request:", cached)
+        print(f"server: {sum(c for _, c in cached)} of {sum(p for p, _ in cached)} prompt tokens cached")
+        doctor = [sys.executable, "-m", "kvprefix.cli", "doctor", str(log), *model, "--no-progress"]
+        print(subprocess.run(doctor, check=True, capture_output=True, text=True).stdout)
+        report = json.loads(subprocess.run([*doctor, "--json"], check=True, capture_output=True, text=True).stdout)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"server_cached": cached, "doctor": report}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

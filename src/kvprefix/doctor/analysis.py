@@ -1,0 +1,421 @@
+"""The doctor's analysis: read the log once to render it, hash it and learn where renderings part; render it again
+with each fix that applies; replay every rendering through the planner; attribute the lost tokens."""
+
+from __future__ import annotations
+
+import os
+from array import array
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvprefix.cache import BlockHasher
+from kvprefix.doctor.chains import BlockTree, Variant
+from kvprefix.doctor.divergence import Divergence, Rendered, VolatileSite, classify, common_tokens, tools_json
+from kvprefix.doctor.fixes import MoveVolatileToEnd, OneOrder, OneSpelling
+from kvprefix.doctor.kinds import KINDS
+from kvprefix.doctor.readers import BODIES, DoctorInputError, LogEntry, iter_entries, log_format
+from kvprefix.doctor.rendering import Renderer
+from kvprefix.doctor.replaying import Replayer, Setting, Timing
+from kvprefix.prompts import Tokenizer
+from kvprefix.sim.trace import TraceError, coarsen, coarsening_factor
+
+DEFAULT_BLOCK_SIZE = 16
+# The doctor's own hashes are only ever compared with each other, so the fast algorithm of kvprefix.cache does.
+HASH_ALGO = "xxhash"
+_RING = 8  # recent requests a request is compared with when no earlier block of it is known
+_RECENT = 1024  # renderings kept, so the request that first had a block is usually still at hand
+_MAX_SITES = 32
+_MAX_CAPACITY_STEPS = 16
+
+
+@dataclass
+class Options:
+    block_size: int | None = None  # default: 16 for bodies, the log's own for a request log
+    capacity_tokens: int | None = None  # per replica; None = unbounded
+    progress: bool = False
+
+
+@dataclass
+class Cause:
+    kind: str
+    requests: int
+    tokens_lost: int
+    example: dict[str, Any] | None
+    fix: str
+    hit_rate_after: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "requests": self.requests, "tokens_lost": self.tokens_lost,
+                "example": self.example, "fix": self.fix, "hit_rate_after": self.hit_rate_after}
+
+
+@dataclass
+class Diagnosis:
+    log: str
+    requests: int
+    block_size: int
+    capacity_tokens: int | None
+    prompt_tokens: int
+    cached_tokens: int
+    hit_rate: float
+    causes: list[Cause]
+    divergence_positions: list[int] = field(default_factory=list)  # first differing token, per request
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"requests": self.requests, "block_size": self.block_size, "hit_rate": self.hit_rate,
+                "causes": [c.to_dict() for c in self.causes]}
+
+
+@dataclass
+class _Seen:
+    index: int
+    line: int
+    rendered: Rendered
+    body: dict | None
+    tools: str | None  # the tools as sent, as JSON
+
+
+def diagnose(path: str, load_tokenizer: Callable[[], Tokenizer], options: Options | None = None) -> Diagnosis:
+    return _Doctor(path, load_tokenizer, options or Options()).run()
+
+
+class _Doctor:
+    def __init__(self, path: str, load_tokenizer: Callable[[], Tokenizer], options: Options):
+        self.path = path
+        self.options = options
+        self.fmt = log_format(path)
+        self._load_tokenizer = load_tokenizer
+        self._renderer: Renderer | None = None
+        self.bs = options.block_size or (DEFAULT_BLOCK_SIZE if self.fmt == BODIES else self._logged_block_size())
+        if options.capacity_tokens is not None and options.capacity_tokens < self.bs:
+            raise ValueError(f"--capacity {options.capacity_tokens} is smaller than one {self.bs}-token block")
+        self.hasher = BlockHasher(self.bs, HASH_ALGO)
+        self.tree = BlockTree()
+        self.variants: dict[str, Variant] = {}
+        self.lines = array("q")
+        self.arrival: list[float | None] = []
+        self.prefill: list[float | None] = []
+        self.replica: list[str] = []
+        self.namespaces: Counter[str] = Counter()
+        self.miss_reasons: Counter[str] = Counter()
+        self.ring: deque[_Seen] = deque(maxlen=_RING)
+        self.recent: OrderedDict[int, _Seen] = OrderedDict()
+        self.parted_at: dict[int, int] = {}  # block -> the latest request whose shared prefix ended there
+        self.examples: dict[str, Divergence] = {}
+        self.pairs: Counter[str] = Counter()
+        self.sites: Counter[VolatileSite] = Counter()
+        self.short_suspect = False
+        self.shared_namespace: str | None = None
+        self.text_ok = True  # every record of a request log has its text
+        self.positions: list[int] = []
+
+    # -- reading -------------------------------------------------------------------------------------------------
+
+    def _logged_block_size(self) -> int:
+        for entry in iter_entries(self.path, self.fmt):
+            return entry.source_block_size or DEFAULT_BLOCK_SIZE
+        raise DoctorInputError(f"{self.path}: the log is empty")
+
+    def _variant(self, name: str, block_size: int | None = None) -> Variant:
+        if name not in self.variants:
+            self.variants[name] = Variant(name, block_size or self.bs, self.tree, 1 << len(self.variants))
+        return self.variants[name]
+
+    @property
+    def renderer(self) -> Renderer:
+        if self._renderer is None:
+            self._renderer = Renderer(self._load_tokenizer(), self.path)
+        return self._renderer
+
+    def _entries(self, desc: str) -> Iterator[LogEntry]:
+        entries = iter_entries(self.path, self.fmt)
+        if not self.options.progress:
+            return entries
+        from tqdm import tqdm
+
+        return tqdm(entries, desc=desc, unit="req", total=self._num_lines(), mininterval=0.5, leave=False)
+
+    def _num_lines(self) -> int:
+        with open(self.path, "rb") as f:
+            return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
+
+    def _render(self, entry: LogEntry) -> Rendered:
+        if entry.body is not None:
+            return self.renderer.body(entry.body, entry.line)
+        return self.renderer.text(entry.text, entry.add_special_tokens, entry.message_spans)
+
+    def _hashes(self, rendered: Rendered, namespace: str, hasher: BlockHasher | None = None) -> list[bytes]:
+        return (hasher or self.hasher).with_salt(namespace).hash_blocks(rendered.token_ids)
+
+    # -- pass 1: as it is -----------------------------------------------------------------------------------------
+
+    def _first_pass(self) -> None:
+        base = self._variant("as is")
+        for i, e in enumerate(self._entries("reading")):
+            self.lines.append(e.line)
+            self.arrival.append(e.timestamp)
+            self.prefill.append(e.prefill_s)
+            self.replica.append(e.replica)
+            self.namespaces[e.namespace] += 1
+            if e.miss_reason:
+                self.miss_reasons[e.miss_reason] += 1
+            rendered = None
+            if e.block_hashes is not None:
+                base.add(self._logged(e), e.prompt_tokens)
+                if e.text is None:
+                    self.text_ok = False
+                elif self.text_ok:
+                    rendered = self._render(e)
+                    if len(rendered.token_ids) != e.prompt_tokens:
+                        raise DoctorInputError(
+                            f"{self.path}:{e.line}: the prompt text tokenizes to {len(rendered.token_ids)} tokens, "
+                            f"the log says {e.prompt_tokens}: give --model the checkpoint the server ran")
+                    text = self._variant("text")
+                    text.add(self._hashes(rendered, e.namespace), e.prompt_tokens)
+                    self._one_namespace(i, e, rendered, text)
+            else:
+                rendered = self._render(e)
+                n = len(rendered.token_ids)
+                base.add(self._hashes(rendered, e.namespace), n)
+                self._one_namespace(i, e, rendered, base)
+            if rendered is not None:
+                self._compare(i, e, rendered, base)
+        if not self.lines:
+            raise DoctorInputError(f"{self.path}: the log is empty")
+
+    def _one_namespace(self, i: int, e: LogEntry, rendered: Rendered, same: Variant) -> None:
+        """The namespace fix: every request in the first request's namespace (requests already there are as in
+        ``same``)."""
+        if self.shared_namespace is None:
+            self.shared_namespace = e.namespace
+        shared = self._variant("one namespace")
+        if e.namespace == self.shared_namespace:
+            shared.copy(same, i)
+        else:
+            shared.add(self._hashes(rendered, self.shared_namespace), len(rendered.token_ids))
+
+    def _logged(self, e: LogEntry) -> list[str]:
+        try:
+            factor = coarsening_factor(self.path, e.source_block_size, self.bs, e.line)
+        except TraceError as exc:
+            raise DoctorInputError(str(exc)) from None
+        return coarsen(e.block_hashes, factor, e.prompt_tokens // self.bs)
+
+    def _compare(self, i: int, e: LogEntry, rendered: Rendered, base: Variant) -> None:
+        """Finds the earlier request this one shares most with, and why it stops sharing there: the request that
+        first had this one's last block that was seen before, else the closest of the last few."""
+        chain = self.tree.chain(base.leaves[i])
+        known = next((node for node in reversed(chain) if self.tree.first_request[node] != i), None)
+        owner = None
+        if known is not None:  # the latest request that parted at this block, else the first that had it
+            owner = self.recent.get(self.parted_at.get(known, -1)) or self.recent.get(self.tree.first_request[known])
+            self.parted_at[known] = i
+        candidates = [owner] if owner is not None else list(self.ring)
+        best, best_t = None, -1
+        for seen in candidates:
+            t = common_tokens(rendered, seen.rendered)
+            if t > best_t:
+                best, best_t = seen, t
+        me = _Seen(i, e.line, rendered, e.body, tools_json(e.body))
+        self.ring.append(me)
+        self.recent[i] = me
+        if len(self.recent) > _RECENT:
+            self.recent.popitem(last=False)
+        if best is None or best_t >= len(rendered.token_ids):
+            return
+        self.positions.append(best_t)
+        if max(2, self.bs // 2) <= best_t < self.bs:
+            self.short_suspect = True
+        chat = e.body is not None and "messages" in e.body or e.body is None and len(rendered.fields) > 1
+        last = rendered.fields[-1][0] if chat and rendered.fields else None
+        d = classify(rendered, e.body, e.line, best.rendered, best.body, best.line, lambda name: name == last,
+                     me.tools, best.tools)
+        if d is None:
+            return
+        self.pairs[d.kind] += 1
+        self.examples.setdefault(d.kind, d)
+        if d.site is not None and (d.site in self.sites or len(self.sites) < _MAX_SITES):
+            self.sites[d.site] += 1
+
+    # -- pass 2: with the fixes ------------------------------------------------------------------------------------
+
+    def _fixes(self) -> dict[str, Any]:
+        fixes: dict[str, Any] = {}
+        if self.sites:
+            fixes["volatile-prefix"] = lambda: MoveVolatileToEnd(self.sites)
+        if self.fmt == BODIES:  # order and spelling are fixed in bodies; a request log has only the text
+            if self.pairs["reordered"]:
+                fixes["reordered"] = OneOrder
+            if self.pairs["template-drift"]:
+                fixes["template-drift"] = OneSpelling
+        return fixes
+
+    def _second_pass(self) -> None:
+        makers = self._fixes()
+        texts = self.fmt != BODIES
+        if texts and not self.text_ok:
+            makers = {}
+        short_bs = max(1, self.bs // 4)
+        short = self.short_suspect and short_bs < self.bs and (not texts or self.text_ok)
+        if not makers and not short:
+            return
+        single = {kind: (make(), self._variant(kind)) for kind, make in makers.items()}
+        composed = [make() for make in makers.values()]
+        ideal = self._variant("all fixed") if makers else None
+        short_variant = self._variant("short-prefix", short_bs) if short else None
+        short_hasher = BlockHasher(short_bs, HASH_ALGO)
+        source = self.variants["text" if texts else "as is"]
+        shared = self.variants["one namespace"]
+        for i, e in enumerate(self._entries("fixing")):
+            rendered = None
+            if short_variant is not None:
+                rendered = self._render(e)
+                short_variant.add(self._hashes(rendered, e.namespace, short_hasher), len(rendered.token_ids))
+            for fix, variant in single.values():
+                changed = self._apply(fix, e)
+                if changed is None:
+                    variant.copy(source, i)
+                else:
+                    variant.add(self._hashes(changed, e.namespace), len(changed.token_ids))
+            if ideal is not None:
+                changed = self._apply_all(composed, e)
+                if changed is None:
+                    ideal.copy(shared, i)
+                else:
+                    ideal.add(self._hashes(changed, self.shared_namespace), len(changed.token_ids))
+
+    def _apply(self, fix, e: LogEntry) -> Rendered | None:
+        if e.body is not None:
+            body = fix.body(e.body)
+            return None if body is e.body else self.renderer.body(body, e.line)
+        text = fix.text(e.text)
+        return None if text is e.text else self.renderer.text(text, e.add_special_tokens, None)
+
+    def _apply_all(self, fixes: list, e: LogEntry) -> Rendered | None:
+        if e.body is not None:
+            body = e.body
+            for fix in fixes:
+                body = fix.body(body)
+            return None if body is e.body else self.renderer.body(body, e.line)
+        text = e.text
+        for fix in fixes:
+            if hasattr(fix, "text"):
+                text = fix.text(text)
+        return None if text is e.text else self.renderer.text(text, e.add_special_tokens, None)
+
+    # -- replays and attribution -----------------------------------------------------------------------------------
+
+    def run(self) -> Diagnosis:
+        self._first_pass()
+        self._second_pass()
+        n = len(self.lines)
+        timed = all(t is not None for t in self.arrival)
+        order = sorted(range(n), key=self.arrival.__getitem__) if timed else list(range(n))
+        by_replica: dict[str, list[int]] = {}
+        for i in order:
+            by_replica.setdefault(self.replica[i], []).append(i)
+        groups = list(by_replica.values())
+        timing = Timing(self.arrival, self.prefill) if timed else Timing(None, None)
+        cap = self.options.capacity_tokens
+        cap_blocks = None if cap is None else cap // self.bs
+        now_setting = Setting(cap_blocks, len(groups) > 1, timed)
+        base = self.variants["as is"]
+
+        replay = Replayer(order, groups, timing).cached_tokens
+
+        now = replay(base, now_setting)
+        total = sum(base.tokens)
+        causes: list[Cause] = []
+
+        def add(kind: str, variant: Variant, after: array, only_unhit: bool = False, example=None,
+                detail: str = "") -> None:
+            gains = [a - b for a, b in zip(after, now, strict=True)]
+            if only_unhit:
+                gains = [g if now[i] == 0 else 0 for i, g in enumerate(gains)]
+            lost = sum(gains) if not only_unhit else sum(g for g in gains if g > 0)
+            affected = sum(1 for g in gains if g > 0)
+            if lost < self.bs or affected == 0:  # less than one block in the whole log is noise, not a cause
+                return
+            if example is None:
+                example = self._replay_example(kind, variant, gains, now, detail)
+            causes.append(Cause(kind, affected, int(lost), example, self._fix_text(kind),
+                                _ratio(sum(after), sum(variant.tokens))))
+
+        for kind in ("volatile-prefix", "reordered", "template-drift"):
+            if kind in self.variants:
+                d = self.examples.get(kind)
+                add(kind, self.variants[kind], replay(self.variants[kind], now_setting),
+                    example=None if d is None else d.to_dict())
+        if "short-prefix" in self.variants:
+            v = self.variants["short-prefix"]
+            add("short-prefix", v, replay(v, now_setting), only_unhit=True,
+                detail=f"at {v.block_size}-token blocks")
+        if cap_blocks is not None:
+            after = replay(base, Setting(None, now_setting.per_replica, timed))
+            add("eviction", base, after, detail=self._capacity_needed(base, replay, now_setting, after))
+        if len(groups) > 1:
+            add("routing", base, replay(base, Setting(cap_blocks, False, timed)))
+        if timed:
+            add("concurrency", base, replay(base, Setting(cap_blocks, now_setting.per_replica, False)))
+        shared = self.variants.get("one namespace")
+        if len(self.namespaces) > 1 and shared is not None and len(shared) == n:
+            add("namespace", shared, replay(shared, now_setting))
+        elif self.miss_reasons["different_salt"]:
+            causes.append(Cause("namespace", self.miss_reasons["different_salt"], 0, None,
+                                self._fix_text("namespace"), None))
+        causes.sort(key=lambda c: -c.tokens_lost)
+        ideal = self.variants.get("all fixed") or (shared if shared is not None and len(shared) == n else base)
+        best = replay(ideal, Setting(None, False, False))
+        unique = [t - c for t, c in zip(ideal.tokens, best, strict=True)]
+        if any(u > 0 for u in unique):
+            causes.append(Cause("no-sharing", sum(1 for u in unique if u > 0), int(sum(unique)),
+                                self._unique_example(unique, ideal), KINDS["no-sharing"][1], None))
+        return Diagnosis(os.path.basename(self.path), n, self.bs, cap, int(total), int(sum(now)),
+                         _ratio(sum(now), total), causes, self.positions)
+
+    def _capacity_needed(self, base: Variant, replay, setting: Setting, unbounded: array) -> str:
+        """The smallest capacity (doubling from --capacity) at which nothing evicted is lost."""
+        goal = sum(unbounded)
+        blocks = setting.capacity_blocks
+        for _ in range(_MAX_CAPACITY_STEPS):
+            blocks *= 2
+            if blocks >= base.distinct_blocks + base.max_blocks or sum(
+                    replay(base, Setting(blocks, setting.per_replica, setting.in_flight))) >= goal:
+                return f"a capacity of {blocks * self.bs} tokens per replica keeps it"
+        return ""
+
+    def _fix_text(self, kind: str) -> str:
+        fix = KINDS[kind][1]
+        if kind == "volatile-prefix" and self.sites:
+            site = self.sites.most_common(1)[0][0]
+            return f"{fix}: in {site.field}, the span after {site.before[-16:]!r}"
+        return fix
+
+    def _replay_example(self, kind: str, variant: Variant, gains: list[int], now: array, detail: str) -> dict:
+        i = max(range(len(gains)), key=gains.__getitem__)
+        chain = self.tree.chain(variant.leaves[i])
+        first_lost = now[i] // variant.block_size
+        other = self.tree.first_request[chain[first_lost]] if first_lost < len(chain) else -1
+        other_line = self.lines[other] if other >= 0 and other != i else None
+        what = {
+            "eviction": "was cached by line {o}, then evicted before this request came",
+            "routing": "was cached on replica {r} (line {o}); this request went to replica {me}",
+            "concurrency": "was still being computed for line {o} when this request arrived",
+            "namespace": "has the same tokens as line {o}, in another namespace",
+            "short-prefix": "shares fewer tokens than one block with earlier requests",
+        }[kind].format(o=other_line, r=self.replica[other] if other >= 0 else "?", me=self.replica[i])
+        text = f"line {self.lines[i]}: {gains[i]} prompt tokens from token {now[i]} on {what}"
+        return {"line": self.lines[i], "other_line": other_line, "token": now[i], "field": None,
+                "detail": f"{text}; {detail}" if detail else text, "this": None, "other": None}
+
+    def _unique_example(self, unique: list[int], ideal: Variant) -> dict:
+        i = max(range(len(unique)), key=unique.__getitem__)
+        return {"line": self.lines[i], "other_line": None, "token": ideal.tokens[i] - unique[i], "field": None,
+                "detail": f"line {self.lines[i]}: {unique[i]} of {ideal.tokens[i]} prompt tokens appear in no "
+                          f"earlier request, even with every fix", "this": None, "other": None}
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else 0.0

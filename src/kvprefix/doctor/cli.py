@@ -1,0 +1,63 @@
+"""`kvprefix doctor LOG`: what breaks prefix reuse in a request log, and what fixing each cause would win.
+
+This module stays light (argparse only); the analysis is imported inside ``run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(float(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("log", help="JSONL of OpenAI request bodies, or a kvprefix serve --request-log file")
+    parser.add_argument("--model", help="checkpoint whose tokenizer and chat template render the prompts "
+                                        "(default: kvprefix's default model)")
+    parser.add_argument("--block-size", type=_positive_int,
+                        help="block size (default 16; a request log: its own, or a multiple of it)")
+    parser.add_argument("--capacity", type=_positive_int,
+                        help="KV capacity per replica in tokens, e.g. 1e6 (default: unbounded)")
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    parser.add_argument("--html", metavar="OUT", help="also write the report as an HTML page")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvprefix.doctor.analysis import Options, diagnose
+    from kvprefix.doctor.readers import DoctorInputError
+    from kvprefix.doctor.report import format_report
+
+    options = Options(args.block_size, args.capacity, progress=not args.no_progress and sys.stderr.isatty())
+    try:
+        diagnosis = diagnose(args.log, lambda: load_tokenizer(args.model), options)
+    except (DoctorInputError, ValueError, OSError) as exc:
+        print(f"kvprefix doctor: error: {exc}", file=sys.stderr)
+        return 2
+    if args.html:
+        from kvprefix.doctor.html import write_html
+
+        write_html(diagnosis, args.html)
+    print(json.dumps(diagnosis.to_dict()) if args.json else format_report(diagnosis))
+    return 0
+
+
+def load_tokenizer(model: str | None):
+    """The tokenizer and chat template of ``model``, or of kvprefix's default model."""
+    from kvprefix.sim.openai_bodies import load_tokenizer as load
+
+    if model is None:
+        from kvprefix.model import default_model_path
+
+        model = default_model_path()
+    return load(model)

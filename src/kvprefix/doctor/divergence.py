@@ -1,0 +1,228 @@
+"""Where two renderings part, and why: the first differing token, the field it came from, and which cause it
+looks like (a short span that changes before content that agrees again, the same items in another order, the
+same message spelt differently)."""
+
+from __future__ import annotations
+
+import json
+import re
+from array import array
+from dataclasses import dataclass, field
+from typing import Any
+
+# A volatile span is at most this long; the content must agree again for at least MIN_AGREEMENT characters after
+# it (a window of WINDOW characters finds where).
+MAX_SPAN, WINDOW, MIN_AGREEMENT, ANCHOR = 64, 16, 48, 24
+_EXCERPT = 36
+_THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
+_LOOKS_LIKE = (
+    ("a uuid", re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", re.I)),
+    ("a timestamp", re.compile(r"\d{4}-\d{2}-\d{2}[T ]\d{1,2}:\d{2}")),
+    ("a date", re.compile(r"\d{4}-\d{2}-\d{2}|\d{1,2}/\d{1,2}/\d{2,4}")),
+    ("a time", re.compile(r"\d{1,2}:\d{2}(:\d{2})?")),
+    ("a request id", re.compile(r"(req|request|id)[-_:#]?[0-9a-z]{4,}", re.I)),
+    ("a hex id", re.compile(r"\b[0-9a-f]{12,}\b", re.I)),
+    ("a counter", re.compile(r"^\W*\d+\W*$")),
+)
+
+
+@dataclass
+class Rendered:
+    token_ids: list[int]
+    text: str | None
+    fields: list[tuple[str, int, int]]  # (field, start, end): where each field's text sits in ``text``
+    packed: bytes = b""  # token ids as uint32 bytes, for fast common-prefix search
+
+    def __post_init__(self) -> None:
+        self.packed = array("I", self.token_ids).tobytes()
+
+
+@dataclass(frozen=True)
+class VolatileSite:
+    """Where a volatile span sits: in field ``field``, after ``before`` and up to ``after`` (either may be "")."""
+
+    field: str
+    before: str
+    after: str
+
+    def cut(self, content: str) -> tuple[str, str] | None:
+        """(content without the span, the span), or None where the site is not in ``content``."""
+        start = 0
+        if self.before:
+            k = content.find(self.before)
+            if k < 0:
+                return None
+            start = k + len(self.before)
+        end = content.find(self.after, start, start + MAX_SPAN + len(self.after))
+        if end < 0 or end == start:
+            return None
+        return content[:start] + content[end:], content[start:end]
+
+
+@dataclass
+class Divergence:
+    kind: str
+    line: int
+    other_line: int
+    token: int  # first differing token
+    field: str
+    detail: str
+    this: str  # excerpts of both renderings, the diverging part between « and »
+    other: str
+    site: VolatileSite | None = field(default=None, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"line": self.line, "other_line": self.other_line, "token": self.token, "field": self.field,
+                "detail": self.detail, "this": self.this, "other": self.other}
+
+
+def common_prefix(a, b) -> int:
+    """Length of the common prefix of two str or bytes: galloping, then bisection, on C-speed slice comparisons
+    (a short common prefix costs short slices)."""
+    n = min(len(a), len(b))
+    lo, step = 0, 64  # a[:lo] == b[:lo]
+    while lo + step < n and a[lo : lo + step] == b[lo : lo + step]:
+        lo += step
+        step *= 2
+    hi = min(n, lo + step)  # the difference, if any, is in a[lo:hi]
+    if a[lo:hi] == b[lo:hi]:
+        return hi
+    hi -= 1  # a[:hi + 1] != b[:hi + 1]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def common_tokens(a: Rendered, b: Rendered) -> int:
+    return common_prefix(a.packed, b.packed) // 4
+
+
+def normalized(content: str) -> str:
+    """A message's content as the same message however it is spelt: reasoning blocks out, whitespace runs as one
+    space."""
+    if "<think>" in content:
+        content = _THINK.sub("", content)
+    return " ".join(content.split())
+
+
+def looks_like(span: str) -> str:
+    return next((name for name, pattern in _LOOKS_LIKE if pattern.search(span)), "a value")
+
+
+def volatile_span(old: str, new: str) -> tuple[int, int, int] | None:
+    """(start, end in old, end in new) of a short span that differs between two contents that agree before it and
+    for a while after it; None if they do not."""
+    q = common_prefix(old, new)
+    if q == len(old) or q == len(new):
+        return None
+    s = q
+    while s > 0 and not old[s - 1].isspace():  # from the start of the word that changed
+        s -= 1
+    for i in range(q, min(len(old), s + MAX_SPAN) + 1):
+        window = old[i : i + WINDOW]
+        if len(window) < WINDOW:
+            return None
+        j = new.find(window, q, s + MAX_SPAN + WINDOW)
+        if j >= 0 and common_prefix(old[i:], new[j:]) >= MIN_AGREEMENT:
+            # To the end of the word that changed and the whitespace after it, so the cut leaves clean text.
+            while i < len(old) and not old[i].isspace():
+                i, j = i + 1, j + 1
+            while i < len(old) and old[i].isspace():
+                i, j = i + 1, j + 1
+            return s, i, j
+    return None
+
+
+def excerpt(text: str, start: int, end: int) -> str:
+    head = text[max(0, start - _EXCERPT) : start]
+    return (("…" if start > _EXCERPT else "") + head + "«" + text[start : min(end, start + MAX_SPAN)] + "»"
+            + text[end : end + _EXCERPT // 2]).replace("\n", "⏎")
+
+
+def _field_at(rendered: Rendered, char: int) -> tuple[str, int, int] | None:
+    return next((f for f in rendered.fields if f[1] <= char < f[2]), None)
+
+
+def tools_json(body: dict | None) -> str | None:
+    """A body's tools as sent (key order kept), computed once per request for comparisons."""
+    tools = body.get("tools") if body is not None else None
+    return json.dumps(tools) if isinstance(tools, list) and tools else None
+
+
+def classify(new: Rendered, new_body: dict | None, new_line: int, old: Rendered, old_body: dict | None,
+             old_line: int, is_last_field, new_tools: str | None = None,
+             old_tools: str | None = None) -> Divergence | None:
+    """Why ``new`` stops sharing with ``old`` (an earlier request), for the causes content can show; None when
+    ``new`` extends ``old`` or the difference looks like different content (no-sharing)."""
+    t = common_tokens(new, old)
+    if t >= len(new.token_ids) or t >= len(old.token_ids) or new.text is None or old.text is None:
+        return None
+    p = common_prefix(new.text, old.text)
+
+    def div(kind: str, field_name: str, detail: str, span_new: tuple[int, int], span_old: tuple[int, int],
+            site: VolatileSite | None = None) -> Divergence:
+        return Divergence(kind, new_line, old_line, t, field_name, detail, excerpt(new.text, *span_new),
+                          excerpt(old.text, *span_old), site)
+
+    here_new, here_old = _field_at(new, p), _field_at(old, p)
+    if new_tools is not None and old_tools is not None and new_tools != old_tools:
+        tools = _tools_order(new_body.get("tools"), old_body.get("tools"))
+        if tools is not None and (here_new is None or here_new[0] == "tools"):
+            return div("reordered", "tools", tools, (p, p + 24), (p, p + 24))
+    if here_new is None or here_old is None or here_new[0] != here_old[0]:
+        return None
+    name, start_new, end_new = here_new
+    _, start_old, end_old = here_old
+    a, b = old.text[start_old:end_old], new.text[start_new:end_new]
+    if a != b and normalized(a) == normalized(b):
+        what = "a reasoning block is in one and not the other" if _THINK.search(a + b) else "whitespace differs"
+        return div("template-drift", name, f"the same {name} rendered differently: {what}", (p, end_new),
+                   (p, end_old))
+    if _same_json(a, b):
+        return div("reordered", name, f"the same JSON object in {name} with its keys in another order",
+                   (p, p + 24), (p, p + 24))
+    span = volatile_span(a, b)
+    if span is not None and not is_last_field(name):
+        s, end_a, end_b = span
+        site = VolatileSite(name, a[max(0, s - ANCHOR) : s], a[end_a : end_a + ANCHOR])
+        value = b[s:end_b]
+        return div("volatile-prefix", name,
+                   f"{name} has {looks_like(value)} ({value.strip()!r} vs {a[s:end_a].strip()!r}) before "
+                   f"{len(b) - end_b} characters that every request shares",
+                   (start_new + s, start_new + end_b), (start_old + s, start_old + end_a), site)
+    return None
+
+
+def _tools_order(new: Any, old: Any) -> str | None:
+    """What differs between two tools lists that hold the same tools; None if they are equal or not the same."""
+    if len(new) != len(old):
+        return None
+    canon_new = [json.dumps(t, sort_keys=True) for t in new]
+    canon_old = [json.dumps(t, sort_keys=True) for t in old]
+    if sorted(canon_new) != sorted(canon_old):
+        return None
+    if canon_new != canon_old:
+        return f"the same {len(new)} tools in another order: {_tool_names(new)} vs {_tool_names(old)}"
+    i = next(k for k, (x, y) in enumerate(zip(new, old, strict=True)) if json.dumps(x) != json.dumps(y))
+    return f"tools[{i}] ({_tool_names([new[i]])[0]}): the same schema with its JSON keys in another order"
+
+
+def _tool_names(tools: list) -> list[str]:
+    def name(t: Any) -> str:
+        fn = t.get("function") if isinstance(t, dict) else None
+        return str(fn.get("name")) if isinstance(fn, dict) else "?"
+
+    return [name(t) for t in tools]
+
+
+def _same_json(a: str, b: str) -> bool:
+    if not (a.lstrip().startswith(("{", "[")) and b.lstrip().startswith(("{", "["))):
+        return False
+    try:
+        return json.loads(a) == json.loads(b) and a != b
+    except ValueError:
+        return False

@@ -1,0 +1,152 @@
+"""The fixes, as transformations of a log entry's body (or rendered text): move the volatile span to the end,
+keep one order of tools and JSON keys, keep one spelling of each message. Each returns a new body, or the same
+object when it changes nothing (so the doctor renders again only what a fix touched).
+
+The order and spelling fixes keep the first one seen, so a log that is already consistent is left as it is.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import Any
+
+from kvprefix.doctor.divergence import VolatileSite, normalized
+
+
+class MoveVolatileToEnd:
+    """Cuts each known volatile span out of its field and appends it to the end of the prompt (the last message,
+    or the prompt text), where it no longer breaks the prefix of what follows."""
+
+    def __init__(self, sites: Iterable[VolatileSite]):
+        self.by_field: dict[str, list[VolatileSite]] = {}
+        for site in sites:
+            self.by_field.setdefault(site.field, []).append(site)
+
+    def body(self, body: dict[str, Any]) -> dict[str, Any]:
+        if "messages" in body:
+            messages = body["messages"]
+            new = list(messages)
+            moved: list[str] = []
+            for i in range(len(messages) - 1):  # the last message is where spans go
+                content = _text(messages[i])
+                if content is None:
+                    continue
+                cut = self._cut(f"messages[{i}].content", content, moved)
+                if cut is not content:
+                    new[i] = {**messages[i], "content": cut}
+            if not moved:
+                return body
+            last = new[-1]
+            new[-1] = {**last, "content": (_text(last) or "") + "\n" + " ".join(moved)}
+            return {**body, "messages": new}
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            return body
+        return self._text_field(body, "prompt", prompt)
+
+    def text(self, text: str) -> str:
+        """A rendered prompt (a request log's text): every site, found by its anchors anywhere in the text."""
+        moved: list[str] = []
+        for name in self.by_field:
+            text = self._cut(name, text, moved)
+        return text + "\n" + " ".join(moved) if moved else text
+
+    def _text_field(self, body: dict[str, Any], name: str, content: str) -> dict[str, Any]:
+        moved: list[str] = []
+        cut = self._cut(name, content, moved)
+        return {**body, name: cut + "\n" + " ".join(moved)} if moved else body
+
+    def _cut(self, name: str, content: str, moved: list[str]) -> str:
+        for site in self.by_field.get(name, ()):
+            cut = site.cut(content)
+            if cut is not None:
+                content, span = cut
+                moved.append(span.strip())
+        return content
+
+
+class OneOrder:
+    """Tools in the order their names were first seen; every JSON object (tool schemas, JSON message content)
+    with its keys in the order first seen at that place."""
+
+    def __init__(self) -> None:
+        self._tool_rank: dict[str, int] = {}
+        self._key_rank: dict[str, dict[str, int]] = {}
+        # Tools lists as sent -> as ordered (None: unchanged). Valid for good: every name and key of a list has its
+        # rank once the list was seen, and ranks never change. Logs repeat few distinct lists.
+        self._tools_memo: dict[str, list | None] = {}
+
+    def body(self, body: dict[str, Any]) -> dict[str, Any]:
+        out = body
+        tools = body.get("tools")
+        if isinstance(tools, list) and tools:
+            sent = json.dumps(tools)
+            if sent not in self._tools_memo:
+                ordered = [self._keys(t, "tools[]") for t in sorted(tools, key=self._rank)]
+                self._tools_memo[sent] = None if json.dumps(ordered) == sent else ordered
+            ordered = self._tools_memo[sent]
+            if ordered is not None:
+                out = {**out, "tools": ordered}
+        messages = body.get("messages")
+        if isinstance(messages, list):
+            new = list(messages)
+            for i, m in enumerate(messages):
+                content = _text(m)
+                if content is None or not content.lstrip().startswith(("{", "[")):
+                    continue
+                try:
+                    value = json.loads(content)
+                except ValueError:
+                    continue
+                again = json.dumps(self._keys(value, f"messages[{i}]"), ensure_ascii=False)
+                if again != json.dumps(value, ensure_ascii=False):
+                    new[i] = {**m, "content": again}
+            if new != messages:
+                out = {**out, "messages": new}
+        return out
+
+    def _rank(self, tool: Any) -> int:
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        name = json.dumps(fn.get("name") if isinstance(fn, dict) else tool, sort_keys=True)
+        return self._tool_rank.setdefault(name, len(self._tool_rank))
+
+    def _keys(self, value: Any, path: str) -> Any:
+        if isinstance(value, dict):
+            rank = self._key_rank.setdefault(path, {})
+            for key in value:
+                rank.setdefault(key, len(rank))
+            return {k: self._keys(value[k], f"{path}.{k}") for k in sorted(value, key=rank.__getitem__)}
+        if isinstance(value, list):
+            return [self._keys(v, f"{path}[]") for v in value]
+        return value
+
+
+class OneSpelling:
+    """Each message as first spelt: later copies that differ only in whitespace or a dropped reasoning block get
+    the first copy's text, as a client that kept the history verbatim would send."""
+
+    def __init__(self) -> None:
+        self._first: dict[str, str] = {}
+
+    def body(self, body: dict[str, Any]) -> dict[str, Any]:
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return body
+        new = list(messages)
+        changed = False
+        for i, m in enumerate(messages):
+            content = _text(m)
+            if not content:
+                continue
+            first = self._first.setdefault(normalized(content), content)
+            if first != content:
+                new[i] = {**m, "content": first}
+                changed = True
+        return {**body, "messages": new} if changed else body
+
+
+def _text(message: Any) -> str | None:
+    if isinstance(message, dict) and isinstance(message.get("content"), str):
+        return message["content"]
+    return None

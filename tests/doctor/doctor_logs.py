@@ -1,0 +1,163 @@
+"""Logs with one planted cause each (or two, or none), written by the tests, and a small tokenizer whose chat
+template renders tools, so a shuffled tools list shows in the prompt."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from kvprefix.model.builtin_tokenizer import build_tokenizer
+
+TOOLS_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    "<|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+STABLE = (
+    "You are the support assistant of a company that runs a prefix cache for language models. Answer in two "
+    "sentences, cite the documentation page you used, and never invent a configuration option. The cache keeps "
+    "the keys and values of a shared prompt prefix so that later requests skip straight to their suffix. Blocks "
+    "are hashed in a chain, and the least recently used free block is evicted first when memory runs out."
+)
+
+
+def write_tokenizer(path: Path) -> Path:
+    tok = build_tokenizer(1024)
+    tok.chat_template = TOOLS_TEMPLATE
+    tok.save_pretrained(str(path))
+    return path
+
+
+def tool(name: str, params: list[str]) -> dict:
+    return {"type": "function", "function": {
+        "name": name, "description": f"{name.replace('_', ' ')} for the user",
+        "parameters": {"type": "object", "properties": {p: {"type": "string", "description": f"the {p}"}
+                                                        for p in params}, "required": params[:1]}}}
+
+
+TOOLS = [tool("get_weather", ["city", "unit"]), tool("search_docs", ["query", "page"]),
+         tool("open_ticket", ["title", "body", "priority"]), tool("convert_units", ["value", "from", "to"])]
+
+
+def question(i: int) -> str:
+    return f"Question {i}: why did request number {i * 7919 % 1000} miss the cache?"
+
+
+def chat(system: str, user: str, **extra) -> dict:
+    return {"messages": [{"role": "system", "content": system}, {"role": "user", "content": user}], **extra}
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def clean(n: int = 40) -> list[dict]:
+    return [chat(STABLE, question(i), tools=TOOLS, timestamp=i * 1000) for i in range(n)]
+
+
+def multi_turn(users: int = 4, turns: int = 5) -> list[dict]:
+    rows = []
+    histories = {u: [{"role": "system", "content": STABLE}] for u in range(users)}
+    t = 0
+    for turn in range(turns):
+        for u in range(users):
+            h = histories[u]
+            h.append({"role": "user", "content": f"User {u}, turn {turn}: " + question(u * 10 + turn)})
+            rows.append({"messages": [dict(m) for m in h], "timestamp": t})
+            t += 1000
+            h.append({"role": "assistant", "content": f"Answer {turn} for user {u}: the block was evicted."})
+    return rows
+
+
+def volatile(n: int = 40) -> list[dict]:
+    return [chat(f"Current time: 2026-12-01T12:{i // 60:02d}:{i % 60:02d}Z. {STABLE}", question(i),
+                 timestamp=i * 1000) for i in range(n)]
+
+
+def shuffled_tools(n: int = 40, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    return [chat(STABLE, question(i), tools=rng.sample(TOOLS, len(TOOLS)), timestamp=i * 1000) for i in range(n)]
+
+
+def reordered_keys(n: int = 40, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        tools = json.loads(json.dumps(TOOLS))
+        for t in tools:
+            props = t["function"]["parameters"]["properties"]
+            keys = list(props)
+            rng.shuffle(keys)
+            t["function"]["parameters"]["properties"] = {k: props[k] for k in keys}
+        rows.append(chat("Be helpful.", question(i), tools=tools, timestamp=i * 1000))
+    return rows
+
+
+def whitespace_drift(users: int = 6) -> list[dict]:
+    """Each user's second turn sends the first answer back with its whitespace normalised."""
+    rows, t = [], 0
+    for u in range(users):
+        answer = f"Answer for user {u}:\n\n  the block   was evicted,  then   recomputed. " + STABLE
+        first = [{"role": "system", "content": "Be helpful."}, {"role": "user", "content": question(u)}]
+        rows.append({"messages": first, "timestamp": t})
+        second = first + [{"role": "assistant", "content": answer}, {"role": "user", "content": question(u + 50)}]
+        rows.append({"messages": second, "timestamp": t + 1000})
+        third = first + [{"role": "assistant", "content": " ".join(answer.split())},
+                         {"role": "user", "content": question(u + 50)}, {"role": "assistant", "content": "Yes."},
+                         {"role": "user", "content": question(u + 90)}]
+        rows.append({"messages": third, "timestamp": t + 2000})
+        t += 3000
+    return rows
+
+
+def short_prefix(n: int = 40) -> list[dict]:
+    return [{"prompt": f"Q: {question(i)}", "timestamp": i * 1000} for i in range(n)]
+
+
+def unique(n: int = 40, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    words = STABLE.split()
+    return [{"prompt": " ".join(rng.choice(words) for _ in range(60)), "timestamp": i * 1000} for i in range(n)]
+
+
+def handbook(group: int) -> str:
+    """A long system prompt of its own per group (no text in common with another group's)."""
+    rng = random.Random(1000 + group)
+    words = STABLE.split()
+    return " ".join(rng.choice(words) for _ in range(70))
+
+
+def evicting(groups: int = 8, rounds: int = 4) -> list[dict]:
+    """Round-robin over groups with distinct long system prompts: a small cache evicts each before it returns."""
+    rows, t = [], 0
+    for r in range(rounds):
+        for g in range(groups):
+            rows.append(chat(handbook(g), question(r * groups + g), timestamp=t))
+            t += 1000
+    return rows
+
+
+def scattered(groups: int = 10, per_group: int = 4, replicas: int = 4) -> list[dict]:
+    """A load balancer that sends each group's requests to a different replica every time."""
+    rows, t = [], 0
+    for r in range(per_group):
+        for g in range(groups):
+            rows.append(chat(handbook(g), question(r * groups + g), timestamp=t, replica=f"replica-{(g + r) % replicas}"))
+            t += 1000
+    return rows
+
+
+def concurrent(groups: int = 5, copies: int = 8) -> list[dict]:
+    """Each group's requests arrive together (same millisecond), a second apart from the next group."""
+    return [chat(handbook(g), question(g * copies + c), timestamp=g * 1000) for g in range(groups)
+            for c in range(copies)]
+
+
+def tenants(n: int = 40, count: int = 10) -> list[dict]:
+    return [chat(STABLE, question(i), timestamp=i * 1000, tenant=f"tenant-{i % count}") for i in range(n)]

@@ -1,0 +1,152 @@
+"""Each planted cause is named, ranked first, shown at the right span, and its fix raises the hit rate; clean
+logs get a clean bill; each counterfactual equals the doctor's own reading of the log fixed by hand."""
+
+import json
+
+import doctor_logs as logs
+import pytest
+
+from kvprefix.cli import main
+from kvprefix.doctor.kinds import FIXABLE
+
+
+def doctor(capsys, path, tokenizer_dir, *extra) -> dict:
+    assert main(["doctor", str(path), "--model", str(tokenizer_dir), "--json", *extra]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1  # exactly one JSON object
+    report = json.loads(out)
+    assert set(report) == {"requests", "block_size", "hit_rate", "causes"}
+    for cause in report["causes"]:
+        assert set(cause) == {"kind", "requests", "tokens_lost", "example", "fix", "hit_rate_after"}
+        assert type(cause["requests"]) is int and type(cause["tokens_lost"]) is int
+    fixable = [c for c in report["causes"] if c["kind"] != "no-sharing"]
+    assert report["causes"][: len(fixable)] == fixable  # fixable causes first ...
+    assert [c["tokens_lost"] for c in fixable] == sorted((c["tokens_lost"] for c in fixable), reverse=True)
+    assert len({c["kind"] for c in report["causes"]}) == len(report["causes"])  # ... one entry per kind
+    return report
+
+
+PLANTED = [
+    ("volatile", logs.volatile, "volatile-prefix", ()),
+    ("shuffled tools", logs.shuffled_tools, "reordered", ()),
+    ("reordered JSON keys", logs.reordered_keys, "reordered", ()),
+    ("whitespace drift", logs.whitespace_drift, "template-drift", ()),
+    ("short prefix", logs.short_prefix, "short-prefix", ()),
+    ("eviction", logs.evicting, "eviction", ("--capacity", "800")),
+    ("routing", logs.scattered, "routing", ()),
+    ("concurrency", logs.concurrent, "concurrency", ()),
+    ("tenants", logs.tenants, "namespace", ()),
+]
+
+
+@pytest.mark.parametrize("name,make,kind,extra", PLANTED, ids=[p[0] for p in PLANTED])
+def test_planted_cause_ranks_first_and_its_fix_raises_the_hit_rate(capsys, tmp_path, tokenizer_dir, name, make,
+                                                                   kind, extra):
+    report = doctor(capsys, logs.write_jsonl(tmp_path / "log.jsonl", make()), tokenizer_dir, *extra)
+    top = report["causes"][0]
+    assert top["kind"] == kind
+    assert top["requests"] > 0 and top["tokens_lost"] >= report["block_size"]
+    assert top["hit_rate_after"] > report["hit_rate"]
+
+
+def test_volatile_prefix_names_the_field_and_the_span(capsys, tmp_path, tokenizer_dir):
+    report = doctor(capsys, logs.write_jsonl(tmp_path / "log.jsonl", logs.volatile()), tokenizer_dir)
+    ex = report["causes"][0]["example"]
+    assert ex["field"] == "messages[0].content"
+    assert "a timestamp" in ex["detail"]
+    assert "«2026-12-01T12:00:01Z. »" in ex["this"] and "«2026-12-01T12:00:00Z. »" in ex["other"]
+    assert (ex["line"], ex["other_line"]) == (2, 1)
+    assert "Current time: " in report["causes"][0]["fix"]
+
+
+def test_shuffled_tools_points_at_the_tools(capsys, tmp_path, tokenizer_dir):
+    report = doctor(capsys, logs.write_jsonl(tmp_path / "log.jsonl", logs.shuffled_tools()), tokenizer_dir)
+    ex = report["causes"][0]["example"]
+    assert ex["field"] == "tools" and "tools in another order" in ex["detail"]
+    assert ex["this"].count("«") == 1 and ex["this"] != ex["other"]
+
+
+def test_whitespace_drift_points_at_the_message(capsys, tmp_path, tokenizer_dir):
+    report = doctor(capsys, logs.write_jsonl(tmp_path / "log.jsonl", logs.whitespace_drift()), tokenizer_dir)
+    ex = report["causes"][0]["example"]
+    assert ex["field"] == "messages[2].content" and "whitespace differs" in ex["detail"]
+
+
+@pytest.mark.parametrize("make", [logs.clean, logs.multi_turn], ids=["stable prefix + tools", "multi-turn"])
+def test_clean_logs_get_a_clean_bill(capsys, tmp_path, tokenizer_dir, make):
+    report = doctor(capsys, logs.write_jsonl(tmp_path / "log.jsonl", make()), tokenizer_dir)
+    assert report["hit_rate"] > 0.7
+    assert [c["kind"] for c in report["causes"]] == ["no-sharing"]
+
+
+def test_unique_traffic_is_no_sharing_and_no_fix(capsys, tmp_path, tokenizer_dir):
+    report = doctor(capsys, logs.write_jsonl(tmp_path / "log.jsonl", logs.unique()), tokenizer_dir)
+    assert report["hit_rate"] == 0.0
+    assert [c["kind"] for c in report["causes"]] == ["no-sharing"]
+    assert report["causes"][0]["hit_rate_after"] is None
+    assert report["causes"][0]["requests"] == report["requests"]
+
+
+def test_two_causes_mixed_are_both_in_the_top_three(capsys, tmp_path, tokenizer_dir):
+    rows = logs.volatile()
+    for row, shuffled in zip(rows, logs.shuffled_tools(), strict=True):
+        row["tools"] = shuffled["tools"]
+    report = doctor(capsys, logs.write_jsonl(tmp_path / "log.jsonl", rows), tokenizer_dir)
+    top3 = [c["kind"] for c in report["causes"][:3]]
+    assert "volatile-prefix" in top3 and "reordered" in top3
+
+
+def _fixed_by_hand_volatile(rows):
+    out = []
+    for row in rows:
+        system, user = row["messages"][0]["content"], row["messages"][1]["content"]
+        stamp = system.split(" ")[2]  # "Current time: 2026-12-01T12:00:00Z. ..."
+        out.append({**row, "messages": [{"role": "system", "content": system.replace(stamp + " ", "")},
+                                        {"role": "user", "content": user + "\n" + stamp}]})
+    return out
+
+
+def _fixed_by_hand_tools(rows):
+    first = [t["function"]["name"] for t in rows[0]["tools"]]
+    return [{**r, "tools": sorted(r["tools"], key=lambda t: first.index(t["function"]["name"]))} for r in rows]
+
+
+def _drop(key):
+    return lambda rows: [{k: v for k, v in r.items() if k != key} for r in rows]
+
+
+def _fixed_by_hand_drift(rows):
+    """Every copy of an answer as it was first sent."""
+    first: dict[str, str] = {}
+    out = []
+    for row in rows:
+        messages = []
+        for m in row["messages"]:
+            content = first.setdefault(" ".join(m["content"].split()), m["content"])
+            messages.append({**m, "content": content})
+        out.append({**row, "messages": messages})
+    return out
+
+
+COUNTERFACTUALS = [
+    ("volatile-prefix", logs.volatile, _fixed_by_hand_volatile, (), ()),
+    ("reordered", logs.shuffled_tools, _fixed_by_hand_tools, (), ()),
+    ("template-drift", logs.whitespace_drift, _fixed_by_hand_drift, (), ()),
+    ("short-prefix", logs.short_prefix, lambda rows: rows, (), ("--block-size", "4")),
+    ("routing", logs.scattered, _drop("replica"), (), ()),
+    ("concurrency", logs.concurrent, _drop("timestamp"), (), ()),
+    ("namespace", logs.tenants, _drop("tenant"), (), ()),
+    ("eviction", logs.evicting, lambda rows: rows, ("--capacity", "800"), ()),
+]
+
+
+@pytest.mark.parametrize("kind,make,fix,extra,fixed_extra", COUNTERFACTUALS, ids=[c[0] for c in COUNTERFACTUALS])
+def test_counterfactual_equals_a_replay_of_the_log_fixed_by_hand(capsys, tmp_path, tokenizer_dir, kind, make, fix,
+                                                                 extra, fixed_extra):
+    rows = make()
+    report = doctor(capsys, logs.write_jsonl(tmp_path / "log.jsonl", rows), tokenizer_dir, *extra)
+    cause = next(c for c in report["causes"] if c["kind"] == kind)
+    fixed = doctor(capsys, logs.write_jsonl(tmp_path / "fixed.jsonl", fix(rows)), tokenizer_dir, *fixed_extra)
+    assert cause["hit_rate_after"] == pytest.approx(fixed["hit_rate"], abs=1e-12)
+    assert not any(c["kind"] == kind for c in fixed["causes"])
+    assert all(c["kind"] not in FIXABLE or c["tokens_lost"] < cause["tokens_lost"] for c in fixed["causes"])

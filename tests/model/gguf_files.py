@@ -1,0 +1,104 @@
+"""Small real GGUF files for the tests, written with the `gguf` package's writer from a random Hugging Face
+checkpoint, the way llama.cpp's converter lays them out: its tensor names, q/k rows permuted for its interleaved
+RoPE (Llama only), matrices quantized, and the byte-level BPE tokenizer in the metadata."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter, quants
+from safetensors.torch import load_file
+
+from kvprefix.model.builtin_tokenizer import IM_END, build_tokenizer
+
+LAYER_PARTS = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+          "lm_head.weight": "output.weight"}
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name in GLOBAL:
+        return GLOBAL[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    part, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{LAYER_PARTS[part]}.{kind}"
+
+
+def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf's `permute`: per head, the two rotary halves interleaved row by row."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def roundtrip(w: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """The values a tensor has after quantizing to ``qtype`` and back: what a loader must reproduce."""
+    return quants.dequantize(quants.quantize(w, qtype), qtype).reshape(w.shape)
+
+
+def write_gguf(path: str, checkpoint: str, config: dict, qtype: GGMLQuantizationType, *, pre: str = "smollm",
+               arch: str = "llama", tokenizer_vocab_size: int = 512,
+               rope_freqs: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """Writes ``checkpoint`` (a write_random_checkpoint directory) as a GGUF file; returns, per Hugging Face name,
+    the float32 values the file holds (quantized matrices dequantized, in Hugging Face row order)."""
+    config = {"rope_theta": 10000.0, **config}
+    tensors = {k: v.float().numpy() for k, v in load_file(f"{checkpoint}/model.safetensors").items()}
+    writer = GGUFWriter(path, arch)
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(config["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    tok = build_tokenizer(tokenizer_vocab_size)
+    vocab = tok.backend_tokenizer.get_vocab(with_added_tokens=True)
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda item: item[1])]
+    specials = {t.content for t in tok.added_tokens_decoder.values()}
+    merges = json.loads(tok.backend_tokenizer.to_str())["model"]["merges"]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in specials else 1 for t in tokens])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    writer.add_eos_token_id(vocab[IM_END])
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(tok.chat_template)
+    if rope_freqs is not None:  # Llama 3.1+: llama.cpp's converter stores the per-frequency divisors
+        writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
+    held = {}
+    for name, w in tensors.items():
+        stored = w
+        if arch == "llama" and "q_proj" in name:
+            stored = llama_cpp_permute(w, heads)
+        elif arch == "llama" and "k_proj" in name:
+            stored = llama_cpp_permute(w, kv_heads)
+        if w.ndim == 2 and qtype not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            writer.add_tensor(gguf_name(name), quants.quantize(stored, qtype), raw_dtype=qtype)
+            held[name] = roundtrip(w, qtype)  # quantization is row-wise: the permutation commutes with it
+        elif w.ndim == 2 and qtype == GGMLQuantizationType.F16:
+            writer.add_tensor(gguf_name(name), stored.astype(np.float16))
+            held[name] = w.astype(np.float16).astype(np.float32)
+        else:
+            writer.add_tensor(gguf_name(name), stored)
+            held[name] = w
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return held
+
+
+def reference_model(checkpoint: str, held: dict[str, np.ndarray]):
+    """transformers' model of ``checkpoint`` with the weights the GGUF file holds: the logits to match."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in held.items()}, strict=False)
+    return model
