@@ -8,10 +8,8 @@ import torch
 from paged import Chunk, greedy_generate, run_batch
 
 from kvprefix.engine import LLM, SamplingParams
-from kvprefix.engine.args import QUANTIZATION_METHODS as ARG_METHODS
 from kvprefix.model import allocate_kv_cache, load_model
 from kvprefix.model.quantized_linear import (
-    QUANTIZATION_METHODS,
     Int4Linear,
     Int8Linear,
     gguf_rows_from_permuted,
@@ -32,10 +30,6 @@ def effective_weight(layer: torch.nn.Module) -> torch.Tensor:
 def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's converter (convert_hf_to_gguf.py, LlamaModel.permute): Hugging Face q/k rows -> GGUF rows."""
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def test_cli_names_are_the_implemented_methods() -> None:
-    assert ARG_METHODS == QUANTIZATION_METHODS
 
 
 def test_int4_convention_is_q_minus_8_times_scale_plus_zero() -> None:

@@ -20,8 +20,9 @@ import numpy as np
 import torch
 from torch import nn
 
-# The --quantization names (kvprefix.engine.args lists them torch-free for the CLI): None is dense.
-QUANTIZATION_METHODS = ("int8", "int4", "gguf")
+from kvprefix.engine.args import QUANTIZATION_METHODS  # torch-free, for the CLI
+from kvprefix.model.gguf_loader import _LAYER_NAMES, unpermute_rows
+
 GROUP_SIZE = 32  # int4 group along the input dimension; also the block size of GGUF's Q4_0/Q4_1/Q8_0
 _COMPUTE = torch.bfloat16
 _N_ALIGN = 16  # the int4 packing needs a multiple of 16 output channels: pad with zero rows
@@ -179,23 +180,13 @@ def _reorder(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
 
 
 def gguf_rows_from_permuted(out_features: int, num_heads: int) -> torch.Tensor:
-    """The row order that undoes llama.cpp's q/k permutation (its converter interleaves each head's two rotary
-    halves): ``gguf_weight[rows]`` is the Hugging Face weight."""
-    head_rows = out_features // num_heads
-    hf_to_gguf = torch.arange(out_features).reshape(num_heads, 2, head_rows // 2).transpose(1, 2).reshape(-1)
-    return torch.argsort(hf_to_gguf)
+    """The row order that undoes llama.cpp's q/k permutation: ``gguf_weight[rows]`` is the Hugging Face weight
+    (the loader's ``unpermute_rows`` applied to the row indices)."""
+    return torch.from_numpy(unpermute_rows(np.arange(out_features), num_heads))
 
 
-# Hugging Face module name (within a layer) -> GGUF tensor name (within blk.N).
-_GGUF_NAMES = {
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
+# The projections, as the loader names them: GGUF tensor name (within blk.N) -> module name (within a layer).
+_PROJECTIONS = {g: hf for g, hf in _LAYER_NAMES.items() if hf.endswith("_proj")}
 
 
 # ---- the hook ----------------------------------------------------------------------------------------------------
@@ -218,7 +209,7 @@ def quantize_model(model: nn.Module, method: str | None, gguf_path: str | None =
     llama_rows = reader is not None and reader.fields["general.architecture"].contents() == "llama"
     permuted_heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads} if llama_rows else {}
     for i, layer in enumerate(model.model.layers):
-        for hf_name, gguf_name in _GGUF_NAMES.items():
+        for gguf_name, hf_name in _PROJECTIONS.items():
             parent_name, attr = hf_name.split(".")
             parent = getattr(layer, parent_name)
             linear = getattr(parent, attr)
