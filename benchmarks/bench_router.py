@@ -395,8 +395,8 @@ def live(model: str | None, rates: list[float], requests: int, replicas: int = 4
             traffic = _live_traffic(requests, seed=k)
             bound = _shared_pool_bound(urls[0], tokenizer_dir, traffic, blocks, replicas)
             for policy, url in routers.items():
-                for u in urls:
-                    httpx.post(u + "/reset_prefix_cache", params={"wait": "true"}, timeout=60).raise_for_status()
+                # through the router: it reaches every replica, and `prefix` forgets where it routed
+                httpx.post(url + "/reset_prefix_cache", params={"wait": "true"}, timeout=60).raise_for_status()
                 before = _requests_per_replica(url)
                 result = asyncio.run(_open_loop(url, model_id, traffic, rate, seed=k))
                 counts = [a - b for a, b in zip(_requests_per_replica(url), before, strict=True)]
