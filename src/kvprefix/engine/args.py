@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# The --quantization names (torch-free here for the CLI; kvprefix.model.quantized_linear implements them).
-QUANTIZATION_METHODS = ("int8", "int4", "gguf")
+from kvprefix.cache.identity import QUANTIZATION_METHODS  # noqa: F401  (the CLI's --quantization choices)
 
 
 @dataclass

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from kvprefix.cache import BlockHasher, KVCacheManager, context_for_checkpoint
+from kvprefix.cache import BlockHasher, KVCacheManager, context_for_checkpoint, kv_label
 from kvprefix.engine.args import EngineArgs
 from kvprefix.engine.model_runner import ModelRunner, num_kv_blocks
 from kvprefix.engine.output_state import OutputState
@@ -66,7 +66,7 @@ class LLMEngine:
         # Everything besides the tokens that changes a block's KV roots the hash chain: the checkpoint's own bytes,
         # not its path, so replicas of one checkpoint (and a router) compute the same hashes.
         # Quantized weights compute other KV than dense ones: the method joins the dtype in the root.
-        kv_dtype = str(dtype).removeprefix("torch.") + (f"+{args.quantization}" if args.quantization else "")
+        kv_dtype = kv_label(str(dtype).removeprefix("torch."), args.quantization)
         context = context_for_checkpoint(path, kv_dtype, self.tokenizer.chat_template)
         self.hasher = BlockHasher(args.block_size, args.prefix_caching_hash_algo, context)
         # First: on CUDA the KV budget is what the weights leave free.

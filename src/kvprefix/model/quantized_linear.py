@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from kvprefix.engine.args import QUANTIZATION_METHODS  # torch-free, for the CLI
+from kvprefix.cache.identity import QUANTIZATION_METHODS
 from kvprefix.model.gguf_loader import _LAYER_NAMES, unpermute_rows
 
 GROUP_SIZE = 32  # int4 group along the input dimension; also the block size of GGUF's Q4_0/Q4_1/Q8_0

@@ -19,10 +19,8 @@ from typing import Any
 
 from kvprefix.cache import BlockHash, BlockHasher, context_for_checkpoint
 from kvprefix.cache.event_wire import Hello
+from kvprefix.cache.identity import kv_labels
 from kvprefix.prompts import PromptError, Tokenizer, render_body
-
-# The KV dtypes a replica may run with: the dtype is part of the root, and the hello names only the root.
-KV_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -111,13 +109,13 @@ class RequestHasher:
         """The hasher for ``model`` that gives the root ``hello`` announces; ValueError when none does."""
         tokenizer = SegmentCachedTokenizer(model)
         context = context_for_checkpoint(model, "", tokenizer.chat_template)  # fingerprints the files once
-        for kv_dtype in KV_DTYPES:
+        for kv_dtype in kv_labels():
             hasher = BlockHasher(hello.block_size, hello.hash_algo, dataclasses.replace(context, kv_dtype=kv_dtype))
             if hasher.root == hello.root:
                 return cls(tokenizer, hasher)
         raise ValueError(
             f"--model {model} does not hash like replica {hello.replica_id} (its root {hello.root.hex()[:16]}... "
-            f"matches none of {', '.join(KV_DTYPES)}): give the router the replicas' checkpoint"
+            f"matches none of {', '.join(kv_labels())}): give the router the replicas' checkpoint"
         )
 
     def hash_prompt(self, body: Mapping[str, Any], tenant: str | None) -> tuple[list[BlockHash], int]:
