@@ -28,6 +28,8 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    # vLLM's: usage (so far) on every chunk, not only in the final one; needs include_usage, as in vLLM.
+    continuous_usage_stats: bool = False
 
 
 class _SamplingFields(_Body):

@@ -345,12 +345,17 @@ class _Context:
         chunk = {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
                  "created": self.created, "model": self.serving.info.name, "choices": choices}
         if self._include_usage:
-            chunk["usage"] = usage
+            chunk["usage"] = usage if usage is not None or not self._continuous_usage else self._usage()
         return chunk
 
     @property
     def _include_usage(self) -> bool:
         return bool(self.req.stream_options and self.req.stream_options.include_usage)
+
+    @property
+    def _continuous_usage(self) -> bool:
+        """vLLM's continuous_usage_stats: every chunk carries the usage so far (guidellm and aiperf ask for it)."""
+        return self._include_usage and self.req.stream_options.continuous_usage_stats
 
     # -- responses ---------------------------------------------------------------------------------------
 
