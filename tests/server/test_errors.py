@@ -55,6 +55,12 @@ CASES = [
      "messages.0.role"),
     ("content-number", CHAT, {"messages": [{"role": "user", "content": 3}]}, 400, "'messages.0.content'",
      "messages.0.content"),
+    ("image-part", CHAT, {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
+     400, "images are not supported", "messages.0.content"),
+    ("unknown-part", CHAT, {"messages": [{"role": "user", "content": [{"type": "hologram"}]}]}, 400,
+     "content part type 'hologram' is not supported", "messages.0.content"),
+    ("null-prompt", C, {"prompt": None}, 400, "missing required parameter: 'prompt'", "prompt"),
     ("tools", CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "'tools' is not supported",
      "tools"),
     ("json-mode", CHAT, {"response_format": {"type": "json_object"}}, 400, "'response_format' is not supported",

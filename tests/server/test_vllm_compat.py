@@ -35,3 +35,35 @@ def test_continuous_usage_stats_on_every_chunk(server: Server, chat: bool) -> No
     kw["stream_options"] = {"include_usage": True}
     plain = list(client.completions.create(prompt=LONG_PREFIX, **kw))
     assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage.completion_tokens == 6
+
+
+def test_null_means_not_sent(server: Server) -> None:
+    """OpenAI accepts null for optional fields; clients built from typed models send them."""
+    nulls = {"n": None, "logprobs": None, "stream": None, "echo": None, "stream_options": None, "seed": None,
+             "ignore_eos": None, "user": None}
+    r = server.post("/v1/completions", {"model": M, "prompt": "null test", "max_tokens": 3, "temperature": 0,
+                                        **nulls})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert len(body["choices"]) == 1 and body["choices"][0]["logprobs"] is None
+    same = server.client().completions.create(model=M, prompt="null test", max_tokens=3, temperature=0)
+    assert body["choices"][0]["text"] == same.choices[0].text
+    chat = server.post("/v1/chat/completions", {"model": M, "messages": [{"role": "user", "content": "x", "name": None}],
+                                                "max_tokens": 2, "n": None, "logprobs": None, "stream": None,
+                                                "top_logprobs": None, "max_completion_tokens": None})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["choices"][0]["logprobs"] is None
+
+
+def test_cache_control_parts_are_a_hint(server: Server) -> None:
+    """Content parts with Anthropic-style cache_control (LiteLLM, LangChain) render exactly like plain text."""
+    client = server.client()
+    system = [{"type": "text", "text": LONG_PREFIX, "cache_control": {"type": "ephemeral"}}]
+    kw = dict(model=M, max_tokens=4, temperature=0)
+    hinted = client.chat.completions.create(messages=[{"role": "system", "content": system},
+                                                      {"role": "user", "content": "cache control"}], **kw)
+    plain = client.chat.completions.create(messages=[{"role": "system", "content": LONG_PREFIX},
+                                                     {"role": "user", "content": "cache control"}], **kw)
+    assert hinted.usage.prompt_tokens == plain.usage.prompt_tokens
+    assert hinted.choices[0].message.content == plain.choices[0].message.content
+    assert plain.usage.prompt_tokens_details.cached_tokens >= len(LONG_PREFIX) // 8  # the same blocks

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import types
+import typing
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvprefix.engine.sampling_params import MAX_SEED, MAX_STOP_TOKEN_IDS, MAX_TOP_K
 from kvprefix.server.errors import APIError
@@ -24,6 +26,28 @@ TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]], Field(m
 class _Body(BaseModel):
     # strict: "5" is not an integer and true is not 1; inf/NaN are not sampling values.
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    _not_nullable: typing.ClassVar[frozenset[str]] = frozenset()
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        cls._not_nullable = frozenset(name for name, f in cls.model_fields.items() if not _nullable(f.annotation))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """OpenAI's API reads null as "not sent" for every optional field (clients send "n": null, "stream": null)."""
+        if isinstance(data, dict) and any(v is None and k in cls._not_nullable for k, v in data.items()):
+            data = {k: v for k, v in data.items() if v is not None or k not in cls._not_nullable}
+        return data
+
+
+def _nullable(annotation: Any) -> bool:
+    if annotation is Any or annotation is None or annotation is type(None):
+        return True
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return any(_nullable(a) for a in typing.get_args(annotation))
+    return False
 
 
 class StreamOptions(_Body):
@@ -101,6 +125,14 @@ class CompletionRequest(_SamplingFields):
 class TextPart(_Body):
     type: Literal["text"]
     text: str
+    # Anthropic-style cache breakpoint that LiteLLM and LangChain pass through: a hint with nothing to do here,
+    # since every full block of every prompt is cached automatically (docs/server.md).
+    cache_control: dict[str, Any] | None = None
+
+
+# Content part types of OpenAI's API that a text-only model cannot take, and what to tell the caller.
+_UNSUPPORTED_PARTS = {"image_url": "images are", "input_image": "images are", "image": "images are",
+                      "input_audio": "audio is", "file": "files are", "video_url": "videos are"}
 
 
 class ChatMessage(_Body):
@@ -114,6 +146,19 @@ class ChatMessage(_Body):
     tool_calls: list[Any] | None = None
     function_call: Any = None
     audio: Any = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        # Before the union is tried: otherwise an image part gets "should be a valid string" from the str member.
+        if isinstance(content, list):
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind in _UNSUPPORTED_PARTS:
+                    raise ValueError(f"{_UNSUPPORTED_PARTS[kind]} not supported: this model takes text parts only")
+                if isinstance(kind, str) and kind != "text":
+                    raise ValueError(f"content part type {kind!r} is not supported; send 'text' parts")
+        return content
 
 
 class ChatCompletionRequest(_SamplingFields):
