@@ -19,6 +19,7 @@ MAX_PROMPTS = 256  # prompts in one completions batch (each is an engine request
 MAX_MESSAGES = 4096  # messages in one chat request
 MAX_CONTENT_PARTS = 256  # content parts in one message
 MAX_TOKEN_ID = 2**31 - 1  # token ids in a prompt or in stop_token_ids; real vocabularies are far smaller
+MAX_DETOKENIZE = 2**20  # token ids in one /detokenize body (a long context's worth, and then some)
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]], Field(min_length=1)]
 
@@ -82,6 +83,8 @@ class _SamplingFields(_Body):
     prompt_cache_key: str | None = Field(None, max_length=MAX_ID_LEN)
     # Subdivides the caller's tenant cache namespace; validated in tenancy.py.
     cache_salt: str | None = None
+    # vLLM's: names the response (and the engine requests) when no x-request-id header does.
+    request_id: str | None = None
     # kvprefix extension (docs/server.md): per-prompt cache diagnosis in usage.cache_detail.
     cache_detail: bool = False
     # Accepted so that clients sending OpenAI defaults work; a non-default value is refused in check_supported().
@@ -161,8 +164,16 @@ class ChatMessage(_Body):
         return content
 
 
-class ChatCompletionRequest(_SamplingFields):
+class _ChatTemplateFields(_Body):
+    """How the messages are rendered (vLLM's names; kvprefix.prompts.render_chat checks the kwargs)."""
+
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -211,3 +222,24 @@ def check_supported(req: CompletionRequest | ChatCompletionRequest) -> None:
             if name == "stream_options":
                 raise APIError(400, "'stream_options' is only allowed when 'stream' is true", param=name)
             raise APIError(400, f"'{name}' is not supported by this server", param=name)
+
+
+class TokenizeCompletionRequest(_Body):
+    """vLLM's /tokenize with a prompt."""
+
+    model: str | None = None
+    prompt: Annotated[str, Field(min_length=1)]
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_ChatTemplateFields):
+    """vLLM's /tokenize with messages, rendered as /v1/chat/completions renders them."""
+
+    model: str | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: Annotated[list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]], Field(max_length=MAX_DETOKENIZE)]

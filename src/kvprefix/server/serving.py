@@ -24,7 +24,15 @@ from kvprefix.server.cache_detail import CacheDetail, CacheTracker
 from kvprefix.server.errors import APIError, bad_request
 from kvprefix.server.logprobs import chat_logprobs, completion_logprobs
 from kvprefix.server.metrics import FinishedSequence, ServerMetrics
-from kvprefix.server.protocol import ChatCompletionRequest, CompletionRequest, check_supported
+from kvprefix.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    check_supported,
+)
+from kvprefix.server.request_ids import MAX_REQUEST_ID_LEN, request_id_of, valid_request_id
 from kvprefix.server.tenancy import Caller, pseudonym, validate_client_salt
 
 
@@ -101,9 +109,10 @@ class Serving:
             out.append(await self._render(render_completion, p, self.info.max_model_len))
         return out
 
-    async def _chat_prompt(self, req: ChatCompletionRequest) -> RenderedPrompt:
+    async def _chat_prompt(self, req: ChatCompletionRequest | TokenizeChatRequest) -> RenderedPrompt:
         messages = [m.model_dump(include={"role", "content"}) for m in req.messages]
-        return await self._render(render_chat, messages, True, self.info.max_model_len)
+        return await self._render(render_chat, messages, req.add_generation_prompt, self.info.max_model_len,
+                                  req.continue_final_message, req.chat_template_kwargs)
 
     def _max_tokens(self, prompt_len: int, requested: int | None, param: str) -> int:
         limit = self.info.max_model_len
@@ -147,6 +156,29 @@ class Serving:
         prompt = await self._chat_prompt(req)
         return await self._serve(req, caller, raw, [prompt], req.max_new_tokens(), "messages", chat=True)
 
+    async def tokenize(self, req: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:
+        """vLLM's /tokenize: the token ids a completions or chat request with these fields would run."""
+        self._check_model(req.model)
+        if isinstance(req, TokenizeChatRequest):
+            prompt = await self._chat_prompt(req)
+        else:
+            prompt = await self._render(render_completion, req.prompt, None, req.add_special_tokens)
+        ids = prompt.token_ids
+        out = {"count": len(ids), "max_model_len": self.info.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            out["token_strs"] = self.engine.tokenizer.token_strings(ids)
+        return out
+
+    async def detokenize(self, req: DetokenizeRequest) -> dict:
+        self._check_model(req.model)
+        bad = next((t for t in req.tokens if t >= self.info.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} in 'tokens' is out of range: the vocabulary has "
+                              f"{self.info.vocab_size} tokens", param="tokens")
+        # Special tokens kept, as vLLM's /detokenize does: the caller wants the text these ids stand for.
+        text = await asyncio.to_thread(self.engine.tokenizer.decode, req.tokens, False)
+        return {"prompt": text}
+
     async def _serve(self, req, caller: Caller, raw: Request, prompts, requested_max: int | None, param: str,
                      chat: bool):
         validate_client_salt(caller.client_salt)
@@ -154,9 +186,9 @@ class Serving:
             raise bad_request(f"'{param}' is empty after tokenization", param=param)
         max_tokens = min(self._max_tokens(len(p.token_ids), requested_max, param) for p in prompts)
         params = self._sampling(req, max_tokens)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        rid, engine_rid = _response_id(req, raw, "chatcmpl" if chat else "cmpl")
         now, wall = time.monotonic(), time.time()
-        jobs = [_Job(i, f"{rid}-{i}", p, now, wall, req.n, sent_text=[0] * req.n, sent_tokens=[0] * req.n)
+        jobs = [_Job(i, f"{engine_rid}-{i}", p, now, wall, req.n, sent_text=[0] * req.n, sent_tokens=[0] * req.n)
                 for i, p in enumerate(prompts)]
         ctx = _Context(self, req, caller, rid, jobs, params, chat)
         # Admission happens before the response starts, so overload is a plain 503 even for streams.
@@ -416,6 +448,19 @@ class _Context:
         else:
             c["text"] = delta
         return c
+
+
+def _response_id(req, raw: Request, kind: str) -> tuple[str, str]:
+    """(the response's id, the base of its engine request ids). The id is the client's x-request-id header, else
+    the body's request_id (vLLM's order), else the id the middleware made. A client's id may repeat, an engine's
+    may not: then the engine ids get a unique suffix."""
+    header_id, chosen = request_id_of(raw)
+    base = header_id if chosen or req.request_id is None else req.request_id
+    if not valid_request_id(base):
+        raise bad_request(f"'request_id' must be 1 to {MAX_REQUEST_ID_LEN} printable ASCII characters without "
+                          "spaces", param="request_id")
+    rid = f"{kind}-{base}"
+    return rid, (f"{rid}-{uuid.uuid4().hex[:12]}" if chosen or req.request_id is not None else rid)
 
 
 async def _disconnected(raw: Request) -> None:
