@@ -130,3 +130,117 @@ def test_version_ping_and_request_ids(server: Server) -> None:
         "x-request-id"] == "e-1"
     assert server.post("/v1/completions", {"prompt": "x", "request_id": "a b"}).status_code == 400
     server.wait_idle()
+
+
+def test_min_tokens_include_stop_str_and_token_ids(server: Server) -> None:
+    client = server.client()
+    kw = dict(model=M, prompt=LONG_PREFIX + " min tokens", max_tokens=8, temperature=0)
+    free = client.completions.create(**kw, extra_body={"ignore_eos": True, "return_token_ids": True}).choices[0]
+    ids = free.model_extra["token_ids"]
+    assert len(ids) == 8 and free.model_extra["prompt_token_ids"] == server.post(
+        "/tokenize", {"prompt": kw["prompt"]}).json()["tokens"]
+    stopped = client.completions.create(**kw, extra_body={"stop_token_ids": [ids[0]]})
+    assert stopped.usage.completion_tokens == 1 and stopped.choices[0].finish_reason == "stop"
+    held = client.completions.create(**kw, extra_body={"stop_token_ids": [ids[0]], "min_tokens": 4,
+                                                       "return_token_ids": True})
+    assert held.usage.completion_tokens >= 4 and ids[0] not in held.choices[0].model_extra["token_ids"][:4]
+    # The stop string comes back with include_stop_str_in_output, as in vLLM.
+    stop = free.text[2:4]
+    if len(stop) == 2 and stop.strip():
+        cut = free.text[: free.text.index(stop)]
+        kept = client.completions.create(**kw, stop=[stop], extra_body={"include_stop_str_in_output": True})
+        assert kept.choices[0].text == cut + stop
+    # skip_special_tokens=false: the text is every token's text, special ones included.
+    raw = client.completions.create(**kw, extra_body={"skip_special_tokens": False, "ignore_eos": True,
+                                                      "return_token_ids": True}).choices[0]
+    assert raw.text == server.post("/detokenize", {"tokens": raw.model_extra["token_ids"]}).json()["prompt"]
+    # Streamed token ids add up to the whole, chat too; the chat prompt ids come in the first chunk.
+    stream = list(client.completions.create(**kw, stream=True, extra_body={"ignore_eos": True,
+                                                                             "return_token_ids": True}))
+    assert [t for c in stream for ch in c.choices for t in ch.model_extra["token_ids"]] == ids
+    messages = [{"role": "user", "content": "token ids"}]
+    chat = list(client.chat.completions.create(model=M, messages=messages, max_tokens=4, temperature=0, stream=True,
+                                               extra_body={"return_token_ids": True, "ignore_eos": True}))
+    assert chat[0].model_extra["prompt_token_ids"] == server.post("/tokenize", {"messages": messages}).json()["tokens"]
+    assert sum(len(ch.model_extra.get("token_ids") or []) for c in chat for ch in c.choices) == 4
+
+
+def test_truncate_prompt_tokens_keeps_the_end(server: Server) -> None:
+    client = server.client()
+    ids = server.post("/tokenize", {"prompt": LONG_PREFIX * 20}).json()["tokens"]
+    assert len(ids) > 8192  # longer than the context: refused unless truncated
+    kw = dict(model=M, max_tokens=4, temperature=0)
+    r = client.completions.create(prompt=LONG_PREFIX * 20, **kw, extra_body={"truncate_prompt_tokens": 100})
+    same = client.completions.create(prompt=ids[-100:], **kw)
+    assert r.usage.prompt_tokens == 100 and r.choices[0].text == same.choices[0].text
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": LONG_PREFIX}], **kw,
+                                          extra_body={"truncate_prompt_tokens": 50})
+    assert chat.usage.prompt_tokens == 50
+    assert server.post("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 0}).status_code == 400
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_prompt_logprobs_with_a_cache_hit_equal_caching_off(server: Server, server_nocache: Server,
+                                                            chat: bool) -> None:
+    text = LONG_PREFIX + " Score every token of this prompt."
+    body = {"model": M, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 2}
+    body |= {"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text}
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    warm = {k: v for k, v in body.items() if k != "prompt_logprobs"}
+    server.post(path, warm)
+    assert server.post(path, warm).json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # now cached
+    results = []
+    for s in (server, server_nocache):
+        r = s.post(path, body).json()
+        results.append(r["prompt_logprobs"] if chat else r["choices"][0]["prompt_logprobs"])
+        assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # the scored tokens bypass the cache
+    on, off = results
+    assert len(on) == len(off) == r["usage"]["prompt_tokens"] and on[0] is None and off[0] is None
+    for a, b in zip(on[1:], off[1:], strict=True):
+        assert a.keys() == b.keys() and 2 <= len(a) <= 3
+        for t in a:
+            assert a[t]["rank"] == b[t]["rank"] and a[t]["logprob"] == pytest.approx(b[t]["logprob"], abs=1e-4)
+    stream = server.post(path, {**body, "stream": True})
+    assert stream.status_code == 400 and stream.json()["error"]["param"] == "prompt_logprobs"
+    assert server.post(path, {**body, "prompt_logprobs": 21}).status_code == 400
+
+
+def test_return_tokens_as_token_ids(server: Server) -> None:
+    r = server.client().chat.completions.create(model=M, messages=[{"role": "user", "content": "ids"}], max_tokens=3,
+                                                temperature=0, logprobs=True, top_logprobs=2,
+                                                extra_body={"return_tokens_as_token_ids": True})
+    tokens = [t.token for t in r.choices[0].logprobs.content]
+    assert tokens and all(t.startswith("token_id:") and t[9:].isdigit() for t in tokens)
+
+
+NEUTRAL = {"priority": 0, "kv_transfer_params": None, "use_beam_search": False, "length_penalty": 1.0,
+           "bad_words": [], "spaces_between_special_tokens": True, "structured_outputs": None, "vllm_xargs": {}}
+REFUSED = [("priority", 1, "priority scheduling"), ("kv_transfer_params", {}, "disaggregated prefill"),
+           ("use_beam_search", True, "beam search"), ("length_penalty", 0.5, "beam search"),
+           ("bad_words", ["x"], "banning words"), ("allowed_token_ids", [1, 2], "restricting sampling"),
+           ("logits_processors", ["m.P"], "logits processors"), ("structured_outputs", {"json": {}}, "structured"),
+           ("guided_json", {}, "structured"), ("guided_choice", ["a"], "structured"),
+           ("guided_regex", "a+", "structured"), ("vllm_xargs", {"a": 1}, "extension"),
+           ("spaces_between_special_tokens", False, "special tokens"), ("mm_processor_kwargs", {"a": 1}, "text only"),
+           ("priority", False, "priority scheduling")]
+
+
+def test_neutral_vllm_values_are_accepted(server: Server) -> None:
+    for path, extra in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "x"}], "add_special_tokens": False, "documents": None,
+            "echo": False})):
+        r = server.post(path, {"model": M, "max_tokens": 1, **NEUTRAL, **extra})
+        assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("field,value,why", REFUSED, ids=[f"{f}={v!r}" for f, v, _ in REFUSED])
+def test_unsupported_vllm_fields_get_a_named_400(server: Server, field: str, value, why: str) -> None:
+    for path, extra in (("/v1/completions", {"prompt": "x"}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+        r = server.post(path, {"model": M, "max_tokens": 1, field: value, **extra})
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == field and why in error["message"], error
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    for field, value in (("add_special_tokens", True), ("documents", [{"t": "d"}]), ("echo", True)):
+        r = server.post("/v1/chat/completions", {**chat, field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field

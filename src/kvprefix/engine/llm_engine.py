@@ -22,6 +22,8 @@ from kvprefix.model.default_model import DEFAULT_MODEL_NAME
 from kvprefix.model.loader import resolve_dtype, resolve_model_path
 from kvprefix.prompts import Tokenizer
 
+# Prompt positions whose logits are computed at once for prompt logprobs (each is a vocabulary of floats).
+_SCORE_SLICE = 256
 # A prompt: text, token ids, or a dict with "prompt_token_ids" or "prompt" (vLLM's input forms).
 PromptType = str | list[int] | dict[str, Any]
 
@@ -53,6 +55,7 @@ class _UserRequest:
             metrics=dataclasses.replace(self.metrics),
             prompt_block_hashes=self.prompt_block_hashes,
             namespace_id=self.namespace_id,
+            prompt_logprobs=list(self.samples[0].prompt_logprobs) if self.samples[0].prompt_logprobs else None,
         )
 
 
@@ -232,7 +235,10 @@ class LLMEngine:
             for i, s in enumerate(sched.scheduled)
             if s.request.num_computed_tokens + s.num_new_tokens == s.request.num_tokens
         ]
-        logits = self.runner.execute(sched, sample_rows)
+        score_rows = [i for i, s in enumerate(sched.scheduled) if s.request.prompt_logprobs is not None]
+        logits, scored = self.runner.execute(sched, sample_rows, score_rows)
+        for i, hidden in scored.items():  # before update_after_step: num_computed_tokens is the chunk's start
+            self._score_prompt(sched.scheduled[i].request, hidden)
         self.scheduler.update_after_step(sched)
         if not sample_rows:
             return []
@@ -268,6 +274,16 @@ class LLMEngine:
                 self._counters["requests_finished"] += 1
             outputs.append(user_request.output())
         return outputs
+
+    def _score_prompt(self, req: Request, hidden) -> None:
+        """Prompt logprobs of the tokens after the chunk's positions, in slices (a slice's logits are
+        [slice, vocab] floats)."""
+        start = req.num_computed_tokens
+        for a in range(0, len(hidden), _SCORE_SLICE):
+            part = hidden[a : a + _SCORE_SLICE]
+            targets = req.token_ids[start + a + 1 : start + a + 1 + len(part)]
+            entries = self.sampler.prompt_logprobs(self.runner.logits(part), targets, req.params.prompt_logprobs)
+            req.set_prompt_logprobs(start + a + 1, entries)
 
     def _sample(self, logits, requests: list[Request]) -> list[tuple]:
         """(token, logprobs) per request. Should the batch fail, each request is sampled alone, so the ones that

@@ -66,3 +66,5 @@ class RequestOutput:
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
     prompt_block_hashes: list[bytes] = field(default_factory=list)
     namespace_id: str = ""
+    # With SamplingParams.prompt_logprobs: per prompt token, {token id: Logprob} (None for the first token).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -52,12 +52,25 @@ class Request(CacheRequest):
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.generator: Any = None  # a torch.Generator for seeded sampling, made by the sampler on first use
-        self.detokenizer = IncrementalDetokenizer(tokenizer, list(prompt_token_ids))
+        # Per prompt position: the logprobs of that prompt token (position 0 has none), filled as prefill runs.
+        # Only sample 0 scores the prompt; the others share its blocks.
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+            [None] * self.num_prompt_tokens if params.prompt_logprobs is not None and index == 0 else None)
+        self.detokenizer = IncrementalDetokenizer(tokenizer, list(prompt_token_ids), params.skip_special_tokens)
         self.text = ""  # the detokenized output, trimmed at a stop string
         # Characters held back from reported text while they might still start a stop string (vLLM semantics).
         self._stop_hold = max(map(len, params.stop_strings), default=1) - 1
         if params.include_stop_str_in_output:
             self._stop_hold = 0
+
+    @property
+    def skips_cache_reads(self) -> bool:
+        """Prompt logprobs need every prompt token's logits, which a cache hit would not compute."""
+        return self.prompt_logprobs is not None
+
+    def under_min_tokens(self) -> bool:
+        """Whether the next token must not be EOS or a stop token (min_tokens not reached yet)."""
+        return self.num_output_tokens < self.params.min_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -80,7 +93,11 @@ class Request(CacheRequest):
             self.cumulative_logprob += logprobs[token_id].logprob
         params = self.params
         # An EOS or stop token ends the sample; its text is shown only with include_stop_str_in_output.
-        if not params.ignore_eos and token_id in self.eos_token_ids:
+        if self.num_output_tokens < params.min_tokens:  # nothing stops it yet (the sampler keeps EOS out)
+            self.text += self.detokenizer.add([token_id])
+            if self.num_output_tokens >= self.max_tokens:
+                self._finish("length", None)
+        elif not params.ignore_eos and token_id in self.eos_token_ids:
             self._finish("stop", None, token_id if params.include_stop_str_in_output else None)
         elif token_id in params.stop_token_set:
             self._finish("stop", token_id, token_id if params.include_stop_str_in_output else None)
@@ -119,6 +136,10 @@ class Request(CacheRequest):
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
         )
+
+    def set_prompt_logprobs(self, first_position: int, entries: list[dict[int, Logprob]]) -> None:
+        """Stores the logprobs of prompt tokens ``first_position`` on (recomputed after a preemption: overwritten)."""
+        self.prompt_logprobs[first_position : first_position + len(entries)] = entries
 
 
 def find_stop(text: str, num_new_chars: int, stops: Sequence[str], include: bool) -> tuple[str, str] | None:

@@ -20,6 +20,9 @@ class SamplingParams:
 
     ``top_k`` 0 or -1 disables top-k; ``max_tokens`` None means up to the model's context length; ``logprobs`` k
     returns the k most likely tokens at each step (plus the sampled one), from the model's raw distribution.
+    ``min_tokens``: no EOS, stop token or stop string ends a sample before it has that many tokens (vLLM's).
+    ``prompt_logprobs`` k: the logprob of every prompt token after the first (plus the k most likely there); such
+    a request reads nothing from the prefix cache, since cached tokens have no logits (vLLM does the same).
     """
 
     n: int = 1
@@ -35,8 +38,11 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     max_tokens: int | None = 16
+    min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
     # Normalized forms, filled in by __post_init__.
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
     stop_token_set: frozenset[int] = field(init=False, repr=False)
@@ -57,8 +63,12 @@ class SamplingParams:
         _check_number("repetition_penalty", self.repetition_penalty, "a number > 0", lambda v: v > 0)
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, minimum=1, accepted="an integer >= 1 or None")
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, minimum=0, accepted="an integer >= 0 or None")
+        _check_int("min_tokens", self.min_tokens, minimum=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), minimum=0, accepted="an integer >= 0 or None")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         for s in stops:
             if not isinstance(s, str) or not s:

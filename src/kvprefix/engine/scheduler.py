@@ -83,7 +83,7 @@ class Scheduler:
             if req.needs_prompt_from_leader():
                 skipped.append(self.waiting.popleft())
                 continue
-            hits, num_hit_tokens = self.manager.get_computed_blocks(req)
+            hits, num_hit_tokens = ([], 0) if req.skips_cache_reads else self.manager.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_hit_tokens, budget)
             if self.manager.allocate_slots(req, num_new, hits) is None:
                 break

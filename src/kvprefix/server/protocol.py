@@ -19,6 +19,7 @@ MAX_PROMPTS = 256  # prompts in one completions batch (each is an engine request
 MAX_MESSAGES = 4096  # messages in one chat request
 MAX_CONTENT_PARTS = 256  # content parts in one message
 MAX_TOKEN_ID = 2**31 - 1  # token ids in a prompt or in stop_token_ids; real vocabularies are far smaller
+MAX_PROMPT_LOGPROBS = 20  # vLLM's default max_logprobs
 MAX_DETOKENIZE = 2**20  # token ids in one /detokenize body (a long context's worth, and then some)
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]], Field(min_length=1)]
@@ -77,6 +78,32 @@ class _SamplingFields(_Body):
         list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]], Field(max_length=MAX_STOP_TOKEN_IDS)
     ] | None = None
     ignore_eos: bool = False
+    # vLLM's request extensions that the engine honours (docs/server.md).
+    min_tokens: int = Field(0, ge=0)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_PROMPT_LOGPROBS)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the last k prompt tokens; -1: max_model_len
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
+    # vLLM's fields that this server accepts only at their neutral value; _REFUSED says why.
+    priority: Any = None
+    kv_transfer_params: Any = None
+    spaces_between_special_tokens: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    bad_words: Any = None
+    allowed_token_ids: Any = None
+    logits_processors: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    vllm_xargs: Any = None
+    mm_processor_kwargs: Any = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=MAX_ID_LEN)
@@ -111,6 +138,8 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    add_special_tokens: bool = True
+    prompt_embeds: Any = None
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
@@ -184,6 +213,9 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: dict[str, Any] | None = None
+    add_special_tokens: Any = None
+    documents: Any = None
+    echo: Any = None
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -192,8 +224,55 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+_STRUCTURED = "structured outputs (guided decoding) are not supported by this server"
+# vLLM field -> (the values that ask for nothing, why anything else is refused).
+_REFUSED: dict[str, tuple[tuple, str]] = {
+    "priority": ((0,), "priority scheduling is not enabled: requests are served first come, first served (as in "
+                 "vLLM without --scheduling-policy priority)"),
+    "kv_transfer_params": ((), "disaggregated prefill (KV transfer between servers) is not supported"),
+    "spaces_between_special_tokens": ((True,), "special tokens are always decoded as the tokenizer joins them"),
+    "use_beam_search": ((False,), "beam search is not implemented; sample n choices instead"),
+    "length_penalty": ((1, 1.0), "it applies to beam search, which is not implemented"),
+    "bad_words": (([],), "banning words is not implemented"),
+    "allowed_token_ids": (([],), "restricting sampling to given tokens is not implemented"),
+    "logits_processors": (([],), "custom logits processors cannot run in this server"),
+    "structured_outputs": ((), _STRUCTURED),
+    "guided_json": ((), _STRUCTURED),
+    "guided_regex": ((), _STRUCTURED),
+    "guided_choice": ((), _STRUCTURED),
+    "guided_grammar": ((), _STRUCTURED),
+    "guided_decoding_backend": ((), _STRUCTURED),
+    "guided_whitespace_pattern": ((), _STRUCTURED),
+    "vllm_xargs": (({},), "this server takes no extension arguments"),
+    "mm_processor_kwargs": (({},), "the model takes text only"),
+}
+_REFUSED_COMPLETIONS = {
+    "prompt_embeds": ((), "prompt embeddings are not supported; send text or token ids"),
+}
+_REFUSED_CHAT = {
+    "add_special_tokens": ((False,), "the chat template writes its own special tokens"),
+    "documents": (([],), "documents for the chat template are not supported"),
+    "echo": ((False,), "echoing the last message is not supported in chat"),
+}
+
+
+def _neutral(value: Any, neutral: tuple) -> bool:
+    # By type too: 0 == False in Python, and "priority": false is not a priority.
+    return value is None or any(type(value) is type(n) and value == n for n in neutral)
+
+
 def check_supported(req: CompletionRequest | ChatCompletionRequest) -> None:
     """Refuses parameters that we parse but do not implement, instead of silently ignoring them."""
+    refused = _REFUSED | (_REFUSED_CHAT if isinstance(req, ChatCompletionRequest) else _REFUSED_COMPLETIONS)
+    for name, (neutral, why) in refused.items():
+        if not _neutral(getattr(req, name), neutral):
+            raise APIError(400, f"'{name}' is not supported: {why}", param=name)
+    if req.prompt_logprobs is not None and req.stream:
+        raise APIError(400, "'prompt_logprobs' cannot be streamed (as in vLLM); send it without 'stream'",
+                       param="prompt_logprobs")
+    if req.truncate_prompt_tokens == 0:
+        raise APIError(400, "'truncate_prompt_tokens' must be -1 (the context length) or at least 1",
+                       param="truncate_prompt_tokens")
     unsupported: dict[str, bool] = {
         "logit_bias": bool(req.logit_bias),
         "stream_options": req.stream_options is not None and not req.stream,

@@ -18,7 +18,7 @@ from starlette.background import BackgroundTask
 
 from kvprefix.engine import CompletionOutput, EngineDeadError, RequestFailedError, RequestOutput, SamplingParams
 from kvprefix.logs import RequestLogWriter, RequestRecord
-from kvprefix.prompts import PromptError, RenderedPrompt, render_chat, render_completion
+from kvprefix.prompts import PromptError, RenderedPrompt, render_chat, render_completion, truncate_prompt
 from kvprefix.server.admission import Admission, Ticket
 from kvprefix.server.cache_detail import CacheDetail, CacheTracker
 from kvprefix.server.errors import APIError, bad_request
@@ -106,13 +106,27 @@ class Serving:
                 if bad is not None:
                     raise bad_request(f"token id {bad} in 'prompt' is out of range: the vocabulary has "
                                       f"{self.info.vocab_size} tokens", param="prompt")
-            out.append(await self._render(render_completion, p, self.info.max_model_len))
+            out.append(await self._render(render_completion, p, self._char_limit(req), req.add_special_tokens))
         return out
 
     async def _chat_prompt(self, req: ChatCompletionRequest | TokenizeChatRequest) -> RenderedPrompt:
         messages = [m.model_dump(include={"role", "content"}) for m in req.messages]
-        return await self._render(render_chat, messages, req.add_generation_prompt, self.info.max_model_len,
+        limit = self._char_limit(req) if isinstance(req, ChatCompletionRequest) else self.info.max_model_len
+        return await self._render(render_chat, messages, req.add_generation_prompt, limit,
                                   req.continue_final_message, req.chat_template_kwargs)
+
+    def _char_limit(self, req: CompletionRequest | ChatCompletionRequest) -> int | None:
+        """The length (in tokens) that refuses a prompt before tokenizing it: none when it is truncated anyway."""
+        return None if req.truncate_prompt_tokens is not None else self.info.max_model_len
+
+    def _truncated(self, req, prompts: list[RenderedPrompt]) -> list[RenderedPrompt]:
+        keep = req.truncate_prompt_tokens
+        if keep is None:
+            return prompts
+        if keep > self.info.max_model_len:
+            raise bad_request(f"'truncate_prompt_tokens' ({keep}) is over this model's maximum context length "
+                              f"({self.info.max_model_len})", param="truncate_prompt_tokens")
+        return [truncate_prompt(p, self.info.max_model_len if keep == -1 else keep) for p in prompts]
 
     def _max_tokens(self, prompt_len: int, requested: int | None, param: str) -> int:
         limit = self.info.max_model_len
@@ -138,7 +152,10 @@ class Serving:
         try:
             return SamplingParams(n=req.n, max_tokens=max_tokens, stop=req.stop_list() or None,
                                   stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
-                                  logprobs=req.num_logprobs(), **kwargs)
+                                  logprobs=req.num_logprobs(), min_tokens=req.min_tokens,
+                                  include_stop_str_in_output=req.include_stop_str_in_output,
+                                  skip_special_tokens=req.skip_special_tokens, prompt_logprobs=req.prompt_logprobs,
+                                  **kwargs)
         except ValueError as exc:  # the engine's own range checks, should ours ever be looser
             raise bad_request(str(exc)) from None
 
@@ -182,9 +199,13 @@ class Serving:
     async def _serve(self, req, caller: Caller, raw: Request, prompts, requested_max: int | None, param: str,
                      chat: bool):
         validate_client_salt(caller.client_salt)
+        prompts = self._truncated(req, prompts)
         if not all(p.token_ids for p in prompts):
             raise bad_request(f"'{param}' is empty after tokenization", param=param)
         max_tokens = min(self._max_tokens(len(p.token_ids), requested_max, param) for p in prompts)
+        if req.min_tokens > max_tokens:
+            raise bad_request(f"'min_tokens' ({req.min_tokens}) is more than the {max_tokens} tokens this request may "
+                              "generate", param="min_tokens")
         params = self._sampling(req, max_tokens)
         rid, engine_rid = _response_id(req, raw, "chatcmpl" if chat else "cmpl")
         now, wall = time.monotonic(), time.time()
@@ -353,6 +374,8 @@ class _Context:
         return completion_logprobs(decode, ids, entries, self.num_logprobs, text_start)
 
     def _decode_one(self, token_id: int) -> str:
+        if self.req.return_tokens_as_token_ids:  # vLLM's: tokens that do not decode alone stay identifiable
+            return f"token_id:{token_id}"
         return self.serving.engine.tokenizer.decode([token_id])
 
     def _choice_index(self, job: _Job, sample: int) -> int:
@@ -368,10 +391,27 @@ class _Context:
                     c["message"] = {"role": "assistant", "content": o.text}
                 else:
                     c["text"] = o.text
+                    if self.req.prompt_logprobs is not None:
+                        c["prompt_logprobs"] = self._prompt_logprobs(job)
+                    if self.req.return_token_ids:
+                        c["prompt_token_ids"] = job.prompt.token_ids
+                if self.req.return_token_ids:
+                    c["token_ids"] = o.token_ids
                 choices.append(c)
         choices.sort(key=lambda c: c["index"])
-        return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
+        body = {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.serving.info.name, "choices": choices, "usage": self._usage()}
+        if self.chat and self.req.prompt_logprobs is not None:  # vLLM's places: per choice, per response in chat
+            body["prompt_logprobs"] = self._prompt_logprobs(self.jobs[0])
+        if self.chat and self.req.return_token_ids:
+            body["prompt_token_ids"] = self.jobs[0].prompt.token_ids
+        return body
+
+    def _prompt_logprobs(self, job: _Job) -> list[dict | None]:
+        """vLLM's shape: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}}."""
+        return [None if entry is None else {
+            str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": self._decode_one(t)}
+            for t, lp in entry.items()} for entry in job.last.prompt_logprobs]
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
         chunk = {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -417,9 +457,11 @@ class _Context:
     async def stream(self, ticket: Ticket) -> AsyncIterator[str]:
         try:
             if self.chat:
-                yield _sse(self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                         "logprobs": None, "finish_reason": None}
-                                        for i in range(self.req.n)]))
+                first = self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None} for i in range(self.req.n)])
+                if self.req.return_token_ids:
+                    first["prompt_token_ids"] = self.jobs[0].prompt.token_ids
+                yield _sse(first)
             try:
                 async for job, out in self._outputs():
                     choices = [c for o in out.outputs if (c := self._delta(job, o)) is not None]
@@ -439,7 +481,8 @@ class _Context:
         delta = o.text[sent:]
         new_tokens = len(o.token_ids) > sent_tokens
         job.sent_text[o.index], job.sent_tokens[o.index] = len(o.text), len(o.token_ids)
-        if not delta and o.finish_reason is None and not (new_tokens and self.num_logprobs is not None):
+        wants_tokens = self.num_logprobs is not None or self.req.return_token_ids
+        if not delta and o.finish_reason is None and not (new_tokens and wants_tokens):
             return None
         logprobs = self._logprobs(o, sent_tokens, sent) if new_tokens else None
         c = {"index": self._choice_index(job, o.index), "logprobs": logprobs, "finish_reason": o.finish_reason}
@@ -447,6 +490,10 @@ class _Context:
             c["delta"] = {"content": delta} if delta else {}
         else:
             c["text"] = delta
+        if self.req.return_token_ids:
+            c["token_ids"] = o.token_ids[sent_tokens:]
+            if not self.chat and sent_tokens == 0:
+                c["prompt_token_ids"] = job.prompt.token_ids
         return c
 
 
