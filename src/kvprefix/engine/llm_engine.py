@@ -3,7 +3,9 @@ manager and the block hashers; turns prompts into requests and engine steps into
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 import time
 from typing import Any
 
@@ -22,6 +24,8 @@ from kvprefix.model.default_model import DEFAULT_MODEL_NAME
 from kvprefix.model.loader import resolve_dtype, resolve_model_path
 from kvprefix.prompts import Tokenizer
 
+# Tokens per engine step, as vLLM's iteration_tokens_total histogram buckets them.
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # Prompt positions whose logits are computed at once for prompt logprobs (each is a vocabulary of floats).
 _SCORE_SLICE = 256
 # A prompt: text, token ids, or a dict with "prompt_token_ids" or "prompt" (vLLM's input forms).
@@ -99,6 +103,8 @@ class LLMEngine:
         self._counters = dict(prompt_tokens=0, generation_tokens=0, requests_finished=0, requests_aborted=0,
                               requests_failed=0)
         self._failures: list[tuple[str, RequestFailedError]] = []
+        self._iteration_tokens = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)  # per bucket (not cumulative), then +Inf
+        self._iteration_tokens_sum = 0
 
     # ---- requests -------------------------------------------------------------------------------------------
 
@@ -225,6 +231,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
+        self._iteration_tokens[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, sched.num_tokens)] += 1
+        self._iteration_tokens_sum += sched.num_tokens
         now = time.monotonic()
         for s in sched.scheduled:
             metrics = self._user_request_of[s.request.request_id].metrics
@@ -320,8 +328,9 @@ class LLMEngine:
 
     def get_metrics(self) -> dict[str, int | float]:
         """Counters since start (prefix_cache_* in tokens, each request counted at its first admission;
-        prefix_cache_preempted_* count re-admissions after preemption) and gauges (num_requests_*, kv_cache_usage,
-        num_free_blocks)."""
+        prefix_cache_preempted_* count re-admissions after preemption), gauges (num_requests_*, kv_cache_usage,
+        num_free_blocks), and tokens per step as a histogram: iteration_tokens_le_B counts the steps of at most B
+        tokens, iteration_tokens_count all steps, iteration_tokens_sum their tokens."""
         stats = self.manager.stats
         pool = self.manager.pool
         return {
@@ -347,4 +356,11 @@ class LLMEngine:
             "num_blocks": pool.num_blocks,
             "num_free_blocks": pool.num_free_blocks,
             "block_size": self.manager.block_size,
+            **self._iteration_token_stats(),
         }
+
+    def _iteration_token_stats(self) -> dict[str, int]:
+        counts = list(self._iteration_tokens)  # one read: the cumulative buckets and the count agree
+        cumulative = itertools.accumulate(counts)
+        out = {f"iteration_tokens_le_{b}": n for b, n in zip(ITERATION_TOKEN_BUCKETS, cumulative, strict=False)}
+        return out | {"iteration_tokens_count": sum(counts), "iteration_tokens_sum": self._iteration_tokens_sum}

@@ -51,6 +51,7 @@ class ServerConfig:
     cache_detail: bool = True  # whether the opt-in per-request diagnosis may be asked for at all
     replica_id: str = "replica-0"  # names this replica in KV events and the request log
     allowed_hosts: frozenset[str] | None = None  # Host names served (browsers.py); None: any, same-origin only
+    metrics_names: str = "kvprefix"  # "vllm": vLLM's metric names (docs/metrics.md)
 
 
 _PARSE_INLINE_BYTES = 256 * 1024
@@ -141,14 +142,17 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     auth = config.auth or Auth()
     name = config.served_model_name or engine.model_name
     info = _model_info(engine, name, config.replica_id)
-    metrics = ServerMetrics(name, engine.get_metrics)
+    cache_config = {"block_size": str(info.block_size), "enable_prefix_caching": str(info.enable_prefix_caching),
+                    "num_gpu_blocks": str(engine.num_kv_blocks), "prefix_caching_hash_algo": info.hash_algo}
+    metrics = ServerMetrics(name, engine.get_metrics, config.metrics_names, cache_config, info.max_model_len)
+    labels = metrics.labels()
     admission = Admission(config.max_pending, config.max_pending_per_tenant,
-                          on_reject=lambda reason: metrics.rejected.labels(name, reason).inc())
-    metrics.in_flight.labels(name).set_function(lambda: admission.pending)
+                          on_reject=lambda reason: metrics.rejected.labels(*labels, reason).inc())
+    metrics.in_flight.labels(*labels).set_function(lambda: admission.pending)
     # The tracker mirrors every cached block (tokens included): only when cache detail may be asked for.
     tracker = CacheTracker(engine.hasher, enabled=info.enable_prefix_caching) if config.cache_detail else None
     request_log = RequestLogWriter(config.request_log, config.request_log_prompts,
-                                   on_error=metrics.request_log_errors.labels(name).inc) if config.request_log else None
+                                   on_error=metrics.request_log_errors.labels(*labels).inc) if config.request_log else None
     serving = Serving(engine, info, admission, metrics, tracker, request_log)
     created = int(time.time())
 

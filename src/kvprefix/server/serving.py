@@ -65,6 +65,9 @@ class _Job:
     detail: CacheDetail | None = None  # the cache diagnosis, made at the first token
     sent_text: list[int] = field(default_factory=list)  # streaming, per sample: characters already sent
     sent_tokens: list[int] = field(default_factory=list)  # streaming, per sample: tokens whose logprobs went out
+    seen_tokens: dict[int, int] = field(default_factory=dict)  # per sample: tokens seen so far
+    last_token_at: dict[int, float] = field(default_factory=dict)  # per sample: when its latest tokens came
+    token_gaps: list[float] = field(default_factory=list)  # seconds between consecutive tokens (all samples)
 
 
 class Serving:
@@ -286,6 +289,13 @@ class _Context:
 
     def _update(self, job: _Job, out: RequestOutput) -> None:
         job.last = out
+        now = time.monotonic()
+        for o in out.outputs:
+            new = len(o.token_ids) - job.seen_tokens.get(o.index, 0)
+            if new > 0:
+                if o.index in job.last_token_at:  # tokens that arrive together share the time since the last
+                    job.token_gaps += [(now - job.last_token_at[o.index]) / new] * new
+                job.seen_tokens[o.index], job.last_token_at[o.index] = len(o.token_ids), now
         if job.first_token is None and any(o.token_ids for o in out.outputs):
             job.first_token = time.monotonic()
             # Diagnosed now, while the cache still looks as it did at admission; the request log keeps the reason.
@@ -308,7 +318,9 @@ class _Context:
         reasons = [o.finish_reason or "abort" for o in outputs] or ["abort"] * job.n
         e2e = time.monotonic() - job.arrival
         ttft = None if job.first_token is None else job.first_token - job.arrival
-        self.serving.metrics.observe(FinishedSequence(len(job.prompt.token_ids), cached, n_out, reasons, ttft, e2e))
+        self.serving.metrics.observe(FinishedSequence(
+            len(job.prompt.token_ids), cached, n_out, reasons, ttft, e2e, self.params.max_tokens or 0,
+            *_phases(out), token_gaps_s=job.token_gaps))
         log = self.serving.request_log
         if log is not None:
             log.write(self._record(job, cached, n_out, reasons, ttft, e2e, aborted))
@@ -495,6 +507,19 @@ class _Context:
             if not self.chat and sent_tokens == 0:
                 c["prompt_token_ids"] = job.prompt.token_ids
         return c
+
+
+def _phases(out: RequestOutput | None) -> tuple[float | None, ...]:
+    """The engine's queue, prefill, decode and inference times of a request (None for phases it never reached)."""
+    m = out.metrics if out is not None else None
+    if m is None or m.first_scheduled_time is None:
+        return None, None, None, None
+    queue = m.first_scheduled_time - m.arrival_time
+    prefill = None if m.first_token_time is None else m.first_token_time - m.first_scheduled_time
+    done = m.finished_time is not None and m.first_token_time is not None
+    decode = m.finished_time - m.first_token_time if done else None
+    inference = m.finished_time - m.first_scheduled_time if m.finished_time is not None else None
+    return queue, prefill, decode, inference
 
 
 def _response_id(req, raw: Request, kind: str) -> tuple[str, str]:
