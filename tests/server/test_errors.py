@@ -63,8 +63,10 @@ CASES = [
     ("null-prompt", C, {"prompt": None}, 400, "missing required parameter: 'prompt'", "prompt"),
     ("tools", CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "'tools' is not supported",
      "tools"),
-    ("json-mode", CHAT, {"response_format": {"type": "json_object"}}, 400, "'response_format' is not supported",
-     "response_format"),
+    ("json-schema-without-schema", CHAT, {"response_format": {"type": "json_schema"}}, 400, "json_schema",
+     "response_format.json_schema"),
+    ("response-format-unknown", CHAT, {"response_format": {"type": "xml"}}, 400, "'response_format.type'",
+     "response_format.type"),
     ("chat-max-tokens-zero", CHAT, {"max_completion_tokens": 0}, 400, "'max_completion_tokens'",
      "max_completion_tokens"),
     # Values the engine cannot honour never reach it (one such request used to kill the engine for everyone).

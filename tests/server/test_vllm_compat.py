@@ -3,6 +3,9 @@ with the official openai client: each field either works or gets a 400 naming it
 
 from __future__ import annotations
 
+import json
+import re
+
 import httpx
 import pytest
 from server_helpers import LONG_PREFIX, Server
@@ -214,13 +217,13 @@ def test_return_tokens_as_token_ids(server: Server) -> None:
 
 
 NEUTRAL = {"priority": 0, "kv_transfer_params": None, "use_beam_search": False, "length_penalty": 1.0,
-           "bad_words": [], "spaces_between_special_tokens": True, "structured_outputs": None, "vllm_xargs": {}}
+           "bad_words": [], "spaces_between_special_tokens": True, "structured_outputs": None, "vllm_xargs": {},
+           "guided_decoding_backend": "auto"}
 REFUSED = [("priority", 1, "priority scheduling"), ("kv_transfer_params", {}, "disaggregated prefill"),
            ("use_beam_search", True, "beam search"), ("length_penalty", 0.5, "beam search"),
            ("bad_words", ["x"], "banning words"), ("allowed_token_ids", [1, 2], "restricting sampling"),
-           ("logits_processors", ["m.P"], "logits processors"), ("structured_outputs", {"json": {}}, "structured"),
-           ("guided_json", {}, "structured"), ("guided_choice", ["a"], "structured"),
-           ("guided_regex", "a+", "structured"), ("vllm_xargs", {"a": 1}, "extension"),
+           ("logits_processors", ["m.P"], "logits processors"), ("guided_decoding_backend", "xgrammar", "llguidance"),
+           ("guided_whitespace_pattern", " ", "compact"), ("vllm_xargs", {"a": 1}, "extension"),
            ("spaces_between_special_tokens", False, "special tokens"), ("mm_processor_kwargs", {"a": 1}, "text only"),
            ("priority", False, "priority scheduling")]
 
@@ -244,3 +247,41 @@ def test_unsupported_vllm_fields_get_a_named_400(server: Server, field: str, val
     for field, value in (("add_special_tokens", True), ("documents", [{"t": "d"}]), ("echo", True)):
         r = server.post("/v1/chat/completions", {**chat, field: value})
         assert r.status_code == 400 and r.json()["error"]["param"] == field
+
+
+def test_structured_outputs_parse_and_vllm_fields(server: Server) -> None:
+    """openai's .parse() with a pydantic model, json_object, and vLLM's structured_outputs / guided_* fields:
+    whatever the random model prefers, the output is in the language asked for."""
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class Verdict(BaseModel):
+        ok: bool
+        tier: Literal["gold", "silver", "bronze"]
+
+    client = server.client()
+    messages = [{"role": "user", "content": "Rate this."}]
+    for seed in range(3):
+        r = client.chat.completions.parse(model=M, messages=messages, response_format=Verdict, max_tokens=60,
+                                          temperature=1.0, seed=seed)
+        assert isinstance(r.choices[0].message.parsed, Verdict) and r.choices[0].finish_reason == "stop"
+    obj = client.chat.completions.create(model=M, messages=messages, max_tokens=300, temperature=1.0, seed=1,
+                                         response_format={"type": "json_object"})
+    if obj.choices[0].finish_reason == "stop":  # an unbounded object can run to max_tokens
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    else:
+        assert obj.choices[0].message.content.startswith("{")
+    choice = client.completions.create(model=M, prompt="Pick:", max_tokens=10, n=4, temperature=1.0,
+                                       extra_body={"structured_outputs": {"choice": ["left", "right"]}})
+    assert {c.text for c in choice.choices} <= {"left", "right"}
+    stream = client.completions.create(model=M, prompt="Code:", max_tokens=20, temperature=1.0, stream=True,
+                                       extra_body={"guided_regex": "[A-Z]{2}[0-9]{2}"})
+    assert re.fullmatch(r"[A-Z]{2}[0-9]{2}", "".join(c.choices[0].text for c in stream if c.choices))
+    bad = server.post("/v1/chat/completions", {"messages": messages, "structured_outputs": {"regex": "("}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "structured_outputs"
+    both = server.post("/v1/completions", {"prompt": "x", "guided_regex": "a", "structured_outputs": {"choice": ["b"]}})
+    assert both.status_code == 400 and "one structured output" in both.json()["error"]["message"]
+    two = server.post("/v1/completions", {"prompt": "x", "structured_outputs": {"choice": ["b"], "regex": "a"}})
+    assert two.status_code == 400 and two.json()["error"]["param"] == "structured_outputs"
+    server.wait_idle()

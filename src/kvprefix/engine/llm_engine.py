@@ -146,6 +146,7 @@ class LLMEngine:
                 raise ValueError(f"request {request_id!r}: sample id {sample_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
         self._check_prompt(request_id, ids)
+        grammar = self._grammar(params)
         room = self.max_sequence_tokens - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         hasher = self.hasher.for_namespace(tenant, cache_salt)
@@ -166,6 +167,9 @@ class LLMEngine:
                     eviction_group=tenant,
                 )
             )
+        if grammar is not None:
+            for s in samples:
+                s.matcher = self.sampler.grammar_masks.matcher(grammar)
         metrics = RequestMetrics(arrival_time if arrival_time is not None else time.monotonic())
         prompt_hashes = samples[0].block_hashes[: len(ids) // hasher.block_size]
         user_request = _UserRequest(request_id, text, ids, samples, metrics, prompt_hashes, hasher.namespace_id)
@@ -174,6 +178,18 @@ class LLMEngine:
             self._user_request_of[s.request_id] = user_request
             self.scheduler.add(s)
         self._counters["prompt_tokens"] += len(ids)
+
+    def _grammar(self, params: SamplingParams) -> str | None:
+        """The compiled grammar of a structured request (ValueError if it does not compile), loading llguidance
+        and the vocabulary's view of it at the first such request."""
+        if params.structured_outputs is None:
+            return None
+        from kvprefix.engine.structured import GrammarMasks, grammar_for
+
+        grammar = grammar_for(params.structured_outputs)
+        if self.sampler.grammar_masks is None:
+            self.sampler.grammar_masks = GrammarMasks(self.tokenizer.hf, self.model_config.vocab_size)
+        return grammar
 
     def _check_prompt(self, request_id: str, ids: list[int]) -> None:
         if not ids:

@@ -56,6 +56,7 @@ class Request(CacheRequest):
         # Only sample 0 scores the prompt; the others share its blocks.
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
             [None] * self.num_prompt_tokens if params.prompt_logprobs is not None and index == 0 else None)
+        self.matcher: Any = None  # an llguidance matcher under structured outputs (engine.structured)
         self.detokenizer = IncrementalDetokenizer(tokenizer, list(prompt_token_ids), params.skip_special_tokens)
         self.text = ""  # the detokenized output, trimmed at a stop string
         # Characters held back from reported text while they might still start a stop string (vLLM semantics).
@@ -88,6 +89,8 @@ class Request(CacheRequest):
     def append_output(self, token_id: int, logprobs: dict[int, Logprob] | None) -> None:
         """Appends a sampled token, updates the text, and decides whether the sample is finished."""
         self.append_token_ids([token_id])
+        if self.matcher is not None and not self.matcher.consume_token(token_id):
+            raise ValueError(f"structured outputs: token {token_id} left the grammar: {self.matcher.get_error()}")
         if logprobs is not None:
             self.logprobs.append(logprobs)
             self.cumulative_logprob += logprobs[token_id].logprob
@@ -111,6 +114,8 @@ class Request(CacheRequest):
                 self.text += delta
                 if self.num_output_tokens >= self.max_tokens:
                     self._finish("length", None)
+        if not self.finished and self.matcher is not None and self.matcher.is_stopped():
+            self._finish("stop", None)  # the grammar allows nothing more
 
     def _finish(self, reason: str, stop_reason: int | str | None, show_token: int | None = None) -> None:
         if show_token is not None:

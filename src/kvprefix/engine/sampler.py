@@ -19,6 +19,7 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._decode = decode
+        self.grammar_masks = None  # a GrammarMasks, set by the engine at its first structured request
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> tuple[list[int], list]:
         """``logits``: float32 [len(requests), vocab]. Returns token ids and, per row, a logprobs dict or None."""
@@ -27,6 +28,9 @@ class Sampler:
             logits = self._apply_penalties(logits.clone(), requests)
         if any(r.under_min_tokens() for r in requests):
             logits = _ban_stop_tokens(logits if logits is not raw else logits.clone(), requests)
+        if any(r.matcher is not None for r in requests):
+            logits = self.grammar_masks.apply(logits if logits is not raw else logits.clone(),
+                                              [r.matcher for r in requests])
         if all(r.params.greedy for r in requests):
             tokens = logits.argmax(dim=-1)
         else:

@@ -14,6 +14,24 @@ MAX_SEED = 2**63 - 1
 MAX_STOP_TOKEN_IDS = 256  # stop tokens per request: checked per sampled token, so the work is bounded
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """vLLM's structured outputs: exactly one of a JSON schema (dict or JSON text), a regex, a list of choices, a
+    Lark grammar, or any JSON object. Sampling is constrained to it (kvprefix.engine.structured)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, name)]
+        if len(given) != 1:
+            raise ValueError(f"structured outputs need exactly one of json, regex, choice, grammar or json_object, "
+                             f"got {given or 'none'}")
+
+
 @dataclass
 class SamplingParams:
     """Sampling settings for one prompt. Invalid values raise ``ValueError`` naming the field and the accepted range.
@@ -23,6 +41,8 @@ class SamplingParams:
     ``min_tokens``: no EOS, stop token or stop string ends a sample before it has that many tokens (vLLM's).
     ``prompt_logprobs`` k: the logprob of every prompt token after the first (plus the k most likely there); such
     a request reads nothing from the prefix cache, since cached tokens have no logits (vLLM does the same).
+    ``structured_outputs``: every sampled token keeps the output a prefix of the given language; the sample stops
+    ("stop") when the language allows nothing more.
     """
 
     n: int = 1
@@ -43,6 +63,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     # Normalized forms, filled in by __post_init__.
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
     stop_token_set: frozenset[int] = field(init=False, repr=False)

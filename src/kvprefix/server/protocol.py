@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from kvprefix.engine.sampling_params import MAX_SEED, MAX_STOP_TOKEN_IDS, MAX_TOP_K
+from kvprefix.engine.sampling_params import MAX_SEED, MAX_STOP_TOKEN_IDS, MAX_TOP_K, StructuredOutputsParams
 from kvprefix.server.errors import APIError
 
 MAX_N = 16  # choices per request; each one is a sequence in the engine
@@ -50,6 +50,28 @@ def _nullable(annotation: Any) -> bool:
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         return any(_nullable(a) for a in typing.get_args(annotation))
     return False
+
+
+class StructuredOutputs(_Body):
+    """vLLM's structured_outputs (exactly one; engine.structured bounds and compiles them)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")  # "json" would shadow BaseModel.json
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class JsonSchemaFormat(_Body):
+    name: str = Field("response", max_length=MAX_ID_LEN)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class StreamOptions(_Body):
@@ -95,11 +117,13 @@ class _SamplingFields(_Body):
     bad_words: Any = None
     allowed_token_ids: Any = None
     logits_processors: Any = None
-    structured_outputs: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
+    structured_outputs: StructuredOutputs | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM's older names for structured_outputs' fields.
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
     vllm_xargs: Any = None
@@ -119,6 +143,33 @@ class _SamplingFields(_Body):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
+
+    def structured(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The one structured-outputs request among response_format, structured_outputs and guided_*, and the
+        field it came from."""
+        found: list[tuple[StructuredOutputsParams, str]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append((StructuredOutputsParams(json_object=True), "response_format"))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None:
+                raise APIError(400, "'response_format' of type json_schema needs 'json_schema'",
+                               param="response_format.json_schema")
+            found.append((StructuredOutputsParams(json=rf.json_schema.schema_), "response_format"))
+        if self.structured_outputs is not None:
+            so = self.structured_outputs.model_dump(exclude_none=True, by_alias=True)
+            try:
+                found.append((StructuredOutputsParams(**so), "structured_outputs"))
+            except ValueError as exc:
+                raise APIError(400, f"'structured_outputs': {exc}", param="structured_outputs") from None
+        for name in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{name}")
+            if value is not None:
+                found.append((StructuredOutputsParams(**{name: value}), f"guided_{name}"))
+        if len(found) > 1:
+            raise APIError(400, f"give one structured output, not {', '.join(f for _, f in found)}",
+                           param=found[1][1])
+        return found[0] if found else (None, None)
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -212,7 +263,6 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
     add_special_tokens: Any = None
     documents: Any = None
     echo: Any = None
@@ -224,7 +274,6 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-_STRUCTURED = "structured outputs (guided decoding) are not supported by this server"
 # vLLM field -> (the values that ask for nothing, why anything else is refused).
 _REFUSED: dict[str, tuple[tuple, str]] = {
     "priority": ((0,), "priority scheduling is not enabled: requests are served first come, first served (as in "
@@ -236,13 +285,8 @@ _REFUSED: dict[str, tuple[tuple, str]] = {
     "bad_words": (([],), "banning words is not implemented"),
     "allowed_token_ids": (([],), "restricting sampling to given tokens is not implemented"),
     "logits_processors": (([],), "custom logits processors cannot run in this server"),
-    "structured_outputs": ((), _STRUCTURED),
-    "guided_json": ((), _STRUCTURED),
-    "guided_regex": ((), _STRUCTURED),
-    "guided_choice": ((), _STRUCTURED),
-    "guided_grammar": ((), _STRUCTURED),
-    "guided_decoding_backend": ((), _STRUCTURED),
-    "guided_whitespace_pattern": ((), _STRUCTURED),
+    "guided_decoding_backend": (("llguidance", "auto"), "structured outputs run on llguidance"),
+    "guided_whitespace_pattern": ((), "JSON is generated compact: no whitespace pattern applies"),
     "vllm_xargs": (({},), "this server takes no extension arguments"),
     "mm_processor_kwargs": (({},), "the model takes text only"),
 }
@@ -294,7 +338,6 @@ def check_supported(req: CompletionRequest | ChatCompletionRequest) -> None:
             "messages[].tool_calls": any(m.tool_calls for m in req.messages),
             "messages[].function_call": any(m.function_call is not None for m in req.messages),
             "messages[].audio": any(m.audio is not None for m in req.messages),
-            "response_format": req.response_format not in (None, {"type": "text"}),
         }
     for name, bad in unsupported.items():
         if bad:

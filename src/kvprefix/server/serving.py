@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
 from kvprefix.engine import CompletionOutput, EngineDeadError, RequestFailedError, RequestOutput, SamplingParams
+from kvprefix.engine.structured import grammar_for
 from kvprefix.logs import RequestLogWriter, RequestRecord
 from kvprefix.prompts import PromptError, RenderedPrompt, render_chat, render_completion, truncate_prompt
 from kvprefix.server.admission import Admission, Ticket
@@ -209,7 +210,14 @@ class Serving:
         if req.min_tokens > max_tokens:
             raise bad_request(f"'min_tokens' ({req.min_tokens}) is more than the {max_tokens} tokens this request may "
                               "generate", param="min_tokens")
+        structured, field_name = req.structured()
+        if structured is not None:  # compiled here first, so that a bad one is a 400 before any stream starts
+            try:
+                await asyncio.to_thread(grammar_for, structured)
+            except ValueError as exc:
+                raise bad_request(f"invalid '{field_name}': {exc}", param=field_name) from None
         params = self._sampling(req, max_tokens)
+        params.structured_outputs = structured
         rid, engine_rid = _response_id(req, raw, "chatcmpl" if chat else "cmpl")
         now, wall = time.monotonic(), time.time()
         jobs = [_Job(i, f"{engine_rid}-{i}", p, now, wall, req.n, sent_text=[0] * req.n, sent_tokens=[0] * req.n)
