@@ -307,8 +307,8 @@ def counting_llm(path: str, **kwargs) -> LLM:
     execute = runner.execute
     llm.token_clock = [(0.0, 0)]
 
-    def counted(sched, sample_rows):
-        out = execute(sched, sample_rows)
+    def counted(sched, *args):
+        out = execute(sched, *args)
         llm.token_clock.append((time.monotonic(), llm.token_clock[-1][1] + sched.num_tokens))
         return out
 

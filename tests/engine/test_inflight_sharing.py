@@ -119,3 +119,15 @@ def test_a_follower_waits_no_longer_than_computing_the_blocks_itself(tiny_llama_
     inflight.remove(leader)
     assert not inflight.should_wait(fresh, 0, 20)  # the leader left: no wait, whatever the bound
     assert inflight.num_waits == 2
+
+
+def test_a_request_that_skips_cache_reads_does_not_wait_in_flight(make_llm, assert_no_leaks):
+    """prompt_logprobs computes the whole prompt anyway: waiting behind a leader's blocks would only delay it."""
+    prefix, prompts = burst(3, 64, seed=3)
+    llm = make_llm(max_num_batched_tokens=2048)
+    scored = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=0)
+    outs = llm.generate(prompts, [GREEDY, scored, GREEDY])
+    m = llm.get_metrics()
+    assert m["num_inflight_prefix_waits"] == 1  # only the third waited; the scored one was admitted at once
+    assert outs[1].num_cached_tokens == 0 and len(outs[1].prompt_logprobs) == len(prompts[1])
+    assert_no_leaks(llm)

@@ -4,7 +4,9 @@ OutputState folds into RequestOutputs."""
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 import time
 from typing import Any
 
@@ -25,6 +27,10 @@ from kvprefix.model.loader import default_dtype, resolve_dtype, resolve_model_pa
 from kvprefix.model.quantized_linear import check_quantization, quantize_model
 from kvprefix.prompts import Tokenizer
 
+# Tokens per engine step, as vLLM's iteration_tokens_total histogram buckets them.
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# Prompt positions whose logits are computed at once for prompt logprobs (each is a vocabulary of floats).
+_SCORE_SLICE = 256
 # A prompt: text, token ids, or a dict with "prompt_token_ids" or "prompt" (vLLM's input forms).
 PromptType = str | list[int] | dict[str, Any]
 
@@ -41,13 +47,14 @@ class _UserRequest:
     samples: list[Request]
     metrics: RequestMetrics
 
-    def delta(self, samples: list[SampleDelta]) -> RequestDelta:
+    def delta(self, samples: list[SampleDelta], prompt_logprobs: list | None = None) -> RequestDelta:
         return RequestDelta(
             request_id=self.request_id,
             samples=samples,
             finished=all(s.finished for s in self.samples),
             num_cached_tokens=max(0, self.samples[0].num_cached_tokens),
             metrics=dataclasses.replace(self.metrics),
+            prompt_logprobs=prompt_logprobs,
         )
 
 
@@ -101,6 +108,8 @@ class LLMEngine:
         self._counters = dict(prompt_tokens=0, generation_tokens=0, requests_finished=0, requests_aborted=0,
                               requests_failed=0)
         self._failures: list[tuple[str, RequestFailedError]] = []
+        self._iteration_tokens = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)  # per bucket (not cumulative), then +Inf
+        self._iteration_tokens_sum = 0
 
     # ---- requests -------------------------------------------------------------------------------------------
 
@@ -143,6 +152,7 @@ class LLMEngine:
                 raise ValueError(f"request {request_id!r}: sample id {sample_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
         self._check_prompt(request_id, ids)
+        grammar = self._grammar(params)
         room = self.max_sequence_tokens - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         hasher = self.hasher.for_namespace(tenant, cache_salt)
@@ -162,6 +172,9 @@ class LLMEngine:
                     eviction_group=tenant,
                 )
             )
+        if grammar is not None:
+            for s in samples:
+                s.matcher = self.sampler.grammar_masks.matcher(grammar)
         metrics = RequestMetrics(arrival_time if arrival_time is not None else time.monotonic())
         prompt_hashes = samples[0].block_hashes[: len(ids) // hasher.block_size]
         user_request = _UserRequest(request_id, samples, metrics)
@@ -172,6 +185,18 @@ class LLMEngine:
         self._counters["prompt_tokens"] += len(ids)
         return OutputState(request_id, text, ids, [s.params for s in samples], self.tokenizer, prompt_hashes,
                            hasher.namespace_id, metrics.arrival_time)
+
+    def _grammar(self, params: SamplingParams) -> str | None:
+        """The compiled grammar of a structured request (ValueError if it does not compile), loading llguidance
+        and the vocabulary's view of it at the first such request."""
+        if params.structured_outputs is None:
+            return None
+        from kvprefix.engine.structured import GrammarMasks, grammar_for
+
+        grammar = grammar_for(params.structured_outputs)
+        if self.sampler.grammar_masks is None:
+            self.sampler.grammar_masks = GrammarMasks(self.tokenizer.hf, self.model_config.vocab_size)
+        return grammar
 
     def _check_prompt(self, request_id: str, ids: list[int]) -> None:
         if not ids:
@@ -193,7 +218,9 @@ class LLMEngine:
         user_request = self._requests.get(request_id)
         if user_request is None:
             return None
-        return user_request.delta(self._end(user_request, "requests_aborted"))
+        # An abort before the prompt was computed sends the prompt logprobs so far (None where not scored yet).
+        prompt_logprobs = user_request.samples[0].take_prompt_logprobs()
+        return user_request.delta(self._end(user_request, "requests_aborted"), prompt_logprobs)
 
     def _end(self, user_request: _UserRequest, counter: str) -> list[SampleDelta]:
         """Stops every unfinished sample (finish_reason "abort"), frees its blocks and forgets the request; returns
@@ -232,6 +259,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
+        self._iteration_tokens[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, sched.num_tokens)] += 1
+        self._iteration_tokens_sum += sched.num_tokens
         now = time.monotonic()
         for s in sched.scheduled:
             metrics = self._user_request_of[s.request.request_id].metrics
@@ -242,7 +271,10 @@ class LLMEngine:
             for i, s in enumerate(sched.scheduled)
             if s.request.num_computed_tokens + s.num_new_tokens == s.request.num_tokens
         ]
-        logits = self.runner.execute(sched, sample_rows)
+        score_rows = [i for i, s in enumerate(sched.scheduled) if s.request.prompt_logprobs is not None]
+        logits, scored = self.runner.execute(sched, sample_rows, score_rows)
+        for i, hidden in scored.items():  # before update_after_step: num_computed_tokens is the chunk's start
+            self._score_prompt(sched.scheduled[i].request, hidden)
         self.scheduler.update_after_step(sched)
         if not sample_rows:
             return []
@@ -250,6 +282,7 @@ class LLMEngine:
         samples = self._sample(logits, requests)
         now = time.monotonic()
         changed: dict[str, tuple[_UserRequest, list[SampleDelta]]] = {}
+        prompt_logprobs: dict[str, list] = {}  # per user request, in the step its prompt was computed
         for req, (token, lp) in zip(requests, samples, strict=True):
             user_request = self._user_request_of.get(req.request_id)
             if user_request is None:  # failed in this step with a sibling sample
@@ -265,8 +298,11 @@ class LLMEngine:
             self._counters["generation_tokens"] += 1
             if req.finished:
                 self.scheduler.finish(req)
+            if req.prompt_logprobs is not None:  # a sampled token: the prompt is computed, its logprobs complete
+                prompt_logprobs[user_request.request_id] = req.take_prompt_logprobs()
             delta = SampleDelta(req.index, [token], None if lp is None else [lp],
-                                None if req.text is None else req.text.text, req.finish_reason, req.stop_reason)
+                                None if req.text is None else req.text.text, req.finish_reason, req.stop_reason,
+                                req.ended_by_token)
             changed.setdefault(user_request.request_id, (user_request, []))[1].append(delta)
         outputs = []
         for user_request, deltas in changed.values():
@@ -278,8 +314,18 @@ class LLMEngine:
                 del self._requests[user_request.request_id]
                 self._forget(user_request)
                 self._counters["requests_finished"] += 1
-            outputs.append(user_request.delta(deltas))
+            outputs.append(user_request.delta(deltas, prompt_logprobs.get(user_request.request_id)))
         return outputs
+
+    def _score_prompt(self, req: Request, hidden) -> None:
+        """Prompt logprobs of the tokens after the chunk's positions, in slices (a slice's logits are
+        [slice, vocab] floats)."""
+        start = req.num_computed_tokens
+        for a in range(0, len(hidden), _SCORE_SLICE):
+            part = hidden[a : a + _SCORE_SLICE]
+            targets = req.token_ids[start + a + 1 : start + a + 1 + len(part)]
+            entries = self.sampler.prompt_logprobs(self.runner.logits(part), targets, req.params.prompt_logprobs)
+            req.set_prompt_logprobs(start + a + 1, entries)
 
     def _sample(self, logits, requests: list[Request]) -> list[tuple]:
         """(token, logprobs) per request. Should the batch fail, each request is sampled alone, so the ones that
@@ -317,8 +363,9 @@ class LLMEngine:
     def get_metrics(self) -> dict[str, int | float]:
         """Counters since start (prefix_cache_* in tokens, each request counted at its first admission;
         prefix_cache_preempted_* count re-admissions after preemption; num_inflight_prefix_waits: requests that waited
-        behind a running request's in-flight prompt blocks) and gauges (num_requests_*, kv_cache_usage,
-        num_free_blocks)."""
+        behind a running request's in-flight prompt blocks), gauges (num_requests_*, kv_cache_usage,
+        num_free_blocks), and tokens per step as a histogram: iteration_tokens_le_B counts the steps of at most B
+        tokens, iteration_tokens_count all steps, iteration_tokens_sum their tokens."""
         stats = self.manager.stats
         pool = self.manager.pool
         return {
@@ -345,4 +392,11 @@ class LLMEngine:
             "num_blocks": pool.num_blocks,
             "num_free_blocks": pool.num_free_blocks,
             "block_size": self.manager.block_size,
+            **self._iteration_token_stats(),
         }
+
+    def _iteration_token_stats(self) -> dict[str, int]:
+        counts = list(self._iteration_tokens)  # one read: the cumulative buckets and the count agree
+        cumulative = itertools.accumulate(counts)
+        out = {f"iteration_tokens_le_{b}": n for b, n in zip(ITERATION_TOKEN_BUCKETS, cumulative, strict=False)}
+        return out | {"iteration_tokens_count": sum(counts), "iteration_tokens_sum": self._iteration_tokens_sum}

@@ -22,6 +22,7 @@ class _Sample:
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.ended_by_token = False
         self.hold = hold_back(params)
         # Samples with stop strings come with their text from the engine; the others are detokenized here.
         self._text = None if params.stop_strings else SampleText(tokenizer, prompt_token_ids, params)
@@ -39,6 +40,7 @@ class _Sample:
             self.engine_text = delta.text
         if delta.finish_reason is not None:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+            self.ended_by_token = delta.ended_by_token
 
     def completion(self) -> CompletionOutput:
         self._decode_pending()
@@ -61,15 +63,12 @@ class _Sample:
             return
         self._num_decoded = end
         if self.logprobs is not None:
-            decode = self._tokenizer.decode
-            for entry in self.logprobs[start:end]:
-                for t, lp in entry.items():
-                    lp.decoded_token = decode([t])
+            decode_entries(self._tokenizer, self.logprobs[start:end])
         text = self._text
         if text is None:
             return
         # A token that stopped the sample by itself (EOS or a stop token): its text only if asked for.
-        last_stops = self.finish_reason == "stop"
+        last_stops = self.ended_by_token
         for i in range(start, end):
             if last_stops and i == end - 1:
                 text.add_final(self.token_ids[i], self.params.include_stop_str_in_output)
@@ -96,19 +95,27 @@ class OutputState:
         self.prompt_token_ids = prompt_token_ids
         self.prompt_block_hashes = prompt_block_hashes
         self.namespace_id = namespace_id
+        self._tokenizer = tokenizer
         self.samples = [_Sample(i, tokenizer, prompt_token_ids, p) for i, p in enumerate(sample_params)]
         self.finished = False
         self.num_cached_tokens = 0
         self.metrics = RequestMetrics(arrival_time)
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+        self._prompt_logprobs_decoded = False
 
     def apply(self, delta: RequestDelta) -> None:
         for d in delta.samples:
             self.samples[d.index].apply(d)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         self.finished = delta.finished
         self.num_cached_tokens = delta.num_cached_tokens
         self.metrics = delta.metrics
 
     def output(self) -> RequestOutput:
+        if self.prompt_logprobs is not None and not self._prompt_logprobs_decoded:
+            self._prompt_logprobs_decoded = True
+            decode_entries(self._tokenizer, [e for e in self.prompt_logprobs if e is not None])
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
@@ -119,4 +126,13 @@ class OutputState:
             metrics=self.metrics,
             prompt_block_hashes=self.prompt_block_hashes,
             namespace_id=self.namespace_id,
+            prompt_logprobs=self.prompt_logprobs,
         )
+
+
+def decode_entries(tokenizer: Tokenizer, entries: list[dict[int, Logprob]]) -> None:
+    """Fills each logprob entry's ``decoded_token`` (the sampler leaves it empty: decoding is the reader's work)."""
+    decode = tokenizer.decode
+    for entry in entries:
+        for t, lp in entry.items():
+            lp.decoded_token = decode([t])

@@ -68,6 +68,8 @@ class RequestOutput:
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
     prompt_block_hashes: list[bytes] = field(default_factory=list)
     namespace_id: str = ""
+    # With SamplingParams.prompt_logprobs: per prompt token, {token id: Logprob} (None for the first token).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass
@@ -82,6 +84,9 @@ class SampleDelta:
     text: str | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # Whether the last token ended the sample by itself (EOS or a stop token): its text is shown only with
+    # include_stop_str_in_output. False when a stop string, the length or the grammar ended it.
+    ended_by_token: bool = False
 
 
 @dataclass
@@ -94,3 +99,6 @@ class RequestDelta:
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics
+    # With SamplingParams.prompt_logprobs: the whole list (as RequestOutput's), sent once, in the delta of the
+    # step that computed the last prompt token (or of the abort); None in every other delta.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvprefix.cache import BlockHasher, CacheRequest
+from kvprefix.engine.outputs import Logprob
 from kvprefix.engine.sampling_params import SamplingParams
 from kvprefix.engine.text import SampleText
 from kvprefix.prompts import Tokenizer
@@ -49,10 +50,26 @@ class Request(CacheRequest):
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.ended_by_token = False  # finished by an EOS or stop token (whose text shows only if asked for)
         self.generator: Any = None  # a torch.Generator for seeded sampling, made by the sampler on first use
         # Only a sample with stop strings is detokenized on the engine thread: its text decides when it stops. The
         # others are detokenized by whoever reads the outputs (OutputState), off the model step.
         self.text = SampleText(tokenizer, prompt_token_ids, params) if params.stop_strings else None
+        # Per prompt position: the logprobs of that prompt token (position 0 has none), filled as prefill runs and
+        # handed to the outputs once the prompt is computed. Only sample 0 scores the prompt.
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+            [None] * self.num_prompt_tokens if params.prompt_logprobs is not None and index == 0 else None)
+        self.matcher: Any = None  # an llguidance matcher under structured outputs (engine.structured)
+
+    @property
+    def skips_cache_reads(self) -> bool:
+        """Prompt logprobs need every prompt token's logits, which a cache hit would not compute (until they are
+        taken)."""
+        return self.prompt_logprobs is not None
+
+    def under_min_tokens(self) -> bool:
+        """Whether the next token must not be EOS or a stop token (min_tokens not reached yet)."""
+        return self.num_output_tokens < self.params.min_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -65,20 +82,31 @@ class Request(CacheRequest):
     def append_output(self, token_id: int) -> None:
         """Appends a sampled token and decides whether the sample is finished."""
         self.append_token_ids([token_id])
+        if self.matcher is not None and not self.matcher.consume_token(token_id):
+            raise ValueError(f"structured outputs: token {token_id} left the grammar: {self.matcher.get_error()}")
         params = self.params
+        text = self.text
         # An EOS or stop token ends the sample; its text is shown only with include_stop_str_in_output.
-        if not params.ignore_eos and token_id in self.eos_token_ids:
+        if self.num_output_tokens < params.min_tokens:  # nothing stops it yet (the sampler keeps EOS out)
+            if text is not None:
+                text.add(token_id, find_stops=False)
+            if self.num_output_tokens >= self.max_tokens:
+                self._finish("length", None)
+        elif not params.ignore_eos and token_id in self.eos_token_ids:
             self._finish("stop", None, token_id)
         elif token_id in params.stop_token_set:
             self._finish("stop", token_id, token_id)
-        elif self.text is not None and (stop := self.text.add(token_id)) is not None:
+        elif text is not None and (stop := text.add(token_id)) is not None:
             self._finish("stop", stop)
         elif self.num_output_tokens >= self.max_tokens:
             self._finish("length", None)
+        if not self.finished and self.matcher is not None and self.matcher.is_stopped():
+            self._finish("stop", None)  # the grammar allows nothing more
 
     def _finish(self, reason: str, stop_reason: int | str | None, final_token: int | None = None) -> None:
         if final_token is not None and self.text is not None:
             self.text.add_final(final_token, self.params.include_stop_str_in_output)
+        self.ended_by_token = final_token is not None
         self.finish_reason = reason
         self.stop_reason = stop_reason
         self.status = RequestStatus.FINISHED
@@ -86,3 +114,13 @@ class Request(CacheRequest):
     def abort(self) -> None:
         self.finish_reason = "abort"
         self.status = RequestStatus.FINISHED
+
+    def set_prompt_logprobs(self, first_position: int, entries: list[dict[int, Logprob]]) -> None:
+        """Stores the logprobs of prompt tokens ``first_position`` on (recomputed after a preemption: overwritten)."""
+        self.prompt_logprobs[first_position : first_position + len(entries)] = entries
+
+    def take_prompt_logprobs(self) -> list[dict[int, Logprob] | None] | None:
+        """The prompt logprobs, once: the request then stops scoring and reading around the cache (a preemption
+        after this recomputes from cache hits like any request)."""
+        out, self.prompt_logprobs = self.prompt_logprobs, None
+        return out

@@ -119,10 +119,13 @@ class Scheduler:
         for req in self._admission_order():
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
-            # Looked up now, not when ranking: an admission before this one may have evicted free cached blocks.
-            hits, num_hit_tokens = self.manager.get_computed_blocks(req)
-            if inflight is not None and inflight.should_wait(req, len(hits), self.num_steps):
-                continue  # keeps its place in the queue
+            if req.skips_cache_reads:  # computes its whole prompt anyway: nothing to wait for
+                hits, num_hit_tokens = [], 0
+            else:
+                # Looked up now, not when ranking: an admission before this one may have evicted free cached blocks.
+                hits, num_hit_tokens = self.manager.get_computed_blocks(req)
+                if inflight is not None and inflight.should_wait(req, len(hits), self.num_steps):
+                    continue  # keeps its place in the queue
             num_new = min(req.num_tokens - num_hit_tokens, budget)
             if self.manager.allocate_slots(req, num_new, hits) is None:
                 break
@@ -151,7 +154,7 @@ class Scheduler:
             pos, req = item
             if req.num_cached_tokens >= 0 or step - req.queued_step >= max_wait:
                 return (0, 0, pos)
-            return (1, -lookup(req)[1], pos)
+            return (1, 0 if req.skips_cache_reads else -lookup(req)[1], pos)
 
         return [req for _, req in sorted(enumerate(self.waiting), key=rank)]
 

@@ -1,4 +1,5 @@
-"""A sample's output text: incremental detokenization and stop strings (vLLM semantics).
+"""A sample's output text: incremental detokenization (honouring skip_special_tokens), stop strings and
+include_stop_str_in_output (vLLM semantics).
 
 One implementation for both places that detokenize: the engine thread, for samples with stop strings (it must see
 their text to stop them), and the consumer of the outputs (``OutputState``), for every other sample.
@@ -17,16 +18,17 @@ class SampleText:
     """``text`` is the detokenized output so far, trimmed at a stop string once one completes (``stop``)."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], params: SamplingParams):
-        self._detokenizer = IncrementalDetokenizer(tokenizer, list(prompt_token_ids))
+        self._detokenizer = IncrementalDetokenizer(tokenizer, list(prompt_token_ids), params.skip_special_tokens)
         self._stops = params.stop_strings
         self._include = params.include_stop_str_in_output
         self.text = ""
         self.stop: str | None = None
 
-    def add(self, token_id: int) -> str | None:
-        """Appends one token's text; returns the stop string it completed, if any (the text is then final)."""
+    def add(self, token_id: int, find_stops: bool = True) -> str | None:
+        """Appends one token's text; returns the stop string it completed, if any (the text is then final).
+        ``find_stops`` False under min_tokens: no stop string ends the sample yet."""
         delta = self._detokenizer.add([token_id])
-        if self._stops:
+        if self._stops and find_stops:
             found = find_stop(self.text + delta, len(delta), self._stops, self._include)
             if found is not None:
                 self.text, self.stop = found

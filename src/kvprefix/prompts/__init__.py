@@ -8,6 +8,7 @@ from kvprefix.prompts.render import (
     render_body,
     render_chat,
     render_completion,
+    truncate_prompt,
 )
 from kvprefix.prompts.tokenizer import Tokenizer
 
@@ -20,4 +21,5 @@ __all__ = [
     "render_body",
     "render_chat",
     "render_completion",
+    "truncate_prompt",
 ]

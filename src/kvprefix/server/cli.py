@@ -58,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="seconds a client has to send a request's body once its headers are in (default 60)")
     net.add_argument("--limit-concurrency", type=_positive_int, default=512,
                      help="open connections at most; a request on one more gets 503 at once (default 512)")
+    net.add_argument("--metrics-names", default="kvprefix", choices=["kvprefix", "vllm"],
+                     help="vllm: expose vLLM's metric names (vllm:*), so its dashboards and the Gateway API Inference "
+                     "Extension read them (docs/metrics.md)")
     net.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     net.add_argument("--replica-id", default=None,
                      help="this replica's name in KV events and the request log (default: HOSTNAME:PORT)")
@@ -155,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
         cache_detail=args.cache_detail,
         replica_id=args.replica_id or f"{socket.gethostname()}:{args.port}",
         allowed_hosts=hosts,
+        metrics_names=args.metrics_names,
     )
     if args.ray:
         from kvprefix.router.ray_serve import run_on_ray
