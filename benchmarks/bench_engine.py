@@ -14,6 +14,17 @@ Two phases, each system after a short warm-up request:
 Every repeat uses fresh suffixes (their first token changes), so no probe hits blocks of an earlier one.
 
     python benchmarks/bench_engine.py [--requests 8] [--repeats 2] [--out results/bench_engine.json]
+
+Issue 12's scenarios run with --scenario (each writes its own JSON, results/bench_engine_<scenario>.json), the
+feature on and off side by side, interleaved run by run on two engines that live at the same time:
+  - burst: cold bursts of 8 and 32 requests sharing a 1,024-token prefix (each with a unique 32-64-token rest, 16
+    output tokens), token budgets 2,048 and 8,192, in-flight prefix sharing on vs off: prompt tokens computed
+    against the ideal (the prefix's full blocks once plus every request's rest), TTFT p50, total time.
+  - mixed: 32 requests over 4 prefixes, 2 of them cached, FCFS vs cache-aware admission: TTFT mean and p99.
+  - decode: 64 requests decoding 1,000 tokens on a tiny model: the engine thread's own (non-model) time per step;
+    the same script measures another checkout with PYTHONPATH=<checkout>/src.
+
+    python benchmarks/bench_engine.py --scenario burst|mixed|decode [--repeats 2]
 """
 
 from __future__ import annotations
@@ -64,12 +75,17 @@ class Workload:
         return [self.system + s for s in self.suffixes_for(variant)]
 
 
-def ensure_checkpoint(path: str) -> str:
+def ensure_checkpoint(path: str, layers: int = QWEN25_05B["num_hidden_layers"]) -> str:
+    """The random Qwen2.5-0.5B-shaped checkpoint, written once; with fewer ``layers``, a shallower copy of it (the
+    issue-12 scenarios count tokens, so a shallower model gives the same counts, faster)."""
     from kvprefix.model import write_random_checkpoint
 
+    shape = dict(QWEN25_05B)
+    if layers != shape["num_hidden_layers"]:
+        path, shape["num_hidden_layers"] = f"{path}-{layers}-layers", layers
     if not os.path.isfile(os.path.join(path, "config.json")):
-        print(f"writing a random Qwen2.5-0.5B-shaped checkpoint to {path} (once)")
-        write_random_checkpoint(path, "qwen2", seed=0, dtype=torch.bfloat16, **QWEN25_05B)
+        print(f"writing a random Qwen2.5-0.5B-shaped checkpoint ({layers} layers) to {path} (once)")
+        write_random_checkpoint(path, "qwen2", seed=0, dtype=torch.bfloat16, **shape)
     return path
 
 
@@ -268,16 +284,295 @@ def report(r: dict) -> list[str]:
     return lines
 
 
+# ---- issue 12: in-flight prefix sharing ---------------------------------------------------------------------------
+
+
+def cold_burst(num: int, rng: random.Random) -> tuple[list[int], list[list[int]]]:
+    """A fresh 1,024-token prefix (cold in every engine) and ``num`` prompts of it with unique 32-64-token rests."""
+    prefix = [rng.randrange(VOCAB) for _ in range(SYSTEM_TOKENS)]
+    return prefix, [prefix + [rng.randrange(VOCAB) for _ in range(rng.randint(32, 64))] for _ in range(num)]
+
+
+def ideal_prompt_tokens(prefix: list[int], prompts: list[list[int]]) -> int:
+    shared = len(prefix) // BLOCK_SIZE * BLOCK_SIZE
+    return sum(map(len, prompts)) - (len(prompts) - 1) * shared
+
+
+def counting_llm(path: str, **kwargs) -> LLM:
+    """A warmed-up LLM whose model runs are logged as (time.monotonic(), tokens run so far): a load-independent
+    clock, since on a CPU the time of a step is about proportional to its tokens."""
+    llm = LLM(path, dtype="bfloat16", device="cpu", **kwargs)
+    llm.generate([1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=2))
+    runner = llm.llm_engine.runner
+    execute = runner.execute
+    llm.token_clock = [(0.0, 0)]
+
+    def counted(sched, *args):
+        out = execute(sched, *args)
+        llm.token_clock.append((time.monotonic(), llm.token_clock[-1][1] + sched.num_tokens))
+        return out
+
+    runner.execute = counted
+    return llm
+
+
+def engine_pair(path: str, num_blocks: int, flag: str, **kwargs) -> dict[bool, LLM]:
+    """Two engines on one checkpoint that differ only in the boolean EngineArgs field ``flag``."""
+    return {on: counting_llm(path, num_gpu_blocks=num_blocks, **{flag: on}, **kwargs) for on in (True, False)}
+
+
+def timed_generate(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict:
+    """One burst: every prompt at once. TTFTs (seconds, and tokens the model ran before the first token), total
+    time, prompt tokens computed, and the greedy tokens."""
+    before = llm.get_metrics()
+    clock_start = llm.token_clock[-1][1]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    total = time.perf_counter() - start
+    after = llm.get_metrics()
+    ttfts = [o.metrics.ttft for o in outs]
+    # The first token comes out of the step whose model run is the last one logged before it.
+    ttft_tokens = [max(n for t, n in llm.token_clock if t <= o.metrics.first_token_time) - clock_start for o in outs]
+    return {
+        "total_s": total,
+        "ttft_p50_s": pct(ttfts, 50),
+        "ttft_mean_s": statistics.mean(ttfts),
+        "ttft_p99_s": pct(ttfts, 99),
+        "ttfts_s": ttfts,
+        "ttft_tokens_p50": pct(ttft_tokens, 50),
+        "ttft_tokens_mean": statistics.mean(ttft_tokens),
+        "ttft_tokens_p99": pct(ttft_tokens, 99),
+        "ttft_tokens": ttft_tokens,
+        "prompt_tokens_computed": after["prompt_tokens_computed"] - before["prompt_tokens_computed"],
+        "num_preemptions": after["num_preemptions"] - before["num_preemptions"],
+        "token_ids": [o.outputs[0].token_ids for o in outs],
+    }
+
+
+def run_burst(path: str, repeats: int) -> dict:
+    full = SamplingParams(temperature=0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
+    rng = random.Random(12)
+    rows = []
+    for budget in (2048, 8192):
+        num_blocks = 34 * ((SYSTEM_TOKENS + 64 + OUTPUT_TOKENS) // BLOCK_SIZE + 2)
+        pair = engine_pair(path, num_blocks, "share_inflight_prefixes", max_num_batched_tokens=budget)
+        for num in (8, 32):
+            runs: dict[bool, list[dict]] = {True: [], False: []}
+            for k in range(repeats):
+                prefix, prompts = cold_burst(num, rng)
+                for on in ((True, False) if k % 2 == 0 else (False, True)):  # interleaved, order alternating
+                    r = timed_generate(pair[on], prompts, full)
+                    r["ideal_prompt_tokens"] = ideal_prompt_tokens(prefix, prompts)
+                    runs[on].append(r)
+                    pair[on].reset_prefix_cache()
+            rows.append({"budget": budget, "requests": num, "on": runs[True], "off": runs[False]})
+        del pair
+        gc.collect()
+    return {"rows": rows}
+
+
+def median_of(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def report_burst(r: dict) -> list[str]:
+    lines = [
+        f"Cold bursts sharing a {SYSTEM_TOKENS}-token prefix (+ 32-64 unique tokens, {OUTPUT_TOKENS} output tokens), "
+        f"in-flight prefix sharing on vs off, medians of {len(r['rows'][0]['on'])} interleaved runs:",
+        "",
+        "| budget | requests | sharing | prompt tokens computed | / ideal | TTFT p50 (s) | TTFT p50 (model tokens) | "
+        "total (s) | identical |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in r["rows"]:
+        same = sum(a["token_ids"] == b["token_ids"] for a, b in zip(row["on"], row["off"], strict=True))
+        for label, runs in (("on", row["on"]), ("off", row["off"])):
+            computed = median_of(runs, "prompt_tokens_computed")
+            ideal = median_of(runs, "ideal_prompt_tokens")
+            lines.append(
+                f"| {row['budget']:,} | {row['requests']} | {label} | {computed:,.0f} | {computed / ideal:.2f}x | "
+                f"{median_of(runs, 'ttft_p50_s'):.2f} | {median_of(runs, 'ttft_tokens_p50'):,.0f} | "
+                f"{median_of(runs, 'total_s'):.2f} | {same}/{len(runs)} runs |"
+            )
+    lines.append("")
+    for row in r["rows"]:
+        on, off = row["on"], row["off"]
+        lines.append(
+            f"- budget {row['budget']:,}, {row['requests']} requests: off/on prompt tokens "
+            f"{median_of(off, 'prompt_tokens_computed') / median_of(on, 'prompt_tokens_computed'):.2f}x, "
+            f"TTFT p50 {median_of(off, 'ttft_p50_s') / median_of(on, 'ttft_p50_s'):.2f}x "
+            f"(in model tokens {median_of(off, 'ttft_tokens_p50') / median_of(on, 'ttft_tokens_p50'):.2f}x), "
+            f"total {median_of(off, 'total_s') / median_of(on, 'total_s'):.2f}x"
+        )
+    return lines
+
+
+# ---- issue 12: cache-aware admission ------------------------------------------------------------------------------
+
+MIXED_PREFIXES = 4  # half of them cached before each burst
+MIXED_REQUESTS = 32
+
+
+def run_mixed(path: str, repeats: int) -> dict:
+    """Bursts over 4 prefixes of 1,024 tokens, 2 of them cached (warmed before the burst), 32 requests in random
+    order; FCFS vs cache-aware admission (in-flight sharing on in both), budget 2,048."""
+    full = SamplingParams(temperature=0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
+    warm = SamplingParams(temperature=0, max_tokens=1)
+    rng = random.Random(13)
+    num_blocks = (MIXED_REQUESTS + 8) * ((SYSTEM_TOKENS + 64 + OUTPUT_TOKENS) // BLOCK_SIZE + 2)
+    pair = {p: counting_llm(path, num_gpu_blocks=num_blocks, scheduling_policy=p) for p in ("cache_aware", "fcfs")}
+    runs: dict[str, list[dict]] = {"cache_aware": [], "fcfs": []}
+    for k in range(repeats):
+        prefixes = [[rng.randrange(VOCAB) for _ in range(SYSTEM_TOKENS)] for _ in range(MIXED_PREFIXES)]
+        cached = prefixes[: MIXED_PREFIXES // 2]
+        prompts = [rng.choice(prefixes) + [rng.randrange(VOCAB) for _ in range(rng.randint(32, 64))]
+                   for _ in range(MIXED_REQUESTS)]
+        hot = [any(p[:SYSTEM_TOKENS] == c for c in cached) for p in prompts]
+        for policy in (("cache_aware", "fcfs") if k % 2 == 0 else ("fcfs", "cache_aware")):
+            llm = pair[policy]
+            llm.generate([c + [7] for c in cached], warm)
+            r = timed_generate(llm, prompts, full)
+            r["hot"] = hot
+            runs[policy].append(r)
+            llm.reset_prefix_cache()
+    return {"runs": runs}
+
+
+def report_mixed(r: dict) -> list[str]:
+    runs = r["runs"]
+    lines = [
+        f"Mixed bursts: {MIXED_REQUESTS} requests over {MIXED_PREFIXES} prefixes of {SYSTEM_TOKENS} tokens, half "
+        f"of them cached; budget 2,048; medians of {len(runs['fcfs'])} interleaved runs:",
+        "",
+        "TTFT in seconds, and in model tokens (the tokens the engine ran before the request's first token: the "
+        "load-independent clock):",
+        "",
+        "| admission | TTFT mean (s) | TTFT p99 (s) | TTFT mean (tokens) | TTFT p99 (tokens) | cached-prefix mean "
+        "(tokens) | cold-prefix mean (tokens) | total (s) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+
+    def group_mean(run: dict, hot: bool) -> float:
+        return statistics.mean(t for t, h in zip(run["ttft_tokens"], run["hot"], strict=True) if h == hot)
+
+    for policy in ("fcfs", "cache_aware"):
+        rs = runs[policy]
+        lines.append(
+            f"| {policy} | {median_of(rs, 'ttft_mean_s'):.2f} | {median_of(rs, 'ttft_p99_s'):.2f} | "
+            f"{median_of(rs, 'ttft_tokens_mean'):,.0f} | {median_of(rs, 'ttft_tokens_p99'):,.0f} | "
+            f"{statistics.median(group_mean(x, True) for x in rs):,.0f} | "
+            f"{statistics.median(group_mean(x, False) for x in rs):,.0f} | {median_of(rs, 'total_s'):.2f} |"
+        )
+    same = sum(a["token_ids"] == b["token_ids"] for a, b in zip(runs["fcfs"], runs["cache_aware"], strict=True))
+    keys = ("ttft_mean_s", "ttft_p99_s", "ttft_tokens_mean", "ttft_tokens_p99")
+    ratio = {k: median_of(runs["fcfs"], k) / median_of(runs["cache_aware"], k) for k in keys}
+    lines += ["", f"- FCFS / cache-aware: TTFT mean {ratio['ttft_mean_s']:.2f}x, p99 {ratio['ttft_p99_s']:.2f}x "
+              f"(in model tokens: mean {ratio['ttft_tokens_mean']:.2f}x, p99 {ratio['ttft_tokens_p99']:.2f}x); "
+              f"greedy outputs identical in {same}/{len(runs['fcfs'])} runs (bfloat16: a different batch rounds "
+              f"differently)"]
+    return lines
+
+
+# ---- issue 12: engine-thread work per decode step -----------------------------------------------------------------
+
+
+def run_decode(path: str, repeats: int) -> dict:
+    """64 requests decoding 1,000 tokens each (logprobs=1, so the old per-step copies include logprobs), on a tiny
+    random model (2 layers, hidden 64) so that everything but the model shows. Times per engine step: the whole
+    step, the model (runner.execute) and the sampler; the rest is the engine's own work. The reader's work (folding
+    deltas into outputs, detokenizing, as an AsyncLLM stream does on the event loop) is timed apart, when the
+    installed kvprefix has OutputState. Runs with whichever kvprefix is on the path, so that the same script
+    measures an older checkout (PYTHONPATH=<checkout>/src)."""
+    import tempfile
+
+    from kvprefix.model import write_random_checkpoint
+
+    tiny = write_random_checkpoint(tempfile.mkdtemp(prefix="bench-decode-"), "llama", seed=0)
+    llm = LLM(tiny, dtype="float32", device="cpu", num_gpu_blocks=64 * 66, max_num_seqs=64)
+    engine = llm.llm_engine
+    timers = {"model": 0.0, "sampler": 0.0}
+
+    def timed(name: str, fn):
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                timers[name] += time.perf_counter() - t0
+        return wrapper
+
+    engine.runner.execute = timed("model", engine.runner.execute)
+    engine._sample = timed("sampler", engine._sample)
+    params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True, logprobs=1)
+    rng = random.Random(14)
+    runs = []
+    for k in range(repeats):
+        states = {}
+        for i in range(64):
+            states[f"{k}-{i}"] = engine.add_request(f"{k}-{i}", [rng.randrange(3, 500) for _ in range(32)], params)
+        steps, reader = [], []
+        while engine.has_unfinished_requests():
+            before = dict(timers)
+            t0 = time.perf_counter()
+            outs = engine.step()
+            total = time.perf_counter() - t0
+            steps.append((total, timers["model"] - before["model"], timers["sampler"] - before["sampler"]))
+            t0 = time.perf_counter()
+            for out in outs:
+                state = states.get(out.request_id)
+                if state is not None and hasattr(state, "apply"):
+                    state.apply(out)
+                    state.output()
+            reader.append(time.perf_counter() - t0)
+        runs.append({"steps": steps, "reader_s": reader})
+    return {"runs": runs}
+
+
+def report_decode(r: dict) -> list[str]:
+    lines = [
+        "Decode at batch 64, 1,000 output tokens each (logprobs=1), tiny model; per engine step, medians over the "
+        "steps of each window, last run:",
+        "",
+        "| output tokens so far | step (ms) | model (ms) | sampler (ms) | engine's own work (ms) | share of step | "
+        "reader (ms) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    run = r["runs"][-1]
+    steps, reader = run["steps"], run["reader_s"]
+    decode = steps[1:]  # step 0 is the prefill
+    for lo, hi in ((1, 100), (400, 500), (900, 1000)):
+        window = decode[lo - 1 : hi - 1]
+        own = [t - m - s for t, m, s in window]
+        total = statistics.median(t for t, _, _ in window)
+        lines.append(
+            f"| {lo}-{hi} | {total * 1e3:.2f} | {statistics.median(m for _, m, _ in window) * 1e3:.2f} | "
+            f"{statistics.median(s for _, _, s in window) * 1e3:.2f} | {statistics.median(own) * 1e3:.2f} | "
+            f"{statistics.median(own) / total:.1%} | {statistics.median(reader[lo:hi]) * 1e3:.2f} |"
+        )
+    return lines
+
+
+SCENARIOS = {"burst": (run_burst, report_burst), "mixed": (run_mixed, report_mixed),
+             "decode": (run_decode, report_decode)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=8, help="requests sharing the system prompt")
     parser.add_argument("--repeats", type=int, default=2, help="TTFT probe rounds and bursts per system")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch CPU threads")
+    parser.add_argument("--layers", type=int, default=QWEN25_05B["num_hidden_layers"],
+                        help="issue-12 scenarios: a shallower copy of the model (same token counts, faster)")
     parser.add_argument("--model-dir", default="results/qwen2.5-0.5b-random", help="where the checkpoint is cached")
-    parser.add_argument("--out", default="results/bench_engine.json")
+    parser.add_argument("--out", default=None, help="default results/bench_engine.json (or _<scenario>.json)")
+    parser.add_argument("--scenario", default="baseline", choices=["baseline", *SCENARIOS],
+                        help="baseline: caching on/off vs transformers (issue 3); the others: issue 12")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    path = ensure_checkpoint(args.model_dir)
+    path = ensure_checkpoint(args.model_dir, args.layers if args.scenario != "baseline" else 24)
+    if args.scenario != "baseline":
+        return run_scenario(args, path)
+    args.out = args.out or "results/bench_engine.json"
     work = Workload(args.requests)
     r: dict = {
         "config": {
@@ -313,6 +608,21 @@ def main() -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(r, indent=2))
     print(f"\nwall time {r['wall_s']:.0f} s; JSON written to {args.out}")
+    return 0
+
+
+def run_scenario(args: argparse.Namespace, path: str) -> int:
+    run, report_fn = SCENARIOS[args.scenario]
+    start = time.perf_counter()
+    r = run(path, args.repeats)
+    r["config"] = {"scenario": args.scenario, "repeats": args.repeats, "threads": args.threads, "layers": args.layers,
+                   "torch": torch.__version__, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs"}
+    r["wall_s"] = time.perf_counter() - start
+    print("\n".join(report_fn(r)))
+    out = Path(args.out or f"results/bench_engine_{args.scenario}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(r, indent=2))
+    print(f"\nwall time {r['wall_s']:.0f} s; JSON written to {out}")
     return 0
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -66,36 +67,67 @@ def planner(replica_counts=(4, 8)) -> list[dict]:
     return rows
 
 
+def _event_loop():
+    """uvloop when installed (as the router runs), else asyncio's own."""
+    try:
+        import uvloop
+
+        return uvloop.new_event_loop()
+    except ImportError:
+        return asyncio.new_event_loop()
+
+
 def null_backend(port: int, model: str) -> None:
-    """A replica that answers at once: /health, the KV event hello (for the prefix policy), completions."""
-    import uvicorn
-    from starlette.applications import Starlette
-    from starlette.responses import Response
-    from starlette.routing import Route
+    """A replica that answers at once: a raw asyncio HTTP/1.1 server (httptools parser, keep-alive) with canned
+    answers to /health, /v1/chat/completions and /v1/kv_events (hello and an empty snapshot, so kv-events syncs).
+    As lean as an HTTP server gets in Python, so what the benchmark measures is the router."""
+    import httptools
 
     from kvprefix.cache import BlockHasher, context_for_checkpoint
-    from kvprefix.cache.event_wire import Hello, dumps
+    from kvprefix.cache.event_wire import Hello, SnapshotEnd, SnapshotStart, dumps
     from kvprefix.prompts import Tokenizer
 
     context = context_for_checkpoint(model, "float32", Tokenizer(model).chat_template)
-    hello = dumps(Hello("null", "0" * 16, 16, "sha256", BlockHasher(16, "sha256", context).root, 0, False))
+    root = BlockHasher(16, "sha256", context).root
+    events = b"".join(dumps(m) for m in (Hello("null", "0" * 16, 16, "sha256", root, 0, False),
+                                         SnapshotStart(0, 0), SnapshotEnd(0)))
     answer = json.dumps({"id": "cmpl-null", "object": "chat.completion", "model": "null", "choices": [
         {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
         "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2,
                   "prompt_tokens_details": {"cached_tokens": 0}}}).encode()
 
-    async def health(_):
-        return Response(status_code=200)
+    def response(body: bytes, media: bytes) -> bytes:
+        return (b"HTTP/1.1 200 OK\r\ncontent-type: " + media + b"\r\ncontent-length: " + str(len(body)).encode()
+                + b"\r\n\r\n" + body)
 
-    async def events(_):
-        return Response(hello, media_type="application/x-ndjson")
+    canned = {b"/health": response(b"", b"text/plain"), b"/v1/chat/completions": response(answer, b"application/json")}
+    stream_head = b"HTTP/1.1 200 OK\r\ncontent-type: application/x-ndjson\r\ntransfer-encoding: chunked\r\n\r\n"
+    stream = stream_head + f"{len(events):x}\r\n".encode() + events + b"\r\n"  # then held open, as a replica does
+    not_found = b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n"
 
-    async def complete(_):
-        return Response(answer, media_type="application/json")
+    class Backend(asyncio.Protocol):
+        def connection_made(self, transport):
+            self.transport, self.parser, self.path = transport, httptools.HttpRequestParser(self), b""
 
-    app = Starlette(routes=[Route("/health", health), Route("/v1/kv_events", events),
-                            Route("/v1/chat/completions", complete, methods=["POST"])])
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+        def data_received(self, data):
+            try:
+                self.parser.feed_data(data)
+            except httptools.HttpParserError:
+                self.transport.close()
+
+        def on_url(self, url):
+            self.path = url.split(b"?", 1)[0]
+
+        def on_message_complete(self):
+            if self.path == b"/v1/kv_events":
+                self.transport.write(stream)
+            else:
+                self.transport.write(canned.get(self.path, not_found))
+
+    loop = _event_loop()
+    server = loop.run_until_complete(loop.create_server(Backend, "127.0.0.1", port, backlog=1024))
+    with contextlib.suppress(KeyboardInterrupt):
+        loop.run_until_complete(server.serve_forever())
 
 
 def _free_port() -> int:
@@ -125,58 +157,260 @@ BODY = {"model": "null", "max_tokens": 1, "messages": [{"role": "system", "conte
                                                        {"role": "user", "content": "hi"}]}
 
 
-def _p50_ms(url: str, n: int) -> float:
-    times = []
-    with httpx.Client(timeout=30) as c:
-        for _ in range(n):
-            t = time.perf_counter()
-            c.post(url + "/v1/chat/completions", json=BODY).raise_for_status()
-            times.append(time.perf_counter() - t)
-    return 1000 * statistics.median(times)
+def load(port: int, concurrency: int, seconds: float) -> dict:
+    """Closed-loop load: ``concurrency`` keep-alive connections, each sending the chat body again as soon as the
+    previous answer is complete, for ``seconds``. Raw asyncio + httptools, so it costs far less per request than
+    an HTTP client library (its own ceiling, against the null backend directly, is in the table)."""
+    import httptools
 
+    body = json.dumps(BODY).encode()
+    request = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+               b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
 
-async def _throughput(url: str, seconds: float, concurrency: int = 32) -> float:
-    done, stop = 0, time.perf_counter() + seconds
-    async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=concurrency)) as c:
+    class Client(asyncio.Protocol):
+        def __init__(self):
+            self.parser, self.done = httptools.HttpResponseParser(self), None
+
+        def connection_made(self, transport):
+            self.transport = transport
+
+        def data_received(self, data):
+            self.parser.feed_data(data)
+
+        def on_message_complete(self):
+            self.done.set_result(self.parser.get_status_code())
+
+        def connection_lost(self, exc):
+            if self.done is not None and not self.done.done():
+                self.done.set_exception(ConnectionError("connection lost"))
+
+    async def run() -> dict:
+        loop = asyncio.get_running_loop()
+        latencies: list[float] = []
+        stop = time.perf_counter() + seconds
+
         async def worker():
-            nonlocal done
+            _, conn = await loop.create_connection(Client, "127.0.0.1", port)
             while time.perf_counter() < stop:
-                (await c.post(url + "/v1/chat/completions", json=BODY)).raise_for_status()
-                done += 1
+                conn.done = loop.create_future()
+                t = time.perf_counter()
+                conn.transport.write(request)
+                status = await conn.done
+                if status != 200:
+                    raise RuntimeError(f"status {status}")
+                latencies.append(time.perf_counter() - t)
+            conn.transport.close()
+
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return done / (time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
+        return {"requests_per_s": len(latencies) / elapsed, "p50_ms": 1000 * statistics.median(latencies)}
+
+    loop = _event_loop()
+    try:
+        return loop.run_until_complete(run())
+    finally:
+        loop.close()
 
 
-def proxy(model: str, n: int = 300, seconds: float = 5.0) -> list[dict]:
+def _load_in(core: int, port: int, concurrency: int, seconds: float, model: str) -> dict:
+    """The load generator in its own process, pinned to ``core``."""
+    out = subprocess.run([*_pinned(core), sys.executable, __file__, "--model", model, "--load", str(port),
+                          str(concurrency), str(seconds)], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+PROXY_POLICIES = ("round-robin", "prefix", "kv-events")
+
+
+def proxy(model: str, seconds: float = 5.0, concurrency: int = 32, rounds: int = 2) -> list[dict]:
+    """Null backend on core 1, router on core 0, load generator on core 1 (with the backend: the router is the
+    only process on its core). Sequential p50 (one connection) and closed-loop throughput, direct and routed,
+    interleaved over ``rounds``; medians reported."""
     backend_port = _free_port()
     backend = subprocess.Popen([*_pinned(1), sys.executable, __file__, "--null-backend", str(backend_port),
                                 "--model", model])
     backend_url = f"http://127.0.0.1:{backend_port}"
-    rows = []
+    routers: dict[str, tuple[subprocess.Popen, int]] = {}
+    samples: dict[str, list[dict]] = {"direct": [], **{p: [] for p in PROXY_POLICIES}}
     try:
         _wait(backend_url, backend)
-        direct = _p50_ms(backend_url, n)
-        print(f"\n{'policy':12} {'direct p50 ms':>13} {'routed p50 ms':>13} {'added ms':>9} {'routed req/s':>12}")
-        for policy in ("round-robin", "prefix"):
+        for policy in PROXY_POLICIES:
             port = _free_port()
-            router = subprocess.Popen([*_pinned(0), sys.executable, "-m", "kvprefix.cli", "route", "--replica",
-                                       backend_url, "--policy", policy, "--model", model, "--port", str(port),
-                                       "--log-level", "warning"])
-            url = f"http://127.0.0.1:{port}"
-            try:
-                _wait(url, router)
-                routed = _p50_ms(url, n)
-                rps = asyncio.run(_throughput(url, seconds))
-            finally:
-                router.terminate()
-                router.wait(timeout=30)
-            print(f"{policy:12} {direct:13.2f} {routed:13.2f} {routed - direct:9.2f} {rps:12.0f}")
-            rows.append({"policy": policy, "direct_p50_ms": direct, "routed_p50_ms": routed,
-                         "added_p50_ms": routed - direct, "routed_requests_per_s": rps})
+            routers[policy] = (subprocess.Popen([*_pinned(0), sys.executable, "-m", "kvprefix.cli", "route",
+                                                 "--replica", backend_url, "--policy", policy, "--model", model,
+                                                 "--port", str(port), "--log-level", "warning"]), port)
+        for proc, port in routers.values():
+            _wait(f"http://127.0.0.1:{port}", proc)
+        for _ in range(rounds):
+            for name, port in [("direct", backend_port), *((p, routers[p][1]) for p in PROXY_POLICIES)]:
+                seq = _load_in(1, port, 1, seconds / 2, model)
+                par = _load_in(1, port, concurrency, seconds, model)
+                samples[name].append({"p50_ms": seq["p50_ms"], "requests_per_s": par["requests_per_s"]})
     finally:
+        for proc, _ in routers.values():
+            proc.terminate()
+            proc.wait(timeout=30)
         backend.terminate()
         backend.wait(timeout=30)
+
+    def med(name: str, key: str) -> float:
+        return statistics.median(s[key] for s in samples[name])
+
+    direct_p50, ceiling = med("direct", "p50_ms"), med("direct", "requests_per_s")
+    print(f"\nload generator alone against the null backend: {ceiling:.0f} requests/s, p50 {direct_p50:.3f} ms")
+    print(f"{'policy':12} {'direct p50 ms':>13} {'routed p50 ms':>13} {'added ms':>9} {'routed req/s':>12}")
+    rows = [{"policy": "direct", "p50_ms": direct_p50, "requests_per_s": ceiling}]
+    for policy in PROXY_POLICIES:
+        routed, rps = med(policy, "p50_ms"), med(policy, "requests_per_s")
+        print(f"{policy:12} {direct_p50:13.3f} {routed:13.3f} {routed - direct_p50:9.3f} {rps:12.0f}")
+        rows.append({"policy": policy, "direct_p50_ms": direct_p50, "routed_p50_ms": routed,
+                     "added_p50_ms": routed - direct_p50, "routed_requests_per_s": rps})
+    return rows
+
+
+LIVE_POLICIES = ("round-robin", "prefix", "kv-events")
+# Eight system prompts of about 300 tokens (built-in tokenizer), distinct from their first block on; a replica's
+# pool (--live-blocks) holds about three, the four pools together all of them.
+LIVE_PROMPTS = [f"Policy {k}: you are assistant number {k}. " + f"Rule {k} says: answer briefly. " * 13
+                for k in range(8)]
+
+
+def _live_traffic(n: int, seed: int) -> list[list[dict]]:
+    """Shared-prefix chat: each request one of the system prompts (skewed: the first ones are asked more) and a
+    new question."""
+    import random
+
+    rng = random.Random(seed)
+    weights = [1 / (k + 1) for k in range(len(LIVE_PROMPTS))]
+    return [[{"role": "system", "content": rng.choices(LIVE_PROMPTS, weights)[0]},
+             {"role": "user", "content": f"Question {i}: what does rule {rng.randrange(100)} mean?"}]
+            for i in range(n)]
+
+
+async def _open_loop(url: str, model_id: str, traffic: list[list[dict]], rate: float, seed: int) -> dict:
+    """Poisson arrivals at ``rate``; streamed chats, TTFT to the first content chunk; the hit rate from the
+    replicas' own ``cached_tokens``."""
+    import random
+
+    import openai
+
+    rng = random.Random(seed)
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+    ttft: list[float] = []
+    prompt = cached = 0
+
+    async def one(messages: list[dict]) -> None:
+        nonlocal prompt, cached
+        start = time.perf_counter()
+        first = None
+        stream = await client.chat.completions.create(model=model_id, messages=messages, max_tokens=8,
+                                                      stream=True, stream_options={"include_usage": True},
+                                                      extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            if first is None and chunk.choices and chunk.choices[0].delta.content:
+                first = time.perf_counter() - start
+            if chunk.usage is not None:
+                prompt += chunk.usage.prompt_tokens
+                cached += chunk.usage.prompt_tokens_details.cached_tokens
+        ttft.append(first if first is not None else time.perf_counter() - start)
+
+    tasks = []
+    async with client:
+        for messages in traffic:
+            tasks.append(asyncio.create_task(one(messages)))
+            await asyncio.sleep(rng.expovariate(rate))
+        await asyncio.gather(*tasks)
+    ttft.sort()
+    return {"ttft_p50_ms": 1000 * statistics.median(ttft), "ttft_p99_ms": 1000 * ttft[int(0.99 * (len(ttft) - 1))],
+            "hit_rate": cached / prompt if prompt else 0.0}
+
+
+def _shared_pool_bound(replica_url: str, model: str, traffic: list[list[dict]], blocks: int, replicas: int) -> float:
+    """The planner's replay of the same requests (the same hashes) on one pool of all replicas' blocks."""
+    from kvprefix.cache import cdiv
+    from kvprefix.cache.event_wire import loads
+    from kvprefix.router.hashing import RequestHasher
+    from kvprefix.sim.trace import Trace, TraceRequest
+
+    with httpx.stream("GET", replica_url + "/v1/kv_events", timeout=10) as r:
+        hello = loads(next(r.iter_lines()))
+    hasher = RequestHasher.for_replica(model, hello)
+    requests = []
+    for messages in traffic:
+        hashes, num_blocks = hasher.hash_prompt({"messages": messages}, None)
+        length = len(hasher.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        requests.append(TraceRequest(0.0, length, 8, hashes, cdiv(length, hello.block_size)))
+    trace = Trace("live", hello.block_size, requests)
+    cfg = ReplayConfig(blocks, replicas=replicas, routing=SHARED, mode="order")
+    return summarize(trace, cfg, replay(trace, cfg)).token_hit_rate
+
+
+def _requests_per_replica(url: str) -> list[float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counts: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name == "kvprefix:router_requests_total":
+                counts[sample.labels["replica"]] = counts.get(sample.labels["replica"], 0.0) + sample.value
+    return list(counts.values())
+
+
+def live(model: str | None, rates: list[float], requests: int, replicas: int = 4, blocks: int = 72) -> list[dict]:
+    """``replicas`` real `kvprefix serve` processes (``--model``, default: the built-in model) behind one real
+    `kvprefix route` per policy; the same open-loop traffic through each, the replicas' caches reset between
+    runs. Imbalance: the busiest replica's share of the requests x N."""
+    tokenizer_dir = model
+    if tokenizer_dir is None:
+        from kvprefix.model import default_model_path
+
+        tokenizer_dir = default_model_path()
+    procs: list[subprocess.Popen] = []
+    urls = []
+    rows = []
+    try:
+        for _ in range(replicas):
+            port = _free_port()
+            procs.append(subprocess.Popen([sys.executable, "-m", "kvprefix.cli", "serve", "--port", str(port),
+                                           "--log-level", "warning", "--num-gpu-blocks", str(blocks),
+                                           "--max-num-seqs", "16", *(["--model", model] if model else [])]))
+            urls.append(f"http://127.0.0.1:{port}")
+        for url, proc in zip(urls, procs, strict=True):
+            _wait(url, proc)
+        model_id = httpx.get(urls[0] + "/v1/models", timeout=10).json()["data"][0]["id"]
+        routers = {}
+        for policy in LIVE_POLICIES:
+            port = _free_port()
+            proc = subprocess.Popen([sys.executable, "-m", "kvprefix.cli", "route", "--policy", policy, "--model",
+                                     tokenizer_dir, "--port", str(port), "--log-level", "warning",
+                                     *[a for u in urls for a in ("--replica", u)]])
+            procs.append(proc)
+            routers[policy] = f"http://127.0.0.1:{port}"
+            _wait(routers[policy], proc)
+        time.sleep(2)  # kv-events: every replica's stream synced
+        print(f"\n{'rate':>5} {'policy':12} {'TTFT p50 ms':>11} {'TTFT p99 ms':>11} {'hit rate':>8} {'/shared':>7} "
+              f"{'imbal':>6}")
+        for k, rate in enumerate(rates):
+            traffic = _live_traffic(requests, seed=k)
+            bound = _shared_pool_bound(urls[0], tokenizer_dir, traffic, blocks, replicas)
+            for policy, url in routers.items():
+                # through the router: it reaches every replica, and `prefix` forgets where it routed
+                httpx.post(url + "/reset_prefix_cache", params={"wait": "true"}, timeout=60).raise_for_status()
+                before = _requests_per_replica(url)
+                result = asyncio.run(_open_loop(url, model_id, traffic, rate, seed=k))
+                counts = [a - b for a, b in zip(_requests_per_replica(url), before, strict=True)]
+                imbalance = max(counts) * len(counts) / sum(counts)
+                ratio = result["hit_rate"] / bound if bound else 1.0
+                print(f"{rate:5.1f} {policy:12} {result['ttft_p50_ms']:11.0f} {result['ttft_p99_ms']:11.0f} "
+                      f"{result['hit_rate']:8.3f} {ratio:7.2f} {imbalance:6.2f}")
+                rows.append({"rate": rate, "policy": policy, **result, "shared_pool_hit_rate": bound,
+                             "vs_shared": ratio, "imbalance": imbalance, "requests": requests})
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=60)
     return rows
 
 
@@ -184,8 +418,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-planner", action="store_true")
     parser.add_argument("--skip-proxy", action="store_true")
+    parser.add_argument("--live", action="store_true", help="also the live loopback run: real replicas, per policy")
+    parser.add_argument("--rates", default="1,2,4", help="live: request rates (req/s), comma-separated")
+    parser.add_argument("--requests", type=int, default=40, help="live: requests per rate and policy")
+    parser.add_argument("--live-model", default=None,
+                        help="live: the replicas' --model (default: the built-in model)")
     parser.add_argument("--model", default=None, help="tokenizer checkpoint (default: the built-in default model)")
+    parser.add_argument("--seconds", type=float, default=5.0, help="proxy: seconds of closed-loop load per run")
     parser.add_argument("--null-backend", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--load", nargs=3, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default="results/bench_router.json")
     args = parser.parse_args()
     if args.model is None:
@@ -195,7 +436,13 @@ def main() -> None:
     if args.null_backend is not None:
         null_backend(args.null_backend, args.model)
         return
-    out = {"planner": [] if args.skip_planner else planner(), "proxy": [] if args.skip_proxy else proxy(args.model)}
+    if args.load is not None:
+        print(json.dumps(load(int(args.load[0]), int(args.load[1]), float(args.load[2]))))
+        return
+    out = {"planner": [] if args.skip_planner else planner(),
+           "proxy": [] if args.skip_proxy else proxy(args.model, args.seconds),
+           "live": live(args.live_model, [float(r) for r in args.rates.split(",")], args.requests)
+           if args.live else []}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))
     print(f"\nwrote {args.out}")

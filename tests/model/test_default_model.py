@@ -39,3 +39,14 @@ def test_default_model_answers_a_factual_question() -> None:
                    SamplingParams(temperature=0, max_tokens=16))
     assert "Paris" in out[0].outputs[0].text, out[0].outputs[0].text
     assert out[0].prompt.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantization", ["int8", "int4", "gguf"])
+def test_default_model_answers_with_compact_weights(quantization: str) -> None:
+    # "Answer in one sentence": without it the first greedy token is a near-tie ("The" against "L") that 4-bit
+    # rounding tips to a French answer, as it does in llama.cpp on the same file (docs/model.md).
+    llm = LLM(quantization=quantization, dtype="bfloat16", num_gpu_blocks=64)
+    out = llm.chat([{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
+                   SamplingParams(temperature=0, max_tokens=16))
+    assert "Paris" in out[0].outputs[0].text, out[0].outputs[0].text

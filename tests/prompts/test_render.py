@@ -92,3 +92,35 @@ def test_a_prompt_too_long_in_characters_is_refused_before_tokenizing(tokenizer:
     longest = max(len(tokenizer.decode([i])) for i in range(tokenizer.vocab_size))
     assert tokenizer.max_chars_per_token >= longest
     assert len(render_completion(tokenizer, "ab " * 30, max_tokens=limit).token_ids) <= limit
+
+
+def test_template_kwargs_reach_the_template_and_reserved_names_do_not(tmp_path, tiny_llama_path: str) -> None:
+    import shutil
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{tiny_llama_path}/{name}", tmp_path / name)
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking %}<think>{% endif %}{% endif %}")
+    tok = Tokenizer(str(tmp_path))
+    messages = [{"role": "user", "content": "Hi"}]
+    assert render_chat(tok, messages, template_kwargs={"enable_thinking": True}).text.endswith("<think>")
+    assert not render_chat(tok, messages, template_kwargs={"enable_thinking": False}).text.endswith("<think>")
+    (body,) = render_body(tok, {"messages": messages, "chat_template_kwargs": {"enable_thinking": True}})
+    assert body.text.endswith("<think>")  # the router and planner render the same tokens
+    for bad in ({"chat_template": "{{ 1 }}"}, {"add_generation_prompt": False}, {"not a name": 1},
+                {"enable_thinking": ["a"]}, {f"k{i}": 1 for i in range(17)}):
+        with pytest.raises(PromptError, match="chat_template_kwargs"):
+            render_chat(tok, messages, template_kwargs=bad)
+
+
+def test_continue_final_message_and_truncation(tokenizer: Tokenizer) -> None:
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello wor"}]
+    cont = render_chat(tokenizer, messages, add_generation_prompt=False, continue_final_message=True)
+    assert cont.text.endswith("Hello wor")
+    with pytest.raises(PromptError, match="continue_final_message"):
+        render_chat(tokenizer, messages, continue_final_message=True)
+    (short,) = render_body(tokenizer, {"prompt": "one two three four five", "truncate_prompt_tokens": 3})
+    assert short.token_ids == tokenizer.encode("one two three four five")[-3:] and short.text is None
+    (bare,) = render_body(tokenizer, {"prompt": "one", "add_special_tokens": False})
+    assert bare.token_ids == tokenizer.encode("one", add_special_tokens=False)

@@ -35,7 +35,7 @@ def start_router(tmp: Path, replica_urls: list[str], policy: str, model: str, *a
 
 
 def wait_synced(router: Server, num_replicas: int, events: bool, admin: dict | None = None,
-                timeout: float = 60.0) -> dict[str, float]:
+                timeout: float = 180.0) -> dict[str, float]:
     """Waits until the router sees every replica healthy (and its event stream synced); returns its metrics."""
     deadline = time.monotonic() + timeout
     while True:

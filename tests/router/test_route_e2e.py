@@ -56,7 +56,7 @@ def shared_pool_hit_rate(replica, model_dir: str, conversations) -> float:
     requests = []
     for messages in conversations:
         ids = hasher.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        hashes = hasher.block_hashes({"messages": messages}, None)
+        hashes, _ = hasher.hash_prompt({"messages": messages}, None)
         requests.append(TraceRequest(0.0, len(ids), 1, hashes, cdiv(len(ids), bs)))
     trace = Trace("e2e", bs, requests)
     cfg = ReplayConfig(REPLICA_BLOCKS, replicas=3, routing="shared", mode="order")
@@ -147,19 +147,36 @@ def test_a_killed_replica_loses_no_request_and_a_restarted_one_is_resynced(route
     for _ in range(6):  # the restarted replica is back in rotation, and its mirror follows it
         c.chat.completions.create(model=MODEL, messages=traffic[0], max_tokens=1)
     assert per_replica(router.metrics(), "replica_healthy")[victim.url] == 1
+    settled(router)  # the retried, the cut off and the finished requests all released their load
 
 
-def test_a_client_that_leaves_mid_stream_releases_its_load(routers):
-    router = routers["round-robin"]
+def settled(router, timeout: float = 10.0) -> None:
+    """Waits until the router counts nothing in flight and no queued prefill anywhere."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = router.metrics()
+        load = [*per_replica(m, "requests_in_flight").values(), *per_replica(m, "queued_prefill_blocks").values()]
+        if not any(load):
+            return
+        assert time.monotonic() < deadline, m
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("policy", ["round-robin", "kv-events"])
+def test_a_client_that_leaves_mid_stream_releases_its_load(routers, policy):
+    router = routers[policy]
     messages = shared_prefix_traffic(rounds=1)[0]
-    body = {"model": MODEL, "messages": messages, "max_tokens": 200, "stream": True}
+    body = {"model": MODEL, "messages": messages, "max_tokens": 200, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", router.url + "/v1/chat/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
-        next(r.iter_lines())  # one chunk, then hang up
-    deadline = time.monotonic() + 10
-    while sum(per_replica(router.metrics(), "requests_in_flight").values()) != 0:
-        assert time.monotonic() < deadline, router.metrics()
-        time.sleep(0.05)
+        lines = r.iter_lines()
+        events = 0
+        while events < 3:  # the role event, then tokens: the prompt is prefilled
+            events += next(lines).startswith("data:")
+        m = router.metrics()
+        assert sum(per_replica(m, "requests_in_flight").values()) == 1
+        assert sum(per_replica(m, "queued_prefill_blocks").values()) == 0  # running, no longer queued
+    settled(router)  # hung up mid-stream: nothing left counted
 
 
 def test_the_router_checks_the_same_keys_as_the_replicas(router_tmp, replicas, default_model_dir):

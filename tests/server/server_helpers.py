@@ -46,7 +46,7 @@ class Server:
         out: dict[str, float] = {}
         for family in text_string_to_metric_families(text):
             for s in family.samples:
-                labels = ",".join(v for k, v in sorted(s.labels.items()) if k != "model_name")
+                labels = ",".join(v for k, v in sorted(s.labels.items()) if k not in ("model_name", "engine"))
                 out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
         return out
 

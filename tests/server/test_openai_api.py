@@ -94,6 +94,19 @@ def test_n_greater_than_one(server: Server) -> None:
     assert {choice.index for c in chunks for choice in c.choices} == {0, 1}
 
 
+def test_streaming_n_sends_each_finish_reason_once(server: Server) -> None:
+    """Samples of one request that finish at different steps: a finished choice's finish_reason goes out in one
+    chunk, never again with an empty delta in the chunks of the samples still running."""
+    chunks = list(server.client().completions.create(
+        model="default-model-v1", prompt="Finish apart", max_tokens=24, n=4, temperature=1.0, seed=3,
+        stop=["a", "e", "o"], stream=True))
+    finishes = [(k, c.index) for k, chunk in enumerate(chunks) for c in chunk.choices if c.finish_reason]
+    assert sorted(i for _, i in finishes) == [0, 1, 2, 3]
+    assert len({k for k, _ in finishes}) > 1  # they did finish in different chunks: the case under test
+    for k, i in finishes:
+        assert all(c.index != i for chunk in chunks[k + 1 :] for c in chunk.choices)
+
+
 def test_batch_and_token_prompts(server: Server) -> None:
     r = server.client().completions.create(model="default-model-v1", prompt=["first prompt", "second one"],
                                            max_tokens=3, n=2, temperature=0)

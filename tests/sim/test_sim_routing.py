@@ -74,10 +74,11 @@ def test_session_routing_does_not_herd(load, run, mode):
 
 
 class View:
-    """A fleet whose replicas hold given hash sets, with given loads (and health)."""
+    """A fleet whose replicas hold given hash sets, with given loads, queued prefill (and health)."""
 
-    def __init__(self, held: list[set], loads: list[float], down: frozenset = frozenset()):
+    def __init__(self, held: list[set], loads: list[float], down: frozenset = frozenset(), queued=None):
         self.held, self.loads, self.num_replicas, self.down = held, loads, len(held), down
+        self.queued = queued or [0] * len(held)
 
     def healthy(self, replica):
         return replica not in self.down
@@ -92,6 +93,9 @@ class View:
 
     def load(self, replica):
         return self.loads[replica]
+
+    def queued_prefill_blocks(self, replica):
+        return self.queued[replica]
 
 
 def req(hashes, session=None) -> TraceRequest:

@@ -19,6 +19,7 @@ from kvprefix.cache.hashing import (
 from kvprefix.cache.identity import (
     ExecutionContext,
     context_for_checkpoint,
+    kv_label,
     namespace_id,
     namespace_salt,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "PrefixCacheStats",
     "cdiv",
     "context_for_checkpoint",
+    "kv_label",
     "namespace_id",
     "namespace_salt",
     "prompt_embeds_block_digests",

@@ -83,6 +83,21 @@ def namespace_id(root: bytes) -> str:
     return hashlib.sha256(_NAMESPACE_DOMAIN + root).hexdigest()[:16]
 
 
+# What computes a replica's KV, as its root names it: the activation dtype, then "+method" for compact weights
+# (kvprefix.model.quantized_linear), whose rounding changes the KV. A router matches a replica's root against these.
+KV_DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATION_METHODS = ("int8", "int4", "gguf")
+
+
+def kv_label(dtype: str, quantization: str | None) -> str:
+    return dtype + (f"+{quantization}" if quantization else "")
+
+
+def kv_labels() -> list[str]:
+    """Every label a replica's root may carry."""
+    return [kv_label(d, q) for d in KV_DTYPES for q in (None, *QUANTIZATION_METHODS)]
+
+
 def chat_template_hash(template: str | None) -> str:
     return hashlib.sha256(template.encode()).hexdigest()[:16] if template else ""
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from kvprefix.engine.args import EngineArgs
 from kvprefix.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from kvprefix.engine.sampling_params import SamplingParams
+from kvprefix.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 _LAZY = {
     "LLM": "kvprefix.engine.llm",
@@ -33,6 +33,7 @@ __all__ = [
     "RequestFailedError",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
 ]
 
 

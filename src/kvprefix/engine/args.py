@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvprefix.cache.identity import QUANTIZATION_METHODS  # noqa: F401  (the CLI's --quantization choices)
+
 
 @dataclass
 class EngineArgs:
@@ -12,10 +14,16 @@ class EngineArgs:
     ``num_gpu_blocks`` blocks if given, else as many as fit in ``kv_cache_memory`` bytes, else (CUDA) ``gpu_memory_utilization`` of the free memory or (CPU) 1 GiB.
     ``max_model_len`` None is the model's ``max_position_embeddings``. ``tenant_kv_reserve`` > 0 isolates eviction
     between tenants: that fraction of the KV cache is shared out as each tenant's reserved room (0: one LRU for
-    all; docs/security.md)."""
+    all; docs/security.md). ``share_inflight_prefixes``: a waiting request whose next prompt blocks a running request
+    is computing waits for them (bounded) and hits, instead of computing them again. ``scheduling_policy`` "fcfs"
+    admits in arrival order; "cache_aware" admits the requests with the most cached prompt tokens first, except
+    that one waiting ``max_wait_steps`` steps or more goes first (docs/engine.md). ``quantization`` (CPU only) keeps the projection and lm_head weights compact:
+    "int8" (per channel), "int4" (groups of 32) or "gguf" (a .gguf model's own blocks); None is dense
+    (docs/model.md)."""
 
     model: str | None = None
     dtype: str = "auto"
+    quantization: str | None = None
     device: str | None = None  # None: cuda when available, else cpu
     seed: int = 0
     block_size: int = 16
@@ -28,3 +36,6 @@ class EngineArgs:
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
     tenant_kv_reserve: float = 0.0
+    share_inflight_prefixes: bool = True
+    scheduling_policy: str = "fcfs"
+    max_wait_steps: int = 100

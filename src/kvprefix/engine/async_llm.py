@@ -1,5 +1,7 @@
 """AsyncLLM: the engine for servers. One background thread runs engine steps (torch releases the GIL while it
 computes, so the event loop stays responsive); each request gets an async stream of cumulative RequestOutputs.
+The engine thread hands each stream only the step's deltas; the stream's OutputState, on the event loop, folds
+them in and detokenizes, so text is decoded while the next step computes, and only when the stream reads it.
 
 Only the engine thread touches the engine's state: requests are added, aborted and the cache reset through a
 command queue that the thread drains between steps. A stream that is closed early (client disconnect, task
@@ -18,7 +20,8 @@ from typing import Any
 from kvprefix.cache import KVCacheEvent
 from kvprefix.engine.args import EngineArgs
 from kvprefix.engine.llm_engine import LLMEngine, PromptType
-from kvprefix.engine.outputs import RequestOutput
+from kvprefix.engine.output_state import OutputState
+from kvprefix.engine.outputs import RequestDelta, RequestOutput
 from kvprefix.engine.sampling_params import SamplingParams
 
 
@@ -31,9 +34,9 @@ class _Stream:
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.queue: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
 
-    def put(self, item: RequestOutput | BaseException) -> None:
+    def put(self, item: RequestDelta | BaseException) -> None:
         """Thread-safe; a closed loop means nobody is listening any more."""
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -87,14 +90,15 @@ class AsyncLLM:
         arrival = time.monotonic()
         stream = _Stream(asyncio.get_running_loop())
 
-        def add() -> None:
+        def add() -> OutputState:
             # Registered on the engine thread once the engine accepted the id: a previous request with this id has
             # then left the engine (its queued abort ran first), so none of its outputs can reach this stream.
-            self.engine.add_request(request_id, prompt, sampling_params, cache_salt, arrival, tenant)
+            state = self.engine.add_request(request_id, prompt, sampling_params, cache_salt, arrival, tenant)
             self._streams[request_id] = stream
+            return state
 
         try:
-            await self._call(add)
+            state = await self._call(add)
         except BaseException:
             # Cancelled after add() started: the request exists but nobody listens; release it like a closed stream.
             self._release(request_id, stream)
@@ -103,14 +107,17 @@ class AsyncLLM:
         try:
             while not finished:
                 item = await stream.queue.get()
-                # Outputs are cumulative: when the consumer is behind, only the newest one matters.
-                while not stream.queue.empty() and not isinstance(item, BaseException):
+                # When the consumer is behind, every delta waiting is folded in and it gets one output for them.
+                while not isinstance(item, BaseException):
+                    state.apply(item)
+                    if stream.queue.empty():
+                        break
                     item = stream.queue.get_nowait()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
-                finished = item.finished
-                yield item
+                finished = state.finished
+                yield state.output()
         finally:
             self._release(request_id, stream)
 

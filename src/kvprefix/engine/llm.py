@@ -71,18 +71,21 @@ class LLM:
                 )
         engine = self.llm_engine
         ids = [str(next(self._ids)) for _ in prompts]
+        states = {}
         try:
             for request_id, prompt, params in zip(ids, prompts, params_list, strict=True):
-                engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
+                states[request_id] = engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
             finals: dict[str, RequestOutput] = {}
             bar = _progress(len(ids)) if use_tqdm else None
             while len(finals) < len(ids):
-                outputs = engine.step()
+                deltas = engine.step()
                 for _, error in engine.take_failures():
                     raise error
-                for out in outputs:
-                    if out.finished:
-                        finals[out.request_id] = out
+                for delta in deltas:
+                    state = states[delta.request_id]
+                    state.apply(delta)
+                    if delta.finished:  # text is decoded only now, once per request
+                        finals[delta.request_id] = state.output()
                         if bar is not None:
                             bar.update(1)
             if bar is not None:

@@ -1,18 +1,22 @@
 """LLMEngine: the synchronous core that LLM and AsyncLLM drive. Owns the model runner, the scheduler, the KV cache
-manager and the block hashers; turns prompts into requests and engine steps into RequestOutputs."""
+manager and the block hashers; turns prompts into requests and engine steps into RequestDeltas, which each caller's
+OutputState folds into RequestOutputs."""
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 import time
 from typing import Any
 
 import torch
 
-from kvprefix.cache import BlockHash, BlockHasher, KVCacheManager, context_for_checkpoint
+from kvprefix.cache import BlockHasher, KVCacheManager, context_for_checkpoint, kv_label
 from kvprefix.engine.args import EngineArgs
 from kvprefix.engine.model_runner import ModelRunner, num_kv_blocks
-from kvprefix.engine.outputs import RequestMetrics, RequestOutput
+from kvprefix.engine.output_state import OutputState
+from kvprefix.engine.outputs import RequestDelta, RequestMetrics, SampleDelta
 from kvprefix.engine.request import Request
 from kvprefix.engine.sampler import Sampler
 from kvprefix.engine.sampling_params import SamplingParams
@@ -20,8 +24,13 @@ from kvprefix.engine.scheduler import Scheduler
 from kvprefix.model import ModelConfig, default_model_path, load_model
 from kvprefix.model.default_model import DEFAULT_MODEL_NAME
 from kvprefix.model.loader import default_dtype, resolve_dtype, resolve_model_path
+from kvprefix.model.quantized_linear import check_quantization, quantize_model
 from kvprefix.prompts import Tokenizer
 
+# Tokens per engine step, as vLLM's iteration_tokens_total histogram buckets them.
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# Prompt positions whose logits are computed at once for prompt logprobs (each is a vocabulary of floats).
+_SCORE_SLICE = 256
 # A prompt: text, token ids, or a dict with "prompt_token_ids" or "prompt" (vLLM's input forms).
 PromptType = str | list[int] | dict[str, Any]
 
@@ -35,24 +44,17 @@ class _UserRequest:
     """A request as the caller sees it: one prompt, ``n`` samples."""
 
     request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
     samples: list[Request]
     metrics: RequestMetrics
-    prompt_block_hashes: list[BlockHash]
-    namespace_id: str
 
-    def output(self) -> RequestOutput:
-        return RequestOutput(
+    def delta(self, samples: list[SampleDelta], prompt_logprobs: list | None = None) -> RequestDelta:
+        return RequestDelta(
             request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            outputs=[s.completion() for s in self.samples],
+            samples=samples,
             finished=all(s.finished for s in self.samples),
             num_cached_tokens=max(0, self.samples[0].num_cached_tokens),
             metrics=dataclasses.replace(self.metrics),
-            prompt_block_hashes=self.prompt_block_hashes,
-            namespace_id=self.namespace_id,
+            prompt_logprobs=prompt_logprobs,
         )
 
 
@@ -64,14 +66,18 @@ class LLMEngine:
         self.model_name = args.model or DEFAULT_MODEL_NAME
         self.uses_default_model = args.model is None
         path = default_model_path() if args.model is None else resolve_model_path(args.model)
+        check_quantization(args.quantization, path, device)
         self.model_config = ModelConfig.from_path(path)
         self.tokenizer = Tokenizer(path)
         self.max_model_len = min(args.max_model_len or 2**62, self.model_config.max_position_embeddings)
         # Everything besides the tokens that changes a block's KV roots the hash chain: the checkpoint's own bytes,
         # not its path, so replicas of one checkpoint (and a router) compute the same hashes.
-        context = context_for_checkpoint(path, str(dtype).removeprefix("torch."), self.tokenizer.chat_template)
+        # Quantized weights compute other KV than dense ones: the method joins the dtype in the root.
+        kv_dtype = kv_label(str(dtype).removeprefix("torch."), args.quantization)
+        context = context_for_checkpoint(path, kv_dtype, self.tokenizer.chat_template)
         self.hasher = BlockHasher(args.block_size, args.prefix_caching_hash_algo, context)
-        model = load_model(path, dtype, device)  # first: on CUDA the KV budget is what the weights leave free
+        # First: on CUDA the KV budget is what the weights leave free.
+        model = quantize_model(load_model(path, dtype, device), args.quantization, path)
         num_blocks = num_kv_blocks(
             self.model_config,
             args.block_size,
@@ -86,15 +92,24 @@ class LLMEngine:
         )
         # The longest a request (prompt + output) may grow: the model's limit, or the whole KV cache if smaller.
         self.max_sequence_tokens = min(self.max_model_len, num_blocks * args.block_size)
-        self.scheduler = Scheduler(self.manager, args.max_num_seqs, args.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.manager,
+            args.max_num_seqs,
+            args.max_num_batched_tokens,
+            share_inflight_prefixes=args.share_inflight_prefixes and args.enable_prefix_caching,
+            scheduling_policy=args.scheduling_policy,
+            max_wait_steps=args.max_wait_steps,
+        )
         self.runner = ModelRunner.create(model, num_blocks, self.manager, dtype, device)
-        self.sampler = Sampler(args.seed, device, self.tokenizer.decode)
+        self.sampler = Sampler(args.seed, device)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | self.tokenizer.eos_token_ids
         self._requests: dict[str, _UserRequest] = {}
         self._user_request_of: dict[str, _UserRequest] = {}  # sample id -> its user request
         self._counters = dict(prompt_tokens=0, generation_tokens=0, requests_finished=0, requests_aborted=0,
                               requests_failed=0)
         self._failures: list[tuple[str, RequestFailedError]] = []
+        self._iteration_tokens = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)  # per bucket (not cumulative), then +Inf
+        self._iteration_tokens_sum = 0
 
     # ---- requests -------------------------------------------------------------------------------------------
 
@@ -120,11 +135,12 @@ class LLMEngine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         tenant: str | None = None,
-    ) -> None:
+    ) -> OutputState:
         """Queues a request. Raises ValueError for a reused id, a bad prompt, or one that cannot fit.
 
         ``tenant`` and ``cache_salt`` pick the cache namespace (``identity.namespace_salt``): the request only ever
-        hits blocks of the same namespace."""
+        hits blocks of the same namespace. Returns the request's ``OutputState``: the caller feeds it the request's
+        ``RequestDelta``s (from ``step`` and ``abort_request``) and reads cumulative outputs from it."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
@@ -136,6 +152,7 @@ class LLMEngine:
                 raise ValueError(f"request {request_id!r}: sample id {sample_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
         self._check_prompt(request_id, ids)
+        grammar = self._grammar(params)
         room = self.max_sequence_tokens - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         hasher = self.hasher.for_namespace(tenant, cache_salt)
@@ -152,18 +169,34 @@ class LLMEngine:
                     eos_token_ids=self.eos_token_ids,
                     tokenizer=self.tokenizer,
                     index=i,
-                    leader=samples[0] if i and self.manager.enable_prefix_caching else None,
                     eviction_group=tenant,
                 )
             )
+        if grammar is not None:
+            for s in samples:
+                s.matcher = self.sampler.grammar_masks.matcher(grammar)
         metrics = RequestMetrics(arrival_time if arrival_time is not None else time.monotonic())
         prompt_hashes = samples[0].block_hashes[: len(ids) // hasher.block_size]
-        user_request = _UserRequest(request_id, text, ids, samples, metrics, prompt_hashes, hasher.namespace_id)
+        user_request = _UserRequest(request_id, samples, metrics)
         self._requests[request_id] = user_request
         for s in samples:
             self._user_request_of[s.request_id] = user_request
             self.scheduler.add(s)
         self._counters["prompt_tokens"] += len(ids)
+        return OutputState(request_id, text, ids, [s.params for s in samples], self.tokenizer, prompt_hashes,
+                           hasher.namespace_id, metrics.arrival_time)
+
+    def _grammar(self, params: SamplingParams) -> str | None:
+        """The compiled grammar of a structured request (ValueError if it does not compile), loading llguidance
+        and the vocabulary's view of it at the first such request."""
+        if params.structured_outputs is None:
+            return None
+        from kvprefix.engine.structured import GrammarMasks, grammar_for
+
+        grammar = grammar_for(params.structured_outputs)
+        if self.sampler.grammar_masks is None:
+            self.sampler.grammar_masks = GrammarMasks(self.tokenizer.hf, self.model_config.vocab_size)
+        return grammar
 
     def _check_prompt(self, request_id: str, ids: list[int]) -> None:
         if not ids:
@@ -179,27 +212,32 @@ class LLMEngine:
                 f"request {request_id!r}: a prompt of {len(ids)} tokens leaves no room to generate; {what} is {limit}"
             )
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stops a request and frees its blocks; returns its final output (finish_reason "abort"), or None if it
-        is unknown or already finished."""
+    def abort_request(self, request_id: str) -> RequestDelta | None:
+        """Stops a request and frees its blocks; returns its last delta (its unfinished samples end with
+        finish_reason "abort"), or None if it is unknown or already finished."""
         user_request = self._requests.get(request_id)
         if user_request is None:
             return None
-        self._end(user_request, "requests_aborted")
-        return user_request.output()
+        # An abort before the prompt was computed sends the prompt logprobs so far (None where not scored yet).
+        prompt_logprobs = user_request.samples[0].take_prompt_logprobs()
+        return user_request.delta(self._end(user_request, "requests_aborted"), prompt_logprobs)
 
-    def _end(self, user_request: _UserRequest, counter: str) -> None:
-        """Stops every unfinished sample (finish_reason "abort"), frees its blocks and forgets the request."""
+    def _end(self, user_request: _UserRequest, counter: str) -> list[SampleDelta]:
+        """Stops every unfinished sample (finish_reason "abort"), frees its blocks and forgets the request; returns
+        the aborted samples' deltas."""
         del self._requests[user_request.request_id]
+        aborted = []
         for s in user_request.samples:
             if not s.finished:
                 s.abort()
                 self.scheduler.finish(s)
+                aborted.append(SampleDelta(s.index, [], finish_reason="abort"))
         user_request.metrics.finished_time = time.monotonic()
         self._forget(user_request)
         self._counters[counter] += 1
+        return aborted
 
-    def abort_all(self) -> list[RequestOutput]:
+    def abort_all(self) -> list[RequestDelta]:
         return [out for request_id in list(self._requests) if (out := self.abort_request(request_id)) is not None]
 
     def _forget(self, user_request: _UserRequest) -> None:
@@ -211,8 +249,8 @@ class LLMEngine:
 
     # ---- stepping -------------------------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """Runs one batch; returns the outputs of requests that produced a token or finished in it."""
+    def step(self) -> list[RequestDelta]:
+        """Runs one batch; returns the deltas of requests that produced a token or finished in it."""
         if self._requests and not self.scheduler.has_unfinished():
             # Unfinished requests that the scheduler lost can never progress: callers would loop forever.
             raise RuntimeError(
@@ -221,6 +259,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
+        self._iteration_tokens[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, sched.num_tokens)] += 1
+        self._iteration_tokens_sum += sched.num_tokens
         now = time.monotonic()
         for s in sched.scheduled:
             metrics = self._user_request_of[s.request.request_id].metrics
@@ -231,14 +271,18 @@ class LLMEngine:
             for i, s in enumerate(sched.scheduled)
             if s.request.num_computed_tokens + s.num_new_tokens == s.request.num_tokens
         ]
-        logits = self.runner.execute(sched, sample_rows)
+        score_rows = [i for i, s in enumerate(sched.scheduled) if s.request.prompt_logprobs is not None]
+        logits, scored = self.runner.execute(sched, sample_rows, score_rows)
+        for i, hidden in scored.items():  # before update_after_step: num_computed_tokens is the chunk's start
+            self._score_prompt(sched.scheduled[i].request, hidden)
         self.scheduler.update_after_step(sched)
         if not sample_rows:
             return []
         requests = [sched.scheduled[i].request for i in sample_rows]
         samples = self._sample(logits, requests)
         now = time.monotonic()
-        changed: dict[str, _UserRequest] = {}
+        changed: dict[str, tuple[_UserRequest, list[SampleDelta]]] = {}
+        prompt_logprobs: dict[str, list] = {}  # per user request, in the step its prompt was computed
         for req, (token, lp) in zip(requests, samples, strict=True):
             user_request = self._user_request_of.get(req.request_id)
             if user_request is None:  # failed in this step with a sibling sample
@@ -246,7 +290,7 @@ class LLMEngine:
             try:
                 if isinstance(token, BaseException):
                     raise token
-                req.append_output(token, lp)
+                req.append_output(token)
             except Exception as exc:  # this request's fault (its params or text): it alone fails
                 self._fail(user_request, exc)
                 changed.pop(user_request.request_id, None)
@@ -254,9 +298,14 @@ class LLMEngine:
             self._counters["generation_tokens"] += 1
             if req.finished:
                 self.scheduler.finish(req)
-            changed[user_request.request_id] = user_request
+            if req.prompt_logprobs is not None:  # a sampled token: the prompt is computed, its logprobs complete
+                prompt_logprobs[user_request.request_id] = req.take_prompt_logprobs()
+            delta = SampleDelta(req.index, [token], None if lp is None else [lp],
+                                None if req.text is None else req.text.text, req.finish_reason, req.stop_reason,
+                                req.ended_by_token)
+            changed.setdefault(user_request.request_id, (user_request, []))[1].append(delta)
         outputs = []
-        for user_request in changed.values():
+        for user_request, deltas in changed.values():
             metrics = user_request.metrics
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
@@ -265,8 +314,18 @@ class LLMEngine:
                 del self._requests[user_request.request_id]
                 self._forget(user_request)
                 self._counters["requests_finished"] += 1
-            outputs.append(user_request.output())
+            outputs.append(user_request.delta(deltas, prompt_logprobs.get(user_request.request_id)))
         return outputs
+
+    def _score_prompt(self, req: Request, hidden) -> None:
+        """Prompt logprobs of the tokens after the chunk's positions, in slices (a slice's logits are
+        [slice, vocab] floats)."""
+        start = req.num_computed_tokens
+        for a in range(0, len(hidden), _SCORE_SLICE):
+            part = hidden[a : a + _SCORE_SLICE]
+            targets = req.token_ids[start + a + 1 : start + a + 1 + len(part)]
+            entries = self.sampler.prompt_logprobs(self.runner.logits(part), targets, req.params.prompt_logprobs)
+            req.set_prompt_logprobs(start + a + 1, entries)
 
     def _sample(self, logits, requests: list[Request]) -> list[tuple]:
         """(token, logprobs) per request. Should the batch fail, each request is sampled alone, so the ones that
@@ -303,8 +362,10 @@ class LLMEngine:
 
     def get_metrics(self) -> dict[str, int | float]:
         """Counters since start (prefix_cache_* in tokens, each request counted at its first admission;
-        prefix_cache_preempted_* count re-admissions after preemption) and gauges (num_requests_*, kv_cache_usage,
-        num_free_blocks)."""
+        prefix_cache_preempted_* count re-admissions after preemption; num_inflight_prefix_waits: requests that waited
+        behind a running request's in-flight prompt blocks), gauges (num_requests_*, kv_cache_usage,
+        num_free_blocks), and tokens per step as a histogram: iteration_tokens_le_B counts the steps of at most B
+        tokens, iteration_tokens_count all steps, iteration_tokens_sum their tokens."""
         stats = self.manager.stats
         pool = self.manager.pool
         return {
@@ -318,6 +379,7 @@ class LLMEngine:
             "prefix_cache_evictions": stats.evictions,
             "prefix_cache_resets": stats.resets,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_inflight_prefix_waits": self.scheduler.inflight.num_waits if self.scheduler.inflight else 0,
             "prompt_tokens": self._counters["prompt_tokens"],
             "prompt_tokens_computed": self.scheduler.num_prompt_tokens_computed,
             "generation_tokens": self._counters["generation_tokens"],
@@ -330,4 +392,11 @@ class LLMEngine:
             "num_blocks": pool.num_blocks,
             "num_free_blocks": pool.num_free_blocks,
             "block_size": self.manager.block_size,
+            **self._iteration_token_stats(),
         }
+
+    def _iteration_token_stats(self) -> dict[str, int]:
+        counts = list(self._iteration_tokens)  # one read: the cumulative buckets and the count agree
+        cumulative = itertools.accumulate(counts)
+        out = {f"iteration_tokens_le_{b}": n for b, n in zip(ITERATION_TOKEN_BUCKETS, cumulative, strict=False)}
+        return out | {"iteration_tokens_count": sum(counts), "iteration_tokens_sum": self._iteration_tokens_sum}

@@ -3,6 +3,8 @@ returns the logits of the sequences whose last token was computed (those that sa
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from kvprefix.cache import KVCacheManager
@@ -55,8 +57,12 @@ class ModelRunner:
         return cls(model, kv, manager, device)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, sample_rows: list[int]) -> torch.Tensor | None:
-        """Computes every scheduled token; returns float32 logits [len(sample_rows), vocab] for those rows."""
+    def execute(
+        self, sched: SchedulerOutput, sample_rows: list[int], score_rows: Sequence[int] = ()
+    ) -> tuple[torch.Tensor | None, dict[int, torch.Tensor]]:
+        """Computes every scheduled token; returns float32 logits [len(sample_rows), vocab] for those rows, and for
+        each of ``score_rows`` (requests that want prompt logprobs) the hidden states of its chunk's positions
+        whose next token is a prompt token (``logits`` turns them into logits)."""
         chunks, token_ids = [], []
         for s in sched.scheduled:
             req = s.request
@@ -67,8 +73,22 @@ class ModelRunner:
         meta, positions = AttentionMetadata.for_chunks(chunks, self.block_size, dev)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
         hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        scored = {}
+        if score_rows:
+            offsets = [0]
+            for s in sched.scheduled:
+                offsets.append(offsets[-1] + s.num_new_tokens)
+            for i in score_rows:
+                req = sched.scheduled[i].request
+                n = min(sched.scheduled[i].num_new_tokens, req.num_prompt_tokens - 1 - req.num_computed_tokens)
+                if n > 0:
+                    scored[i] = hidden[offsets[i] : offsets[i] + n]
         if not sample_rows:
-            return None
+            return None, scored
         # Only rows that sample need logits: the vocabulary projection is the costliest matmul of a decode.
         rows = meta.logits_indices[torch.tensor(sample_rows, dtype=torch.long, device=dev)]
-        return self.model.compute_logits(hidden[rows]).float()
+        return self.model.compute_logits(hidden[rows]).float(), scored
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden).float()

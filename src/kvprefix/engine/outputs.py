@@ -15,6 +15,8 @@ class Logprob:
 @dataclass
 class CompletionOutput:
     """One of a request's ``n`` samples. Cumulative: ``text`` and ``token_ids`` hold everything generated so far.
+    While the request runs, ``token_ids`` and ``logprobs`` are the request's own lists, which later tokens extend
+    (no per-step copy); copy them to keep a snapshot.
 
     ``finish_reason`` is "stop" (EOS, a stop token or a stop string), "length" (max_tokens or the context limit)
     or "abort"; ``stop_reason`` is the stop string or stop token id that ended it (None for EOS).
@@ -66,3 +68,37 @@ class RequestOutput:
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
     prompt_block_hashes: list[bytes] = field(default_factory=list)
     namespace_id: str = ""
+    # With SamplingParams.prompt_logprobs: per prompt token, {token id: Logprob} (None for the first token).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+@dataclass
+class SampleDelta:
+    """What one engine step (or an abort) added to one sample: its new tokens (and their logprobs entries, when
+    requested), and how it finished. ``text`` is the sample's whole text so far when the engine detokenizes it
+    (samples with stop strings: their text decides when they stop), else None: the reader detokenizes."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None = None
+    text: str | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # Whether the last token ended the sample by itself (EOS or a stop token): its text is shown only with
+    # include_stop_str_in_output. False when a stop string, the length or the grammar ended it.
+    ended_by_token: bool = False
+
+
+@dataclass
+class RequestDelta:
+    """The engine's output for one request and step: only the samples that changed. ``OutputState`` folds these
+    into the cumulative ``RequestOutput`` the APIs return."""
+
+    request_id: str
+    samples: list[SampleDelta]
+    finished: bool
+    num_cached_tokens: int
+    metrics: RequestMetrics
+    # With SamplingParams.prompt_logprobs: the whole list (as RequestOutput's), sent once, in the delta of the
+    # step that computed the last prompt token (or of the abort); None in every other delta.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -15,16 +15,22 @@ class Sampler:
     (argmax of p / Exp(1)), which needs one draw per row from that row's generator: a request with a seed has its
     own ``torch.Generator``, so its samples do not depend on what else is in the batch."""
 
-    def __init__(self, seed: int, device: torch.device, decode: Callable[[list[int]], str]):
+    def __init__(self, seed: int, device: torch.device):
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
-        self._decode = decode
+        self.grammar_masks = None  # a GrammarMasks, set by the engine at its first structured request
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> tuple[list[int], list]:
-        """``logits``: float32 [len(requests), vocab]. Returns token ids and, per row, a logprobs dict or None."""
+        """``logits``: float32 [len(requests), vocab]. Returns token ids and, per row, a logprobs dict or None (its
+        ``decoded_token``s are filled in where the outputs are read, off the engine thread)."""
         raw = logits
         if any(r.params.has_penalties for r in requests):
             logits = self._apply_penalties(logits.clone(), requests)
+        if any(r.under_min_tokens() for r in requests):
+            logits = _ban_stop_tokens(logits if logits is not raw else logits.clone(), requests)
+        if any(r.matcher is not None for r in requests):
+            logits = self.grammar_masks.apply(logits if logits is not raw else logits.clone(),
+                                              [r.matcher for r in requests])
         if all(r.params.greedy for r in requests):
             tokens = logits.argmax(dim=-1)
         else:
@@ -80,18 +86,37 @@ class Sampler:
             return out
         logprobs = torch.log_softmax(raw[rows].float(), dim=-1)
         for row, i in zip(logprobs, rows, strict=True):
-            k = min(requests[i].params.logprobs, row.shape[-1])
-            token = tokens[i]
-            chosen = row[token]
-            entry = {token: Logprob(chosen.item(), int((row > chosen).sum().item()) + 1)}
-            if k:
-                values, ids = row.topk(k)
-                for rank, (v, t) in enumerate(zip(values.tolist(), ids.tolist(), strict=True), start=1):
-                    entry.setdefault(t, Logprob(v, rank))
-            for t, lp in entry.items():
-                lp.decoded_token = self._decode([t])
-            out[i] = entry
+            out[i] = self._entry(row, tokens[i], requests[i].params.logprobs)
         return out
+
+    def prompt_logprobs(self, logits: torch.Tensor, targets: Sequence[int], k: int) -> list[dict[int, Logprob]]:
+        """``logits`` [len(targets), vocab] of the positions before each target prompt token: the raw logprob of
+        each target and the k most likely tokens there, in the shape of sampled logprobs."""
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        return [self._entry(row, t, k) for row, t in zip(logprobs, targets, strict=True)]
+
+    def _entry(self, row: torch.Tensor, token: int, k: int) -> dict[int, Logprob]:
+        """{token: its logprob and rank, then the top k}; ``decoded_token``s are filled by the reader."""
+        k = min(k, row.shape[-1])
+        chosen = row[token]
+        entry = {token: Logprob(chosen.item(), int((row > chosen).sum().item()) + 1)}
+        if k:
+            values, ids = row.topk(k)
+            for rank, (v, t) in enumerate(zip(values.tolist(), ids.tolist(), strict=True), start=1):
+                entry.setdefault(t, Logprob(v, rank))
+        return entry
+
+
+def _ban_stop_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """min_tokens: rows still under it cannot sample EOS (unless ignored) or a stop token (vLLM's meaning)."""
+    vocab = logits.shape[-1]
+    for i, req in enumerate(requests):
+        if req.under_min_tokens():
+            banned = set(req.params.stop_token_set) | (set() if req.params.ignore_eos else set(req.eos_token_ids))
+            ids = [t for t in banned if t < vocab]
+            if ids:
+                logits[i, ids] = float("-inf")
+    return logits
 
 
 def _top_k_top_p(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:

@@ -14,12 +14,35 @@ MAX_SEED = 2**63 - 1
 MAX_STOP_TOKEN_IDS = 256  # stop tokens per request: checked per sampled token, so the work is bounded
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """vLLM's structured outputs: exactly one of a JSON schema (dict or JSON text), a regex, a list of choices, a
+    Lark grammar, or any JSON object. Sampling is constrained to it (kvprefix.engine.structured)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, name)]
+        if len(given) != 1:
+            raise ValueError(f"structured outputs need exactly one of json, regex, choice, grammar or json_object, "
+                             f"got {given or 'none'}")
+
+
 @dataclass
 class SamplingParams:
     """Sampling settings for one prompt. Invalid values raise ``ValueError`` naming the field and the accepted range.
 
     ``top_k`` 0 or -1 disables top-k; ``max_tokens`` None means up to the model's context length; ``logprobs`` k
     returns the k most likely tokens at each step (plus the sampled one), from the model's raw distribution.
+    ``min_tokens``: no EOS, stop token or stop string ends a sample before it has that many tokens (vLLM's).
+    ``prompt_logprobs`` k: the logprob of every prompt token after the first (plus the k most likely there); such
+    a request reads nothing from the prefix cache, since cached tokens have no logits (vLLM does the same).
+    ``structured_outputs``: every sampled token keeps the output a prefix of the given language; the sample stops
+    ("stop") when the language allows nothing more.
     """
 
     n: int = 1
@@ -35,8 +58,12 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     max_tokens: int | None = 16
+    min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     # Normalized forms, filled in by __post_init__.
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
     stop_token_set: frozenset[int] = field(init=False, repr=False)
@@ -57,8 +84,12 @@ class SamplingParams:
         _check_number("repetition_penalty", self.repetition_penalty, "a number > 0", lambda v: v > 0)
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, minimum=1, accepted="an integer >= 1 or None")
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, minimum=0, accepted="an integer >= 0 or None")
+        _check_int("min_tokens", self.min_tokens, minimum=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), minimum=0, accepted="an integer >= 0 or None")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         for s in stops:
             if not isinstance(s, str) or not s:

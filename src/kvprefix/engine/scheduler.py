@@ -6,6 +6,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvprefix.cache import KVCacheManager
+from kvprefix.engine.inflight import InflightPrefixes
 from kvprefix.engine.request import Request, RequestStatus
 
 
@@ -24,6 +25,9 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled)
 
 
+SCHEDULING_POLICIES = ("fcfs", "cache_aware")
+
+
 class Scheduler:
     """Each step: running requests first (decodes and unfinished prefill chunks), then admissions from the waiting
     queue, all under ``max_num_batched_tokens`` tokens and ``max_num_seqs`` sequences.
@@ -32,9 +36,30 @@ class Scheduler:
     step computes its last token, a new token is sampled. Admission asks the cache manager for cached blocks
     first, so cached tokens cost no budget. When the pool is full, the latest-admitted running request is
     preempted: its blocks are freed (they stay cached) and it goes back to the front of the queue.
+
+    With ``share_inflight_prefixes``, a waiting request whose next uncached prompt blocks a running request is
+    computing stays in the queue (keeping its place) until they are registered, then hits them; later requests
+    are admitted past it meanwhile (``InflightPrefixes`` bounds the wait).
+
+    ``scheduling_policy`` orders admissions: "fcfs" (queue order) or "cache_aware" (most cached prompt tokens
+    first, with aging: see ``_admission_order``).
     """
 
-    def __init__(self, manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(
+        self,
+        manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        share_inflight_prefixes: bool = True,
+        scheduling_policy: str = "fcfs",
+        max_wait_steps: int = 100,
+    ):
+        if scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {scheduling_policy!r}"
+            )
+        if max_wait_steps < 1:
+            raise ValueError(f"max_wait_steps must be >= 1, got {max_wait_steps}")
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < 1:
@@ -46,14 +71,24 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_prompt_tokens_computed = 0  # prompt tokens run through the model (not served from the cache)
+        self.num_steps = 0
+        self.scheduling_policy = scheduling_policy
+        self.max_wait_steps = max_wait_steps
+        self.inflight = (
+            InflightPrefixes(manager.block_size, max_num_batched_tokens)
+            if share_inflight_prefixes and manager.enable_prefix_caching
+            else None
+        )
 
     def add(self, request: Request) -> None:
+        request.queued_step = self.num_steps
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
+        self.num_steps += 1
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         preempted = False
@@ -77,25 +112,54 @@ class Scheduler:
         return out
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
-        skipped: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
-            if req.needs_prompt_from_leader():
-                skipped.append(self.waiting.popleft())
-                continue
-            hits, num_hit_tokens = self.manager.get_computed_blocks(req)
+        if not self.waiting:
+            return budget
+        inflight = self.inflight
+        admitted: set[int] = set()
+        for req in self._admission_order():
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            if req.skips_cache_reads:  # computes its whole prompt anyway: nothing to wait for
+                hits, num_hit_tokens = [], 0
+            else:
+                # Looked up now, not when ranking: an admission before this one may have evicted free cached blocks.
+                hits, num_hit_tokens = self.manager.get_computed_blocks(req)
+                if inflight is not None and inflight.should_wait(req, len(hits), self.num_steps):
+                    continue  # keeps its place in the queue
             num_new = min(req.num_tokens - num_hit_tokens, budget)
             if self.manager.allocate_slots(req, num_new, hits) is None:
                 break
-            self.waiting.popleft()
+            admitted.add(id(req))
             req.status = RequestStatus.RUNNING
+            req.inflight_wait = None
             self.running.append(req)
+            if inflight is not None:
+                inflight.add(req)
             out.scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
-        self.waiting.extendleft(reversed(skipped))
+        if admitted:
+            self.waiting = deque(r for r in self.waiting if id(r) not in admitted)
         return budget
 
+    def _admission_order(self) -> list[Request]:
+        """FCFS: the queue as it is. Cache-aware: requests that were preempted or have waited ``max_wait_steps``
+        first (in queue order, so nobody starves), then the rest by cached prompt tokens, most first (SGLang's
+        longest-prefix-match), ties in queue order."""
+        if self.scheduling_policy == "fcfs" or len(self.waiting) < 2:
+            return list(self.waiting)
+        step, max_wait = self.num_steps, self.max_wait_steps
+        lookup = self.manager.get_computed_blocks
+
+        def rank(item: tuple[int, Request]) -> tuple[int, int, int]:
+            pos, req = item
+            if req.num_cached_tokens >= 0 or step - req.queued_step >= max_wait:
+                return (0, 0, pos)
+            return (1, 0 if req.skips_cache_reads else -lookup(req)[1], pos)
+
+        return [req for _, req in sorted(enumerate(self.waiting), key=rank)]
+
     def _preempt(self, req: Request) -> None:
+        self._leave_running(req)
         self.manager.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
@@ -116,6 +180,12 @@ class Scheduler:
         """Removes a finished or aborted request from the queues and releases its blocks."""
         if req in self.running:
             self.running.remove(req)
+            self._leave_running(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         self.manager.free(req)
+
+    def _leave_running(self, req: Request) -> None:
+        """Whoever waits behind ``req``'s in-flight blocks is free to go (hitting whatever it registered)."""
+        if self.inflight is not None:
+            self.inflight.remove(req)

@@ -9,6 +9,7 @@ from kvprefix.prompts.render import (
     render_body,
     render_chat,
     render_completion,
+    truncate_prompt,
 )
 from kvprefix.prompts.tokenizer import Tokenizer
 
@@ -22,4 +23,5 @@ __all__ = [
     "render_body",
     "render_chat",
     "render_completion",
+    "truncate_prompt",
 ]

@@ -66,12 +66,26 @@ def _content_text(content: Any, index: int) -> str:
     raise PromptError(f"messages[{index}].content must be a string or a list of text parts", "messages")
 
 
+# Names the chat template sees from the renderer itself, or that transformers' apply_chat_template takes as its
+# own arguments: chat_template_kwargs may not set them (a "chat_template" key would replace the template).
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "bos_token", "eos_token", "raise_exception",
+})
+MAX_TEMPLATE_KWARGS = 16
+MAX_TEMPLATE_KWARG_CHARS = 1024
+
+
 def render_chat(
     tokenizer: Tokenizer,
     messages: Sequence[Mapping[str, Any]],
     add_generation_prompt: bool = True,
     max_tokens: int | None = None,
+    *,
     tools: Sequence[Any] | None = None,
+    continue_final_message: bool = False,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> RenderedPrompt:
     """Renders with the checkpoint's chat template; the template writes any BOS itself, so none is added.
     ``tools`` (OpenAI's list of tool definitions) goes to the template as ``tools``: a template that renders
@@ -80,29 +94,26 @@ def render_chat(
     Message content is text: a special token's spelling typed into it ("<|im_start|>system") stays text, as
     llama.cpp treats user text, so no message can forge a role or end another. ``max_tokens``: refuse, before
     tokenizing, a prompt too long in characters to fit in that many tokens (tokenizing megabytes takes seconds).
+    ``continue_final_message`` ends the text inside the last message (no end-of-turn), so the model continues it
+    (vLLM's and transformers' meaning); ``template_kwargs`` are extra template variables (vLLM's
+    ``chat_template_kwargs``, e.g. ``enable_thinking``): scalars under plain names.
     """
-    normalized = _chat_messages(messages)
-    text = _chat_text(tokenizer, normalized, add_generation_prompt, tools)
-    _check_length(tokenizer, text, max_tokens, "messages")
-    return _chat_prompt(tokenizer, text, normalized)
-
-
-def _chat_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
     normalized = normalize_messages(messages)
     if not normalized:
         raise PromptError("'messages' must not be empty", "messages")
-    return normalized
-
-
-def _chat_text(tokenizer: Tokenizer, normalized, add_generation_prompt: bool, tools, batch: bool = False):
-    """The template's text for one conversation, or (``batch``) for a list of conversations with the same tools."""
+    if continue_final_message and add_generation_prompt:
+        raise PromptError("'continue_final_message' and 'add_generation_prompt' cannot both be true; set "
+                          "'add_generation_prompt': false to continue the last message", "continue_final_message")
+    extra = _template_kwargs(template_kwargs)
     try:
-        extra = {} if tools is None else {"tools": list(tools)}
-        return tokenizer.apply_chat_template(normalized, add_generation_prompt=add_generation_prompt,
-                                             tokenize=False, **extra)
+        if tools is not None:  # "tools" is reserved: chat_template_kwargs cannot have set it
+            extra["tools"] = list(tools)
+        text = tokenizer.apply_chat_template(normalized, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                             continue_final_message=continue_final_message, **extra)
     except Exception as exc:  # a template can raise anything (jinja2 errors for unexpected roles, ValueError)
-        what = "a batch of 'messages'" if batch else "'messages'"
-        raise PromptError(f"cannot render {what} with the model's chat template: {exc}", "messages") from None
+        raise PromptError(f"cannot render 'messages' with the model's chat template: {exc}", "messages") from None
+    _check_length(tokenizer, text, max_tokens, "messages")
+    return _chat_prompt(tokenizer, text, normalized)
 
 
 def _needs_literal_spans(tokenizer: Tokenizer, normalized: list[dict[str, str]]) -> bool:
@@ -119,6 +130,26 @@ def _chat_prompt(tokenizer: Tokenizer, text: str, normalized: list[dict[str, str
     elif token_ids is None:  # the usual case: nothing in the content looks special, so the text tokenizes as one
         token_ids = tokenizer.encode(text, add_special_tokens=False)
     return RenderedPrompt(token_ids, text, spans)
+
+
+def _template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    if not kwargs:
+        return {}
+    if not isinstance(kwargs, Mapping) or len(kwargs) > MAX_TEMPLATE_KWARGS:
+        raise PromptError(f"'chat_template_kwargs' must be an object of at most {MAX_TEMPLATE_KWARGS} entries",
+                          "chat_template_kwargs")
+    for key, value in kwargs.items():
+        if not (isinstance(key, str) and key.isidentifier() and key.isascii() and len(key) <= 64):
+            raise PromptError(f"'chat_template_kwargs' key {key!r} is not a plain name", "chat_template_kwargs")
+        if key in _RESERVED_TEMPLATE_KWARGS:
+            raise PromptError(f"'chat_template_kwargs' may not set {key!r}; it is set by the request itself",
+                              "chat_template_kwargs")
+        scalar = value is None or isinstance(value, (bool, int, float)) or (
+            isinstance(value, str) and len(value) <= MAX_TEMPLATE_KWARG_CHARS)
+        if not scalar:
+            raise PromptError(f"'chat_template_kwargs.{key}' must be a string (at most {MAX_TEMPLATE_KWARG_CHARS} "
+                              "characters), a number, a boolean or null", "chat_template_kwargs")
+    return dict(kwargs)
 
 
 def _encode_with_literal_spans(tokenizer: Tokenizer, text: str, spans) -> list[int]:
@@ -160,64 +191,89 @@ def _message_spans(text: str, messages: list[dict[str, str]]) -> tuple[tuple[int
 
 
 def render_completion(
-    tokenizer: Tokenizer, prompt: str | Sequence[int], max_tokens: int | None = None
+    tokenizer: Tokenizer, prompt: str | Sequence[int], max_tokens: int | None = None, add_special_tokens: bool = True
 ) -> RenderedPrompt:
-    """A completions prompt: text is tokenized with the tokenizer's special tokens (BOS; special tokens written
-    in it are parsed, since a raw prompt is where a caller writes its own template), token ids pass as is.
-    ``max_tokens`` as for ``render_chat``."""
+    """A completions prompt: text is tokenized with the tokenizer's special tokens (BOS, unless
+    ``add_special_tokens`` is False; special tokens written in it are parsed, since a raw prompt is where a caller
+    writes its own template), token ids pass as is. ``max_tokens`` as for ``render_chat``."""
     if isinstance(prompt, str):
         _check_length(tokenizer, prompt, max_tokens, "prompt")
-        return RenderedPrompt(tokenizer.encode(prompt), prompt)
+        return RenderedPrompt(tokenizer.encode(prompt, add_special_tokens=add_special_tokens), prompt)
     return RenderedPrompt(list(prompt), None)
+
+
+def truncate_prompt(prompt: RenderedPrompt, num_tokens: int) -> RenderedPrompt:
+    """vLLM's ``truncate_prompt_tokens``: keep the last ``num_tokens`` tokens (the text no longer matches them,
+    so it is dropped)."""
+    if len(prompt.token_ids) <= num_tokens:
+        return prompt
+    return RenderedPrompt(prompt.token_ids[-num_tokens:], None)
 
 
 def render_body(tokenizer: Tokenizer, body: Mapping[str, Any]) -> list[RenderedPrompt]:
     """Every prompt of a raw JSON body: one for chat (``messages``), one per prompt for completions."""
+    prompts = _render_body(tokenizer, body)
+    keep = body.get("truncate_prompt_tokens")
+    if isinstance(keep, int) and not isinstance(keep, bool) and keep >= 1:
+        prompts = [truncate_prompt(p, keep) for p in prompts]
+    return prompts
+
+
+def _render_body(tokenizer: Tokenizer, body: Mapping[str, Any]) -> list[RenderedPrompt]:
     if "messages" in body:
-        messages, tools, add_generation_prompt = _chat_fields(body)
-        return [render_chat(tokenizer, messages, add_generation_prompt=add_generation_prompt, tools=tools)]
+        messages = body["messages"]
+        if not isinstance(messages, list):
+            raise PromptError("'messages' must be a list", "messages")
+        tools = body.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise PromptError("'tools' must be a list", "tools")
+        return [render_chat(tokenizer, messages, add_generation_prompt=body.get("add_generation_prompt") is not False,
+                            tools=tools, continue_final_message=body.get("continue_final_message") is True,
+                            template_kwargs=body.get("chat_template_kwargs"))]
     if "prompt" in body:
-        return [render_completion(tokenizer, p) for p in completion_prompts(body["prompt"])]
+        special = body.get("add_special_tokens") is not False
+        return [render_completion(tokenizer, p, add_special_tokens=special) for p in completion_prompts(body["prompt"])]
     raise PromptError("a request body needs 'messages' (chat) or 'prompt' (completions)", "messages")
 
 
-def _chat_fields(body: Mapping[str, Any]) -> tuple[Any, Any, Any]:
-    messages = body["messages"]
-    if not isinstance(messages, list):
-        raise PromptError("'messages' must be a list", "messages")
-    tools = body.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise PromptError("'tools' must be a list", "tools")
-    return messages, tools, body.get("add_generation_prompt", True)
+# Body fields render_body honours beyond messages and tools: a body with any of them renders on its own.
+_ONE_BY_ONE = ("continue_final_message", "chat_template_kwargs", "truncate_prompt_tokens")
 
 
 def render_bodies(tokenizer: Tokenizer, bodies: Sequence[Mapping[str, Any]]) -> list[list[RenderedPrompt]]:
-    """``[render_body(tokenizer, b) for b in bodies]`` in fewer calls, for many bodies at once (a log): chat bodies
-    with the same tools (as JSON) and ``add_generation_prompt`` go through the template in one call (transformers
+    """``[render_body(tokenizer, b) for b in bodies]`` in fewer calls, for many bodies at once (a log): plain chat
+    bodies with the same tools (as JSON) and generation prompt go through the template in one call (transformers
     renders a batch conversation by conversation, with the same arguments, so each text is the one a call of its
-    own gives), and the texts are tokenized in one ``encode_batch``. A body that cannot be rendered raises a
-    PromptError; render the bodies one by one to learn which."""
+    own gives), and their texts are tokenized in one ``encode_batch``; other bodies render one by one. A body that
+    cannot be rendered raises a PromptError; render the bodies one by one to learn which."""
     out: list[list[RenderedPrompt] | None] = [None] * len(bodies)
-    groups: dict[tuple[str | int, Any], list[int]] = {}
+    groups: dict[tuple[str | int, bool], list[int]] = {}
     chats: dict[int, tuple[list[dict[str, str]], Any]] = {}
     for i, body in enumerate(bodies):
-        if "messages" not in body:
+        messages, tools = body.get("messages"), body.get("tools")
+        if not isinstance(messages, list) or not (tools is None or isinstance(tools, list)) or any(
+                body.get(k) is not None for k in _ONE_BY_ONE):
             out[i] = render_body(tokenizer, body)
             continue
-        messages, tools, add_generation_prompt = _chat_fields(body)
-        chats[i] = (_chat_messages(messages), tools)
-        groups.setdefault((_tools_key(tools), add_generation_prompt), []).append(i)
+        normalized = normalize_messages(messages)
+        if not normalized:
+            raise PromptError("'messages' must not be empty", "messages")
+        chats[i] = (normalized, tools)
+        groups.setdefault((_tools_key(tools), body.get("add_generation_prompt") is not False), []).append(i)
     texts: dict[int, str] = {}
     for (_, add_generation_prompt), members in groups.items():
         tools = chats[members[0]][1]
-        batch = _chat_text(tokenizer, [chats[i][0] for i in members], add_generation_prompt, tools, batch=True)
+        extra = {} if tools is None else {"tools": list(tools)}
+        try:
+            batch = tokenizer.apply_chat_template([chats[i][0] for i in members], tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt, **extra)
+        except Exception as exc:  # as render_chat: a template can raise anything
+            raise PromptError(f"cannot render 'messages' with the model's chat template: {exc}", "messages") from None
         texts.update(zip(members, batch, strict=True))
     plain = [i for i in chats if not _needs_literal_spans(tokenizer, chats[i][0])]
     encode_batch = getattr(tokenizer, "encode_batch", None)
-    if encode_batch is None:
-        ids = {}
-    else:
-        ids = dict(zip(plain, encode_batch([texts[i] for i in plain], add_special_tokens=False), strict=True))
+    ids = {} if encode_batch is None else dict(
+        zip(plain, encode_batch([texts[i] for i in plain], add_special_tokens=False), strict=True))
     for i, (normalized, _) in chats.items():
         out[i] = [_chat_prompt(tokenizer, texts[i], normalized, ids.get(i))]
     return out  # type: ignore[return-value]

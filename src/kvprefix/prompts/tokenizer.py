@@ -66,6 +66,10 @@ class Tokenizer:
         rest = len(vocab[256][0]) * 4 if len(vocab) > 256 else 0
         return max(longest, rest, 1)
 
+    def token_strings(self, token_ids: list[int]) -> list[str]:
+        """Each token's vocabulary entry (vLLM's ``token_strs`` of /tokenize)."""
+        return self.hf.convert_ids_to_tokens(token_ids)
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 

@@ -13,21 +13,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
-from collections.abc import AsyncIterator, Hashable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import anyio
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
-from kvprefix.router.events import follow, read_hello
+from kvprefix.router.admin import fan_out_response, replica_result
+from kvprefix.router.events import follow, http_lines, read_hello
 from kvprefix.router.fleet import FleetView, Replica
 from kvprefix.router.hashing import RequestHasher, RouteRequest, route_request
 from kvprefix.router.metrics import RouterMetrics
 from kvprefix.router.policies import make_policy
+from kvprefix.router.relay import Relay
+from kvprefix.router.upstream import Pool
 from kvprefix.server.bodies import read_body
 from kvprefix.server.browsers import BrowserGuard
 from kvprefix.server.errors import APIError, install_error_handlers
@@ -36,10 +37,9 @@ from kvprefix.server.tenancy import Auth
 log = logging.getLogger("kvprefix.router")
 
 HASHING_POLICIES = ("prefix", "kv-events")  # the policies that need the request's block hashes
-FORWARD_HEADERS = ("authorization", "content-type", "accept")
-DROP_RESPONSE_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "date", "server"}
-_CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
-_TAIL_BYTES = 4096  # usage comes last in a body or stream: enough of the end to find it
+FORWARD_HEADERS = ("authorization", "content-type", "accept")  # of an admin call fanned out to the replicas
+GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+NO_ROUTE = RouteRequest([], None)
 
 
 @dataclass
@@ -57,60 +57,7 @@ class RouterConfig:
     allowed_hosts: frozenset[str] | None = None
 
 
-@dataclass
-class _Relay:
-    """One upstream response on its way to the client; its bookkeeping is settled exactly once, however the
-    response ends (finished, replica gone, client gone), and ``close`` releases the upstream connection."""
-
-    upstream: httpx.Response
-    replica: Replica
-    block_hashes: Sequence[Hashable]
-    metrics: RouterMetrics
-    tail: bytes = b""
-    closed: bool = field(default=False)
-
-    async def chunks(self) -> AsyncIterator[bytes]:
-        try:
-            async for chunk in self.upstream.aiter_raw():
-                self.tail = (self.tail + chunk)[-_TAIL_BYTES:]
-                yield chunk
-        except httpx.HTTPError as exc:  # the replica went away mid-stream: nothing to retry once bytes went out
-            log.warning("stream from %s cut off: %s", self.replica.url, exc)
-        # Settled before the response's end goes out: a client that sends its next request as soon as it has this
-        # one must find the replica's load already released.
-        self.settle()
-
-    def settle(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        self.replica.in_flight -= 1
-        self.replica.pending.drop(self.block_hashes)
-        found = _CACHED_TOKENS.findall(self.tail)
-        if found:
-            self.metrics.reported_cached.labels(self.replica.name).inc(int(found[-1]))
-
-    async def close(self) -> None:
-        self.settle()
-        with anyio.CancelScope(shield=True):  # runs even when the client's disconnect cancelled the response
-            await self.upstream.aclose()
-
-
-class _RelayResponse(StreamingResponse):
-    def __init__(self, relay: _Relay):
-        headers = {k: v for k, v in relay.upstream.headers.items() if k.lower() not in DROP_RESPONSE_HEADERS}
-        headers["x-kvprefix-replica"] = relay.replica.url
-        super().__init__(relay.chunks(), status_code=relay.upstream.status_code, headers=headers)
-        self.relay = relay
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.relay.close()
-
-
-def create_app(config: RouterConfig) -> FastAPI:
+def create_app(config: RouterConfig) -> BrowserGuard:
     if not config.replicas:
         raise ValueError("give at least one --replica URL")
     policy = make_policy(config.policy, config.seed, config.load_cap)
@@ -119,6 +66,7 @@ def create_app(config: RouterConfig) -> FastAPI:
                          f"checkpoint directory")
     auth = config.auth or Auth()
     replicas = [Replica(url.rstrip("/")) for url in config.replicas]
+    pools = [Pool(rep.url, config.connect_timeout_s) for rep in replicas]
     view = FleetView(replicas)
     metrics = RouterMetrics(view)
     routed = getattr(policy, "routed", None)  # the prefix policy's own memory of where blocks went
@@ -168,7 +116,7 @@ def create_app(config: RouterConfig) -> FastAPI:
             if policy.name in HASHING_POLICIES:
                 state["hasher"] = await load_hasher()
             if policy.name == "kv-events":
-                tasks += [asyncio.create_task(follow(client(), rep, admin_headers,
+                tasks += [asyncio.create_task(follow(http_lines(client(), rep.url, admin_headers), rep,
                                                      lambda r: metrics.resyncs.labels(r.name).inc()))
                           for rep in replicas]
             yield
@@ -179,71 +127,14 @@ def create_app(config: RouterConfig) -> FastAPI:
                 with contextlib.suppress(asyncio.CancelledError):
                     await t
             await state["client"].aclose()
+            for pool in pools:
+                pool.close()
 
     app = FastAPI(title="kvprefix router", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
-    app.add_middleware(BrowserGuard, allowed_hosts=config.allowed_hosts)
 
     def forward_headers(raw: Request) -> dict[str, str]:
         return {k: raw.headers[k] for k in FORWARD_HEADERS if k in raw.headers}
-
-    async def send(raw: Request, request: RouteRequest, body: bytes | None) -> Response:
-        """Picks a replica and relays its answer; a failure before the answer began retries elsewhere."""
-        current, attempt = view, 0
-        credit = getattr(policy, "cached", None)
-        while True:
-            if not current.usable():
-                metrics.unroutable.inc()
-                raise APIError(503, "no replica can take the request now (all down or all failed it)",
-                               type="server_error", code="no_replica")
-            before = [credit(r, request, current) if credit else current.cached_prefix_blocks(r, request.block_hashes)
-                      for r in range(len(replicas))] if request.block_hashes else None
-            i = policy.choose(request, current)
-            rep = replicas[i]
-            rep.in_flight += 1
-            rep.pending.add(request.block_hashes)
-            upstream_req = client().build_request(raw.method, rep.url + raw.url.path, params=raw.query_params,
-                                                  content=body, headers=forward_headers(raw))
-            try:
-                upstream = await client().send(upstream_req, stream=True)
-            except httpx.TransportError as exc:
-                log.warning("replica %s failed before answering: %s; retrying elsewhere", rep.url, exc)
-                rep.healthy = False
-                upstream = None
-            relay = _Relay(upstream, rep, request.block_hashes, metrics) if upstream is not None else None
-            again = current.excluding(i)
-            if upstream is None or (upstream.status_code == 503 and again.usable()):
-                if relay is not None:
-                    await relay.close()  # overloaded or shutting down: another replica may take it
-                else:
-                    rep.in_flight -= 1
-                    rep.pending.drop(request.block_hashes)
-                metrics.retries.labels(rep.name).inc()
-                current, attempt = again, attempt + 1
-                continue
-            predicted = before[i] if before else 0
-            reason = ("retry" if attempt else "cached_prefix" if predicted else
-                      "session" if request.session is not None and policy.name == "session" else "no_prefix")
-            metrics.requests.labels(rep.name, reason).inc()
-            if predicted:
-                metrics.predicted_cached.labels(rep.name).inc(predicted * state["hasher"].hasher.block_size)
-            return _RelayResponse(relay)
-
-    async def generate(raw: Request) -> Response:
-        tenant = auth.tenant(raw.headers.get("authorization"))
-        body = await read_body(raw)
-        return await send(raw, route_request(body, raw.headers, tenant, state["hasher"]), body)
-
-    app.post("/v1/completions")(generate)
-    app.post("/v1/chat/completions")(generate)
-
-    @app.get("/v1/models")
-    async def models(raw: Request) -> Response:
-        return await send(raw, RouteRequest([], None), None)
-
-    @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str, raw: Request) -> Response:
-        return await send(raw, RouteRequest([], None), None)
 
     @app.get("/health")
     async def health() -> Response:
@@ -267,19 +158,49 @@ def create_app(config: RouterConfig) -> FastAPI:
                 r = await client().post(rep.url + raw.url.path, params=raw.query_params, headers=headers)
             except httpx.HTTPError as exc:
                 return {"replica": rep.url, "status": None, "error": str(exc) or type(exc).__name__}
-            try:
-                answer = r.json()
-            except ValueError:
-                answer = r.text
             if r.status_code == 200 and routed is not None:
                 routed.forget(i)
-            return {"replica": rep.url, "status": r.status_code, "response": answer}
+            return replica_result(rep.url, r.status_code, r.content)
 
-        results = await asyncio.gather(*(one(i) for i in range(len(replicas))))
-        ok = all(r["status"] == 200 for r in results)
-        return JSONResponse({"success": ok, "replicas": results}, status_code=200 if ok else 502)
+        return fan_out_response(await asyncio.gather(*(one(i) for i in range(len(replicas)))))
 
     app.post("/reset_prefix_cache")(fan_out)
     app.post("/flush_cache")(fan_out)
-    app.state.view = view
-    return app
+    relay = Relay(policy, view, pools, metrics)
+    parse = policy.name in (*HASHING_POLICIES, "session")  # the others route without reading the body
+
+    async def relayed(scope, receive, send) -> None:
+        raw = Request(scope, receive)
+        try:
+            if scope["method"] == "POST":
+                tenant = auth.tenant(raw.headers.get("authorization"))
+                body = await read_body(raw)
+                hasher = state["hasher"]
+                relay.block_size = hasher.hasher.block_size if hasher is not None else 0
+                route = route_request(body, raw.headers, tenant, hasher) if parse else NO_ROUTE
+            else:
+                body, route = b"", NO_ROUTE
+            await relay(scope, receive, send, route, body)
+        except APIError as exc:
+            await exc.response()(scope, receive, send)
+
+    return BrowserGuard(RouterApp(app, relayed, view), allowed_hosts=config.allowed_hosts)
+
+
+class RouterApp:
+    """The relayed endpoints as raw ASGI (the hot path: no routing table, no response objects); the rest (health,
+    metrics, the admin fan-out, the lifespan that starts the health checks and event streams) is FastAPI."""
+
+    def __init__(self, app: FastAPI, relayed, view: FleetView):
+        self.app = app
+        self.relayed = relayed
+        self.view = view
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and (
+            (scope["method"] == "POST" and scope["path"] in GENERATE_PATHS)
+            or (scope["method"] == "GET" and (scope["path"] == "/v1/models" or scope["path"].startswith("/v1/models/")))
+        ):
+            await self.relayed(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)

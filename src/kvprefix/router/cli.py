@@ -53,6 +53,11 @@ def run(args: argparse.Namespace) -> int:
         app = create_app(config)
     except ValueError as exc:
         raise SystemExit(f"kvprefix route: {exc}") from None
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, http=timed_protocol(20.0, 60.0),
-                timeout_keep_alive=5)
+    try:  # the C parser: the relay is the router's hot path (docs/benchmarks.md, router overhead)
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+    except ImportError:
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+    # uvloop when installed (loop="auto"); no access log: a line per request would cost more than the relay
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                http=timed_protocol(20.0, 60.0, base), timeout_keep_alive=5)
     return 0

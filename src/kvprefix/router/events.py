@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 
@@ -35,32 +35,44 @@ async def read_hello(client: httpx.AsyncClient, url: str, headers: dict[str, str
     raise ValueError(f"{url}/v1/kv_events did not start with a hello")
 
 
-async def follow(
-    client: httpx.AsyncClient,
-    replica: Replica,
-    headers: dict[str, str],
-    on_resync: Callable[[Replica], None],
-    retry_s: float = 0.5,
-) -> None:
+# Opens a replica's event stream with these query parameters and yields its lines: over HTTP here, through a
+# Ray Serve handle in ``router.ray_serve``. One follower for both.
+Lines = Callable[[dict[str, str]], AsyncIterator[bytes | str]]
+
+
+def http_lines(client: httpx.AsyncClient, url: str, headers: dict[str, str]) -> Lines:
+    timeout = httpx.Timeout(10.0, read=READ_TIMEOUT_S)
+
+    async def lines(params: dict[str, str]) -> AsyncIterator[bytes | str]:
+        async with client.stream("GET", url + "/v1/kv_events", params=params, headers=headers,
+                                 timeout=timeout) as resp:
+            resp.raise_for_status()
+            async for line in resp.aiter_lines():
+                yield line
+
+    return lines
+
+
+async def follow(lines: Lines, replica: Replica, on_resync: Callable[[Replica], None], retry_s: float = 0.5) -> None:
     """Keeps ``replica.mirror`` exact while the task runs; ``on_resync`` after every snapshot."""
     replica.mirror = mirror = replica.mirror or StreamMirror()
-    timeout = httpx.Timeout(10.0, read=READ_TIMEOUT_S)
     while True:
-        params = {"since": mirror.since, "epoch": mirror.epoch} if mirror.since is not None else {}
+        params = {"since": str(mirror.since), "epoch": mirror.epoch} if mirror.since is not None else {}
         try:
-            async with client.stream("GET", replica.url + "/v1/kv_events", params=params, headers=headers,
-                                     timeout=timeout) as resp:
-                resp.raise_for_status()
-                async for line in resp.aiter_lines():
-                    msg = loads(line)
-                    mirror.apply(msg)
-                    if isinstance(msg, SnapshotEnd):
-                        replica.resyncs += 1
-                        on_resync(replica)
+            async for line in lines(params):
+                if not line:
+                    continue
+                msg = loads(line)
+                mirror.apply(msg)
+                if isinstance(msg, SnapshotEnd):
+                    replica.resyncs += 1
+                    on_resync(replica)
         except StreamError as exc:
             log.warning("kv events of %s: %s; starting over from a snapshot", replica.url, exc)
             replica.mirror = mirror = StreamMirror()
-        except (httpx.HTTPError, ValueError) as exc:
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the replica went away (any transport's error): reconnect
             log.debug("kv events of %s: %s; reconnecting", replica.url, exc)
         mirror.ready = False  # until the next resume or snapshot
         await asyncio.sleep(retry_s)

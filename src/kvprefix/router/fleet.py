@@ -1,8 +1,9 @@
 """The router's replicas and its ``ReplicaView`` of them: health, requests in flight, and what each caches.
 
 "Cached" is the replica's exact set from its KV event stream (``StreamMirror``, when the router follows the
-streams) plus the blocks of requests routed there and still running (``PendingBlocks``). Load is requests in
-flight through this router. Pure state: the HTTP side (``router.app``, ``router.events``) updates it.
+streams) plus the blocks of requests routed there and still running. Load is what this router sent there and has
+not finished (``Outstanding``: requests in flight, and their queued prefill). Pure state: the HTTP side
+(``router.app``, ``router.events``) updates it.
 """
 
 from __future__ import annotations
@@ -11,21 +12,24 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from kvprefix.cache.event_index import StreamMirror
-from kvprefix.router.pending import PendingBlocks
+from kvprefix.router.pending import Outstanding
 
 
 @dataclass
 class Replica:
     url: str
     healthy: bool = False  # until the first health check answers
-    in_flight: int = 0
     mirror: StreamMirror | None = None  # only when following KV events
-    pending: PendingBlocks = field(default_factory=PendingBlocks)
+    outstanding: Outstanding = field(default_factory=Outstanding)
     resyncs: int = 0  # snapshots applied: the first, then one per restart or lost stream
 
     @property
     def name(self) -> str:
         return self.url
+
+    @property
+    def in_flight(self) -> int:
+        return self.outstanding.requests
 
 
 class FleetView:
@@ -49,15 +53,19 @@ class FleetView:
     def cached_prefix_blocks(self, replica: int, block_hashes: Sequence[Hashable]) -> int:
         rep = self.replicas[replica]
         index = rep.mirror.index if rep.mirror is not None and rep.mirror.ready else None
+        pending = rep.outstanding.blocks
         n = 0
         for h in block_hashes:
-            if h not in rep.pending and (index is None or h not in index):
+            if h not in pending and (index is None or h not in index):
                 break
             n += 1
         return n
 
     def load(self, replica: int) -> float:
-        return self.replicas[replica].in_flight
+        return self.replicas[replica].outstanding.requests
+
+    def queued_prefill_blocks(self, replica: int) -> float:
+        return self.replicas[replica].outstanding.queued_prefill_blocks
 
     def imbalance(self) -> float:
         """Busiest replica's requests in flight / the mean (1.0 = even; 1.0 when idle)."""

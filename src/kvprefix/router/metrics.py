@@ -27,6 +27,8 @@ class RouterMetrics:
         self.unroutable = Counter(P + "unroutable", "Requests refused with 503: no replica could take them",
                                   registry=r)
         in_flight = Gauge(P + "requests_in_flight", "Requests in flight through the router", ["replica"], registry=r)
+        queued = Gauge(P + "queued_prefill_blocks", "Prompt blocks routed to the replica, not credited as cached, "
+                       "whose first token is not out yet", ["replica"], registry=r)
         healthy = Gauge(P + "replica_healthy", "1 while the replica passes health checks", ["replica"], registry=r)
         blocks = Gauge(P + "kv_events_blocks", "Blocks the replica caches, as its event stream says (-1: not "
                        "synced)", ["replica"], registry=r)
@@ -35,6 +37,7 @@ class RouterMetrics:
         for rep in view.replicas:
             name = rep.name
             in_flight.labels(name).set_function(lambda rep=rep: rep.in_flight)
+            queued.labels(name).set_function(lambda rep=rep: rep.outstanding.queued_prefill_blocks)
             healthy.labels(name).set_function(lambda rep=rep: float(rep.healthy))
             blocks.labels(name).set_function(
                 lambda rep=rep: len(rep.mirror.index) if rep.mirror is not None and rep.mirror.ready else -1)

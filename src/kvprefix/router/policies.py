@@ -20,10 +20,12 @@ import xxhash
 
 
 class Routable(Protocol):
-    """What a policy reads from a request: full-block hashes (chained) and an optional session key."""
+    """What a policy reads from a request: full-block hashes (chained), an optional session key, and how many
+    blocks its prompt spans (the partial tail included; 0 when unknown)."""
 
     block_hashes: Sequence[Hashable]
     session: Hashable | None
+    num_blocks: int
 
 
 class ReplicaView(Protocol):
@@ -38,12 +40,18 @@ class ReplicaView(Protocol):
         ...
 
     def load(self, replica: int) -> float:
-        """The replica's current load, in the view's unit (requests in flight, for instance)."""
+        """Requests routed to the replica and not finished (queued or running)."""
+        ...
+
+    def queued_prefill_blocks(self, replica: int) -> float:
+        """Prompt blocks of those requests still to prefill: what the policy did not credit them as cached, until
+        their first token is out (``pending.Outstanding``)."""
         ...
 
 
 class RoutingPolicy(Protocol):
     name: str
+    credited: int  # cached blocks the last choice was credited with (0: a policy that does not look)
 
     def choose(self, request: Routable, view: ReplicaView) -> int: ...
 
@@ -69,6 +77,7 @@ def load_bound(view: ReplicaView, replicas: Sequence[int], load_cap: float) -> i
 
 class RoundRobin:
     name = "round-robin"
+    credited = 0
 
     def __init__(self) -> None:
         self._next = 0
@@ -87,6 +96,7 @@ class RoundRobin:
 
 class RandomChoice:
     name = "random"
+    credited = 0
 
     def __init__(self, seed: int = 0) -> None:
         self._rng = random.Random(seed)
@@ -100,6 +110,7 @@ class LeastLoad:
     replica, without every router sending to the one that looked idlest a moment ago."""
 
     name = "least-load"
+    credited = 0
 
     def __init__(self, seed: int = 0) -> None:
         self._rng = random.Random(seed)
@@ -123,6 +134,7 @@ class SessionAffinity:
     to keep and goes by load (power of two choices)."""
 
     name = "session"
+    credited = 0
 
     def __init__(self, load_cap: float = 1.25, seed: int = 0, virtual_nodes: int = 64) -> None:
         if load_cap < 1.0:
@@ -218,14 +230,17 @@ class RecentShare:
 
 
 class PrefixScore:
-    """The longest cached prefix wins, among replicas under the load bound.
+    """The least prefill work ahead wins, among replicas under the load bound.
 
-    Credit is the cached prefix; the load cap is what it is weighed against, on two clocks: requests in flight
-    now (at most ``load_cap`` x the mean, + 1) and the share of recent requests (``RecentShare``, the same
-    cap). A replica over either is passed over however much it caches, so one hot prefix spreads to a second
-    replica (which then caches it too) instead of herding onto one. Among equal prefixes the less loaded
-    wins, then a seeded coin. A request that hits nowhere goes to the least loaded replica (equal loads: the next
-in rotation).
+    Credit is the cached prefix, weighed against load: a replica's cost is the prefill it has queued (prompt
+    blocks routed there, not credited as cached, whose first token is not out yet) plus the blocks of this request
+    it would have to compute, so a cached prefix is worth exactly the work it saves, and a replica that holds it
+    but has more than that queued loses to an idle one (which then caches it too). Requests in flight are the
+    other clock: a replica above ``load_cap`` x the mean (+ 1), or above that share of recent requests
+    (``RecentShare``), is passed over however much it caches, so one hot prefix spreads over several replicas
+    instead of herding onto one. Equal cost: fewer requests in flight, then a seeded coin. A request that hits
+    nowhere goes to the least loaded replica (least queued prefill, then fewest requests; equal loads: the next in
+    rotation).
 
     Two sources of "cached": ``prefix`` remembers where it routed each block (``RoutedIndex``: approximate, no
     events needed); ``kv-events`` asks the view, which holds each replica's exact set (the router's event-fed
@@ -242,6 +257,7 @@ in rotation).
         self._recent_size = 0
         self.load_cap = load_cap
         self.routed = routed
+        self.credited = 0
         self._rng = random.Random(seed)
         self._next = 0  # where the rotation of new prefixes continues
 
@@ -253,8 +269,9 @@ in rotation).
     def _new_prefix_home(self, eligible: list[int], view: ReplicaView) -> int:
         """The least loaded replica; among equally loaded ones (an idle fleet), the next in rotation, so that new
         prefixes spread evenly over the pools instead of by chance (three on one pool may not fit)."""
-        low = min(view.load(r) for r in eligible)
-        ties = [r for r in eligible if view.load(r) == low]
+        loads = {r: (view.queued_prefill_blocks(r), view.load(r)) for r in eligible}
+        low = min(loads.values())
+        ties = [r for r in eligible if loads[r] == low]
         replica = min(ties, key=lambda r: (r - self._next) % view.num_replicas)
         self._next = replica + 1
         return replica
@@ -271,11 +288,18 @@ in rotation).
         recent = self._recent
         eligible = [r for r in eligible if not recent.over(r, up, self.load_cap)] or eligible
         scores = {r: self.cached(r, request, view) for r in eligible} if request.block_hashes else {}
+        # Queued prefill is the load that credit is weighed against: a replica may have at most load_cap x the
+        # mean queued, + this request's blocks, + the blocks it would save here.
+        queued = {r: view.queued_prefill_blocks(r) for r in eligible}
+        bound = self.load_cap * sum(queued.values()) / len(queued) + request.num_blocks
+        eligible = [r for r in eligible if queued[r] - scores.get(r, 0) <= bound]
+        scores = {r: scores[r] for r in eligible if r in scores}
         best = max(scores.values(), default=0)
         if best == 0:
             replica = self._new_prefix_home(eligible, view)
         else:
             replica = least_loaded([r for r in eligible if scores[r] == best], view, self._rng)
+        self.credited = scores.get(replica, 0)
         if self.routed is not None:
             self.routed.record(replica, request.block_hashes)
         recent.record(replica)

@@ -15,8 +15,9 @@ import argparse
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Hashable, Sequence
+from collections.abc import AsyncIterator, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlencode
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
@@ -24,8 +25,13 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from kvprefix.cache.event_wire import loads
+from kvprefix.router.admin import fan_out_response, replica_result
 from kvprefix.router.app import HASHING_POLICIES
+from kvprefix.router.events import Lines, follow
+from kvprefix.router.fleet import Replica
 from kvprefix.router.hashing import RouteRequest, route_request
+from kvprefix.router.pending import Outstanding, Routed
 from kvprefix.router.policies import make_policy
 from kvprefix.server.bodies import read_body
 from kvprefix.server.errors import install_error_handlers
@@ -41,39 +47,62 @@ NO_ROUTE = RouteRequest([], None)
 
 
 class _SlotView:
-    """``ReplicaView`` over the router's slots: position i is ``slots[i]`` (None: a replica that went away)."""
+    """``ReplicaView`` over the router's slots: position i is ``slots[i]`` (None: a replica that went away). Load
+    is what this router sent there and has not finished; ``cached`` the exact cached prefix per replica id that
+    the ingress read from the replicas' event streams (kv-events), to which the blocks of requests in flight add."""
 
-    def __init__(self, slots: list[ReplicaID | None], up: set[ReplicaID], in_flight: dict[ReplicaID, int]):
+    def __init__(self, slots: list[ReplicaID | None], up: set[ReplicaID], outstanding: dict[ReplicaID, Outstanding],
+                 cached: Mapping[str, int] | None = None):
         self.slots = slots
         self.num_replicas = len(slots)
         self._up = up
-        self._in_flight = in_flight
+        self._outstanding = outstanding
+        self._cached = cached or {}
+
+    def _of(self, replica: int) -> Outstanding | None:
+        return self._outstanding.get(self.slots[replica])
 
     def healthy(self, replica: int) -> bool:
         return self.slots[replica] in self._up
 
     def cached_prefix_blocks(self, replica: int, block_hashes: Sequence[Hashable]) -> int:
-        return 0  # no event-fed view here: the prefix policy keeps its own index of where blocks went
+        rid = self.slots[replica]
+        exact = self._cached.get(rid.unique_id, 0) if self._cached and rid is not None else 0
+        out = self._of(replica)
+        n = exact
+        while n < len(block_hashes) and out is not None and block_hashes[n] in out.blocks:
+            n += 1
+        return n
 
     def load(self, replica: int) -> float:
-        return self._in_flight.get(self.slots[replica], 0)
+        out = self._of(replica)
+        return out.requests if out is not None else 0
+
+    def queued_prefill_blocks(self, replica: int) -> float:
+        out = self._of(replica)
+        return out.queued_prefill_blocks if out is not None else 0
 
 
 class PolicyRequestRouter(RequestRouter):
     """Ray Serve request router that asks a kvprefix policy. Replicas keep a fixed position (the session ring and
     the routed-prefix index are keyed by it, Ray's replica ids change on every restart): the first replicas fill
-    positions in replica-id order, a new one takes the first position a gone one left, forgotten by the index."""
+    positions in replica-id order, a new one takes the first position a gone one left, forgotten by the index.
+    A call with ``slot=k`` goes to the replica at position k (the ingress follows each one's event stream, and
+    fans admin calls out to every one); a call with no ``route`` to any replica."""
 
     def initialize_state(self, policy: str = "round-robin", seed: int = 0, load_cap: float = 1.25, **kwargs):
         self.policy = make_policy(policy, seed, load_cap)
         self.slots: list[ReplicaID | None] = []
-        self.in_flight: dict[ReplicaID, int] = {}
+        self.outstanding: dict[ReplicaID, Outstanding] = {}
+        self._chosen: dict[str, tuple[RouteRequest, int]] = {}  # request id -> (route, credited blocks)
+        self._routed: dict[str, Routed] = {}  # request id -> its share of the replica's load, until it completes
 
     def _place(self, replicas: Sequence[RunningReplica]) -> None:
         up = {r.replica_id for r in replicas}
         routed = getattr(self.policy, "routed", None)
         self.slots = [s if s in up else None for s in self.slots]
         for rid in sorted(up - set(self.slots), key=lambda r: r.unique_id):
+            self.outstanding[rid] = Outstanding()
             if None in self.slots:
                 i = self.slots.index(None)
                 self.slots[i] = rid
@@ -85,19 +114,34 @@ class PolicyRequestRouter(RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         self._place(candidate_replicas)
-        route = pending_request.kwargs.get("route") if pending_request is not None else None
+        kwargs = pending_request.kwargs if pending_request is not None else {}
+        by_id = {r.replica_id: r for r in candidate_replicas}
+        slot = kwargs.get("slot")
+        if slot is not None:  # that position's replica; before it has one, any (the ingress refuses a duplicate)
+            chosen = by_id.get(self.slots[slot]) if slot < len(self.slots) else None
+            return [[chosen]] if chosen is not None else [candidate_replicas]
+        route = kwargs.get("route")
         if route is None:  # not a client request (the block identity, a health probe): any replica
             return [candidate_replicas]
-        by_id = {r.replica_id: r for r in candidate_replicas}
-        chosen = by_id.get(self.slots[self.policy.choose(route, _SlotView(self.slots, set(by_id), self.in_flight))])
+        view = _SlotView(self.slots, set(by_id), self.outstanding, route.replica_cached)
+        chosen = by_id.get(self.slots[self.policy.choose(route, view)])
+        self._chosen[pending_request.metadata.internal_request_id] = route, self.policy.credited
         return [[chosen]] if chosen is not None else [candidate_replicas]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
-        self.in_flight[replica_id] = self.in_flight.get(replica_id, 0) + 1
+        request_id = pending_request.metadata.internal_request_id
+        chosen = self._chosen.pop(request_id, None)
+        if chosen is None:
+            return
+        route, credited = chosen
+        out = self.outstanding.setdefault(replica_id, Outstanding())
+        # The router sees no first token: a request's prefill counts as queued until it completes.
+        self._routed[request_id] = out.add(route.block_hashes, max(route.num_blocks - credited, 0))
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        if self.in_flight.get(replica_id, 0) > 0:
-            self.in_flight[replica_id] -= 1
+        routed = self._routed.pop(internal_request_id, None)
+        if routed is not None:
+            routed.finish()
 
 
 async def _call_asgi(app, method: str, path: str, query: bytes, headers: list[tuple[str, str]],
@@ -160,8 +204,9 @@ class Engine:
         return self.engine.tokenizer, h.block_size, h.algo, h.context
 
     async def handle(self, method: str, path: str, query: bytes, headers: list[tuple[str, str]], body: bytes,
-                     route: RouteRequest | None) -> AsyncIterator[Any]:
-        # ``route`` is for the request router (it reads the call's kwargs); the replica has no use for it.
+                     route: RouteRequest | None, slot: int | None = None) -> AsyncIterator[Any]:
+        # ``route`` and ``slot`` are for the request router (it reads the call's kwargs); the replica has no use
+        # for them.
         async for item in _call_asgi(self.app, method, path, query, headers, body):
             if isinstance(item, tuple):
                 status, response_headers = item
@@ -182,13 +227,64 @@ install_error_handlers(_app)
 @serve.deployment
 @serve.ingress(_app)
 class Ingress:
-    """The HTTP entry: hashes the prompt (for the prefix policies), then lets the handle's router pick a replica."""
+    """The HTTP entry: hashes the prompt (for the prefix policies), then lets the handle's router pick a replica.
+    For kv-events it follows every replica's event stream (``router.events.follow``, into one ``StreamMirror``
+    each, as `kvprefix route` does) and hands the router each replica's exact cached prefix with the request."""
 
-    def __init__(self, engine, policy: str, auth: Auth):
+    async def __init__(self, engine, policy: str, auth: Auth, num_replicas: int, admin_key: str | None = None):
         self.engine = engine
         self.auth = auth  # the tenant names the namespace to hash in; the replica checks the key again
         self.hashing = policy in HASHING_POLICIES
         self.hasher = None
+        self.num_replicas = num_replicas
+        self.admin_headers = [("authorization", f"Bearer {admin_key}")] if admin_key else []
+        self.followed: list[Replica] = []
+        self._claimed: dict[int, str] = {}  # slot -> the replica id its event stream comes from
+        self._followers: list[asyncio.Task] = []
+        if policy == "kv-events":
+            self.followed = [Replica(f"slot-{k}") for k in range(num_replicas)]
+            self._followers = [asyncio.create_task(follow(self._event_lines(k), rep, lambda _: None))
+                               for k, rep in enumerate(self.followed)]
+
+    def _event_lines(self, slot: int) -> Lines:
+        """The event stream of the replica at ``slot``, through the engine handle (Ray has no port of its own per
+        replica): the stream's lines, as ``follow`` reads them over HTTP from a `kvprefix serve`."""
+        async def lines(params: dict[str, str]) -> AsyncIterator[bytes]:
+            stream = self.engine.options(stream=True).handle.remote(
+                "GET", "/v1/kv_events", urlencode(params).encode(), self.admin_headers, b"", route=None, slot=slot)
+            status, _ = await stream.__anext__()
+            if status != 200:
+                raise ValueError(f"GET /v1/kv_events answered {status}")
+            pending, first = b"", True
+            try:
+                async for chunk in stream:
+                    *complete, pending = (pending + chunk).split(b"\n")
+                    for line in complete:
+                        if first:  # the hello: a replica another slot already follows means this slot is not placed yet
+                            first = False
+                            replica_id = loads(line).replica_id
+                            if replica_id in self._claimed.values():
+                                raise ValueError(f"slot {slot} has no replica of its own yet")
+                            self._claimed[slot] = replica_id
+                        yield line
+            finally:
+                self._claimed.pop(slot, None)
+                stream.cancel()  # the replica stops streaming to nobody
+
+        return lines
+
+    def _cached_by_replica(self, block_hashes: Sequence[Hashable]) -> dict[str, int]:
+        """Each synced replica's exact cached prefix of the request, by replica id (as its hello named it)."""
+        out = {}
+        for rep in self.followed:
+            mirror = rep.mirror
+            if mirror is None or not mirror.ready or mirror.replica_id is None:
+                continue
+            index, n = mirror.index, 0
+            while n < len(block_hashes) and block_hashes[n] in index:
+                n += 1
+            out[mirror.replica_id] = n
+        return out
 
     async def _hasher(self):
         if self.hasher is None:
@@ -214,7 +310,10 @@ class Ingress:
         tenant = self.auth.tenant(raw.headers.get("authorization"))
         body = await read_body(raw)
         hasher = await self._hasher() if self.hashing else None
-        return await self._send(raw, route_request(body, raw.headers, tenant, hasher), body)
+        route = route_request(body, raw.headers, tenant, hasher)
+        if self.followed and route.block_hashes:
+            route = dataclasses.replace(route, replica_cached=self._cached_by_replica(route.block_hashes))
+        return await self._send(raw, route, body)
 
     @_app.get("/v1/models")
     @_app.get("/v1/models/{model_id:path}")
@@ -225,23 +324,45 @@ class Ingress:
     async def health(self, raw: Request):
         return await self._send(raw, None, b"")  # any replica: a probe must not move the policy's rotation
 
+    @_app.post("/reset_prefix_cache")
+    @_app.post("/flush_cache")
+    async def fan_out(self, raw: Request):
+        """Every replica's answer to the same admin call, as `kvprefix route` gives it."""
+        self.auth.check_admin(raw.headers.get("authorization"))
+        headers = [(k, raw.headers[k]) for k in FORWARD_HEADERS if k in raw.headers] or self.admin_headers
+
+        async def one(slot: int) -> dict:
+            try:
+                stream = self.engine.options(stream=True).handle.remote(
+                    "POST", raw.url.path, raw.url.query.encode(), headers, b"", route=None, slot=slot)
+                status, _ = await stream.__anext__()
+                text = b"".join([chunk async for chunk in stream])
+            except Exception as exc:  # the replica died under the call
+                return {"replica": f"slot-{slot}", "status": None, "error": str(exc) or type(exc).__name__}
+            return replica_result(f"slot-{slot}", status, text)
+
+        # One after another: two slot-pinned calls pending at once hung in Ray's request router (it may hand a
+        # chosen replica to another pending request), seen with Ray 2.60 on the test's local cluster.
+        return fan_out_response([await one(k) for k in range(self.num_replicas)])
+
 
 def build_app(engine_args: dict[str, Any], num_replicas: int, policy: str, seed: int = 0, load_cap: float = 1.25,
-              config: "ServerConfig | None" = None, num_cpus: float = 1.0, num_gpus: float = 0.0):
+              config: "ServerConfig | None" = None, num_cpus: float = 1.0, num_gpus: float = 0.0,
+              admin_key: str | None = None):
     """The Ray Serve application: ``num_replicas`` engine replicas routed by ``policy``, each a `kvprefix serve`
-    with ``config`` (its replica_id replaced by Ray's)."""
+    with ``config`` (its replica_id replaced by Ray's). ``admin_key``: the replicas' admin key, with which the
+    ingress reads their KV events (kv-events) when they have keys."""
     if config is None:
         from kvprefix.server.app import ServerConfig
 
         config = ServerConfig()
-    if make_policy(policy, seed, load_cap).name == "kv-events":  # an unknown name fails here too, not in a replica
-        raise ValueError("--policy kv-events reads the replicas' KV event streams, which the Ray Serve app does not "
-                         "follow yet; use prefix (it predicts the caches from where it routed)")
+    policy = make_policy(policy, seed, load_cap).name  # an unknown name fails here, not in a replica
     router = RequestRouterConfig(request_router_class=PolicyRequestRouter,
                                  request_router_kwargs={"policy": policy, "seed": seed, "load_cap": load_cap})
     engine = Engine.options(num_replicas=num_replicas, request_router_config=router, max_ongoing_requests=256,
                             ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus}).bind(engine_args, config)
-    return Ingress.options(ray_actor_options={"num_cpus": 0}).bind(engine, policy, config.auth or Auth())
+    return Ingress.options(ray_actor_options={"num_cpus": 0}).bind(engine, policy, config.auth or Auth(), num_replicas,
+                                                                   admin_key)
 
 
 def run_on_ray(args: argparse.Namespace, engine_args: dict[str, Any], config: "ServerConfig") -> int:
@@ -251,7 +372,8 @@ def run_on_ray(args: argparse.Namespace, engine_args: dict[str, Any], config: "S
 
     try:
         application = build_app(engine_args, args.replicas, args.policy, args.seed, args.load_cap, config,
-                                num_cpus=args.replica_cpus, num_gpus=1.0 if args.device == "cuda" else 0.0)
+                                num_cpus=args.replica_cpus, num_gpus=1.0 if args.device == "cuda" else 0.0,
+                                admin_key=args.admin_key)
     except ValueError as exc:
         raise SystemExit(f"kvprefix serve --ray: {exc}") from None
     ray.init(address=args.ray_address, include_dashboard=False)

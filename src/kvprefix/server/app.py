@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -22,7 +23,14 @@ from kvprefix.server.cache_detail import CacheTracker
 from kvprefix.server.errors import APIError, bad_request, from_validation_error, install_error_handlers
 from kvprefix.server.kv_events import add_kv_event_routes
 from kvprefix.server.metrics import ServerMetrics
-from kvprefix.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvprefix.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
+from kvprefix.server.request_ids import RequestIdMiddleware
 from kvprefix.server.serving import ModelInfo, Serving
 from kvprefix.server.tenancy import Auth, Caller
 
@@ -43,6 +51,7 @@ class ServerConfig:
     cache_detail: bool = True  # whether the opt-in per-request diagnosis may be asked for at all
     replica_id: str = "replica-0"  # names this replica in KV events and the request log
     allowed_hosts: frozenset[str] | None = None  # Host names served (browsers.py); None: any, same-origin only
+    metrics_names: str = "kvprefix"  # "vllm": vLLM's metric names (docs/metrics.md)
 
 
 _PARSE_INLINE_BYTES = 256 * 1024
@@ -50,6 +59,10 @@ _PARSE_INLINE_BYTES = 256 * 1024
 
 async def _parse(raw: Request, model: type[BaseModel]) -> Any:
     """Reads and validates a JSON body, turning every way it can be wrong into a 400 that says what is wrong."""
+    return await _validate(await _body_text(raw), model)
+
+
+async def _body_text(raw: Request) -> str:
     body = await read_body(raw)
     try:
         text = body.decode("utf-8")
@@ -57,8 +70,12 @@ async def _parse(raw: Request, model: type[BaseModel]) -> Any:
         raise bad_request(f"request body is not valid UTF-8 (invalid byte at offset {exc.start})") from None
     if not text.strip():
         raise bad_request("request body is empty; send a JSON object")
+    return text
+
+
+async def _validate(text: str, model: type[BaseModel]) -> Any:
     try:
-        if len(body) < _PARSE_INLINE_BYTES:
+        if len(text) < _PARSE_INLINE_BYTES:
             return model.model_validate_json(text)
         # A body of millions of token ids takes a second to validate: off the event loop, so streams keep flowing.
         return await asyncio.to_thread(model.model_validate_json, text)
@@ -124,14 +141,17 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     auth = config.auth or Auth()
     name = config.served_model_name or engine.model_name
     info = _model_info(engine, name, config.replica_id)
-    metrics = ServerMetrics(name, engine.get_metrics)
+    cache_config = {"block_size": str(info.block_size), "enable_prefix_caching": str(info.enable_prefix_caching),
+                    "num_gpu_blocks": str(engine.num_kv_blocks), "prefix_caching_hash_algo": info.hash_algo}
+    metrics = ServerMetrics(name, engine.get_metrics, config.metrics_names, cache_config, info.max_model_len)
+    labels = metrics.labels()
     admission = Admission(config.max_pending, config.max_pending_per_tenant,
-                          on_reject=lambda reason: metrics.rejected.labels(name, reason).inc())
-    metrics.in_flight.labels(name).set_function(lambda: admission.pending)
+                          on_reject=lambda reason: metrics.rejected.labels(*labels, reason).inc())
+    metrics.in_flight.labels(*labels).set_function(lambda: admission.pending)
     # The tracker mirrors every cached block (tokens included): only when cache detail may be asked for.
     tracker = CacheTracker(engine.hasher, enabled=info.enable_prefix_caching) if config.cache_detail else None
     request_log = RequestLogWriter(config.request_log, config.request_log_prompts,
-                                   on_error=metrics.request_log_errors.labels(name).inc) if config.request_log else None
+                                   on_error=metrics.request_log_errors.labels(*labels).inc) if config.request_log else None
     serving = Serving(engine, info, admission, metrics, tracker, request_log)
     created = int(time.time())
 
@@ -153,6 +173,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     app.openapi = lambda: _openapi(app)
     install_error_handlers(app)
     app.add_middleware(BrowserGuard, allowed_hosts=config.allowed_hosts)
+    app.add_middleware(RequestIdMiddleware)  # outermost: the guard's refusals carry the id too
     app.state.drain = lambda timeout: _drain(engine, admission, timeout)
 
     def tenant(raw: Request) -> str | None:
@@ -167,6 +188,32 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
         if engine.errored or not engine.is_running:
             return APIError(503, "the engine is not running", type="server_error").response()
         return Response(status_code=200)
+
+    @app.get("/ping")
+    @app.post("/ping")
+    async def ping() -> Response:
+        """vLLM's (and SageMaker's) liveness path: the same answer as /health."""
+        return await health()
+
+    @app.get("/version")
+    async def version(raw: Request) -> dict:
+        tenant(raw)
+        return {"version": app.version}
+
+    @app.post("/tokenize")
+    async def tokenize(raw: Request) -> dict:
+        tenant(raw)
+        text = await _body_text(raw)
+        try:
+            chat = "messages" in json.loads(text)
+        except (ValueError, TypeError):  # malformed or not an object: the validation below says how
+            chat = False
+        return await serving.tokenize(await _validate(text, TokenizeChatRequest if chat else TokenizeCompletionRequest))
+
+    @app.post("/detokenize")
+    async def detokenize(raw: Request) -> dict:
+        tenant(raw)
+        return await serving.detokenize(await _parse(raw, DetokenizeRequest))
 
     model_card = {"id": name, "object": "model", "created": created, "owned_by": "kvprefix",
                   "max_model_len": info.max_model_len}

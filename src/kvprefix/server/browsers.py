@@ -4,7 +4,7 @@ Without keys, any web page the user opens can send requests to a server on 127.0
 the cache, run completions) does harm without reading the answer, and DNS rebinding (a hostile name that resolves
 to 127.0.0.1) lets the page read answers too. A browser always sends the Host it believes it talks to, and an
 Origin on every cross-site POST; curl and SDKs send no Origin. So a Host that is not one of the server's names, or
-an Origin from another site, gets 403, and a request without Origin is served. ``GET /health`` is exempt (it says
+an Origin from another site, gets 403, and a request without Origin is served. ``GET /health`` and ``/ping`` are exempt (they say
 only up or down), so that probes reach it by any address.
 """
 
@@ -74,7 +74,7 @@ class BrowserGuard:
         if sum(k == b"authorization" for k, _ in headers) > 1:
             # Two keys: whichever one a proxy checked, the server might use the other.
             return APIError(400, "send one Authorization header, not several", type="authentication_error")
-        if scope["method"] == "GET" and scope["path"] == "/health":
+        if scope["method"] == "GET" and scope["path"] in ("/health", "/ping"):
             return None
         hosts = [v for k, v in headers if k == b"host"]
         for host in hosts:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvprefix.cache import COLLISION_SAFE_ALGOS, HASH_ALGOS
+from kvprefix.engine.args import QUANTIZATION_METHODS
 from kvprefix.router.policies import POLICIES
 
 # The KV cache fraction shared out as tenants' reserved room when there are tenants (docs/security.md): half stays
@@ -57,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="seconds a client has to send a request's body once its headers are in (default 60)")
     net.add_argument("--limit-concurrency", type=_positive_int, default=512,
                      help="open connections at most; a request on one more gets 503 at once (default 512)")
+    net.add_argument("--metrics-names", default="kvprefix", choices=["kvprefix", "vllm"],
+                     help="vllm: expose vLLM's metric names (vllm:*), so its dashboards and the Gateway API Inference "
+                     "Extension read them (docs/metrics.md)")
     net.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     net.add_argument("--replica-id", default=None,
                      help="this replica's name in KV events and the request log (default: HOSTNAME:PORT)")
@@ -84,16 +88,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ray.add_argument("--replicas", type=_positive_int, default=2, help="with --ray: engine replicas (default 2)")
     ray.add_argument("--ray-address", default=None,
                      help="with --ray: a running cluster (auto, or HEAD_IP:6379); default: start a local one")
-    ray.add_argument("--policy", default="prefix", choices=[p for p in POLICIES if p != "kv-events"],
+    ray.add_argument("--policy", default="prefix", choices=list(POLICIES),
                      help="with --ray: how to pick a replica (default prefix)")
     ray.add_argument("--load-cap", type=float, default=1.25,
-                     help="with --ray: session and prefix pass over replicas above this x the mean load")
+                     help="with --ray: session, prefix and kv-events pass over replicas above this x the mean load")
     ray.add_argument("--replica-cpus", type=float, default=1.0, help="with --ray: CPUs reserved per replica")
 
     eng = parser.add_argument_group("engine")
     eng.add_argument("--model", default=None,
                      help="checkpoint directory, .gguf file or hub id (default: the built-in SmolLM2-135M-Instruct)")
     eng.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    eng.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
+                     help="CPU: weight-only int8 (per channel), int4 (groups of 32), or gguf (a .gguf model's own "
+                          "blocks); default dense (docs/model.md)")
     eng.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     eng.add_argument("--seed", type=int, default=0)
     eng.add_argument("--block-size", type=int, default=16, help="tokens per KV block: the minimum shareable prefix")
@@ -105,6 +112,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     eng.add_argument("--num-gpu-blocks", type=int, default=None, help="KV blocks to allocate (overrides memory sizing)")
     eng.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache budget in bytes")
     eng.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    eng.add_argument("--share-inflight-prefixes", action=argparse.BooleanOptionalAction, default=True,
+                     help="a request whose prompt blocks a running request is computing waits for them and hits")
+    eng.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "cache_aware"],
+                     help="admission order: arrival, or most cached prompt tokens first (with --max-wait-steps)")
+    eng.add_argument("--max-wait-steps", type=_positive_int, default=100,
+                     help="cache_aware: a request waiting this many engine steps is admitted before cached ones")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -145,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
         cache_detail=args.cache_detail,
         replica_id=args.replica_id or f"{socket.gethostname()}:{args.port}",
         allowed_hosts=hosts,
+        metrics_names=args.metrics_names,
     )
     if args.ray:
         from kvprefix.router.ray_serve import run_on_ray

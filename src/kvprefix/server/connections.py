@@ -16,10 +16,11 @@ import asyncio
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
-def timed_protocol(headers_timeout: float, body_timeout: float) -> type[asyncio.Protocol]:
-    """uvicorn's h11 protocol with the two deadlines, for ``uvicorn.Config(http=...)``."""
+def timed_protocol(headers_timeout: float, body_timeout: float, base: type = H11Protocol) -> type[asyncio.Protocol]:
+    """uvicorn's h11 protocol (or ``base``: its httptools one has the same hooks) with the two deadlines, for
+    ``uvicorn.Config(http=...)``."""
 
-    class TimedH11Protocol(H11Protocol):
+    class TimedH11Protocol(base):
         def connection_made(self, transport) -> None:  # type: ignore[override]
             self._timer: asyncio.TimerHandle | None = None
             self._head = self._received = None  # the latest request whose head, whose whole body arrived

@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import types
+import typing
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from kvprefix.engine.sampling_params import MAX_SEED, MAX_STOP_TOKEN_IDS, MAX_TOP_K
+from kvprefix.engine.sampling_params import MAX_SEED, MAX_STOP_TOKEN_IDS, MAX_TOP_K, StructuredOutputsParams
 from kvprefix.server.errors import APIError
 
 MAX_N = 16  # choices per request; each one is a sequence in the engine
@@ -17,6 +19,8 @@ MAX_PROMPTS = 256  # prompts in one completions batch (each is an engine request
 MAX_MESSAGES = 4096  # messages in one chat request
 MAX_CONTENT_PARTS = 256  # content parts in one message
 MAX_TOKEN_ID = 2**31 - 1  # token ids in a prompt or in stop_token_ids; real vocabularies are far smaller
+MAX_PROMPT_LOGPROBS = 20  # vLLM's default max_logprobs
+MAX_DETOKENIZE = 2**20  # token ids in one /detokenize body (a long context's worth, and then some)
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]], Field(min_length=1)]
 
@@ -24,10 +28,56 @@ TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]], Field(m
 class _Body(BaseModel):
     # strict: "5" is not an integer and true is not 1; inf/NaN are not sampling values.
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    _not_nullable: typing.ClassVar[frozenset[str]] = frozenset()
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        cls._not_nullable = frozenset(name for name, f in cls.model_fields.items() if not _nullable(f.annotation))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """OpenAI's API reads null as "not sent" for every optional field (clients send "n": null, "stream": null)."""
+        if isinstance(data, dict) and any(v is None and k in cls._not_nullable for k, v in data.items()):
+            data = {k: v for k, v in data.items() if v is not None or k not in cls._not_nullable}
+        return data
+
+
+def _nullable(annotation: Any) -> bool:
+    if annotation is Any or annotation is None or annotation is type(None):
+        return True
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return any(_nullable(a) for a in typing.get_args(annotation))
+    return False
+
+
+class StructuredOutputs(_Body):
+    """vLLM's structured_outputs (exactly one; engine.structured bounds and compiles them)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")  # "json" would shadow BaseModel.json
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class JsonSchemaFormat(_Body):
+    name: str = Field("response", max_length=MAX_ID_LEN)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    # vLLM's: usage (so far) on every chunk, not only in the final one; needs include_usage, as in vLLM.
+    continuous_usage_stats: bool = False
 
 
 class _SamplingFields(_Body):
@@ -50,12 +100,42 @@ class _SamplingFields(_Body):
         list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]], Field(max_length=MAX_STOP_TOKEN_IDS)
     ] | None = None
     ignore_eos: bool = False
+    # vLLM's request extensions that the engine honours (docs/server.md).
+    min_tokens: int = Field(0, ge=0)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_PROMPT_LOGPROBS)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the last k prompt tokens; -1: max_model_len
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
+    # vLLM's fields that this server accepts only at their neutral value; _REFUSED says why.
+    priority: Any = None
+    kv_transfer_params: Any = None
+    spaces_between_special_tokens: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    bad_words: Any = None
+    allowed_token_ids: Any = None
+    logits_processors: Any = None
+    structured_outputs: StructuredOutputs | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM's older names for structured_outputs' fields.
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    vllm_xargs: Any = None
+    mm_processor_kwargs: Any = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=MAX_ID_LEN)
     prompt_cache_key: str | None = Field(None, max_length=MAX_ID_LEN)
     # Subdivides the caller's tenant cache namespace; validated in tenancy.py.
     cache_salt: str | None = None
+    # vLLM's: names the response (and the engine requests) when no x-request-id header does.
+    request_id: str | None = None
     # kvprefix extension (docs/server.md): per-prompt cache diagnosis in usage.cache_detail.
     cache_detail: bool = False
     # Accepted so that clients sending OpenAI defaults work; a non-default value is refused in check_supported().
@@ -63,6 +143,33 @@ class _SamplingFields(_Body):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
+
+    def structured(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The one structured-outputs request among response_format, structured_outputs and guided_*, and the
+        field it came from."""
+        found: list[tuple[StructuredOutputsParams, str]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append((StructuredOutputsParams(json_object=True), "response_format"))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None:
+                raise APIError(400, "'response_format' of type json_schema needs 'json_schema'",
+                               param="response_format.json_schema")
+            found.append((StructuredOutputsParams(json=rf.json_schema.schema_), "response_format"))
+        if self.structured_outputs is not None:
+            so = self.structured_outputs.model_dump(exclude_none=True, by_alias=True)
+            try:
+                found.append((StructuredOutputsParams(**so), "structured_outputs"))
+            except ValueError as exc:
+                raise APIError(400, f"'structured_outputs': {exc}", param="structured_outputs") from None
+        for name in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{name}")
+            if value is not None:
+                found.append((StructuredOutputsParams(**{name: value}), f"guided_{name}"))
+        if len(found) > 1:
+            raise APIError(400, f"give one structured output, not {', '.join(f for _, f in found)}",
+                           param=found[1][1])
+        return found[0] if found else (None, None)
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -82,6 +189,8 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    add_special_tokens: bool = True
+    prompt_embeds: Any = None
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
@@ -99,6 +208,14 @@ class CompletionRequest(_SamplingFields):
 class TextPart(_Body):
     type: Literal["text"]
     text: str
+    # Anthropic-style cache breakpoint that LiteLLM and LangChain pass through: a hint with nothing to do here,
+    # since every full block of every prompt is cached automatically (docs/server.md).
+    cache_control: dict[str, Any] | None = None
+
+
+# Content part types of OpenAI's API that a text-only model cannot take, and what to tell the caller.
+_UNSUPPORTED_PARTS = {"image_url": "images are", "input_image": "images are", "image": "images are",
+                      "input_audio": "audio is", "file": "files are", "video_url": "videos are"}
 
 
 class ChatMessage(_Body):
@@ -113,9 +230,30 @@ class ChatMessage(_Body):
     function_call: Any = None
     audio: Any = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        # Before the union is tried: otherwise an image part gets "should be a valid string" from the str member.
+        if isinstance(content, list):
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind in _UNSUPPORTED_PARTS:
+                    raise ValueError(f"{_UNSUPPORTED_PARTS[kind]} not supported: this model takes text parts only")
+                if isinstance(kind, str) and kind != "text":
+                    raise ValueError(f"content part type {kind!r} is not supported; send 'text' parts")
+        return content
 
-class ChatCompletionRequest(_SamplingFields):
+
+class _ChatTemplateFields(_Body):
+    """How the messages are rendered (vLLM's names; kvprefix.prompts.render_chat checks the kwargs)."""
+
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -125,7 +263,9 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
+    add_special_tokens: Any = None
+    documents: Any = None
+    echo: Any = None
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -134,8 +274,49 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+# vLLM field -> (the values that ask for nothing, why anything else is refused).
+_REFUSED: dict[str, tuple[tuple, str]] = {
+    "priority": ((0,), "priority scheduling is not enabled: requests are served first come, first served (as in "
+                 "vLLM without --scheduling-policy priority)"),
+    "kv_transfer_params": ((), "disaggregated prefill (KV transfer between servers) is not supported"),
+    "spaces_between_special_tokens": ((True,), "special tokens are always decoded as the tokenizer joins them"),
+    "use_beam_search": ((False,), "beam search is not implemented; sample n choices instead"),
+    "length_penalty": ((1, 1.0), "it applies to beam search, which is not implemented"),
+    "bad_words": (([],), "banning words is not implemented"),
+    "allowed_token_ids": (([],), "restricting sampling to given tokens is not implemented"),
+    "logits_processors": (([],), "custom logits processors cannot run in this server"),
+    "guided_decoding_backend": (("llguidance", "auto"), "structured outputs run on llguidance"),
+    "guided_whitespace_pattern": ((), "JSON is generated compact: no whitespace pattern applies"),
+    "vllm_xargs": (({},), "this server takes no extension arguments"),
+    "mm_processor_kwargs": (({},), "the model takes text only"),
+}
+_REFUSED_COMPLETIONS = {
+    "prompt_embeds": ((), "prompt embeddings are not supported; send text or token ids"),
+}
+_REFUSED_CHAT = {
+    "add_special_tokens": ((False,), "the chat template writes its own special tokens"),
+    "documents": (([],), "documents for the chat template are not supported"),
+    "echo": ((False,), "echoing the last message is not supported in chat"),
+}
+
+
+def _neutral(value: Any, neutral: tuple) -> bool:
+    # By type too: 0 == False in Python, and "priority": false is not a priority.
+    return value is None or any(type(value) is type(n) and value == n for n in neutral)
+
+
 def check_supported(req: CompletionRequest | ChatCompletionRequest) -> None:
     """Refuses parameters that we parse but do not implement, instead of silently ignoring them."""
+    refused = _REFUSED | (_REFUSED_CHAT if isinstance(req, ChatCompletionRequest) else _REFUSED_COMPLETIONS)
+    for name, (neutral, why) in refused.items():
+        if not _neutral(getattr(req, name), neutral):
+            raise APIError(400, f"'{name}' is not supported: {why}", param=name)
+    if req.prompt_logprobs is not None and req.stream:
+        raise APIError(400, "'prompt_logprobs' cannot be streamed (as in vLLM); send it without 'stream'",
+                       param="prompt_logprobs")
+    if req.truncate_prompt_tokens == 0:
+        raise APIError(400, "'truncate_prompt_tokens' must be -1 (the context length) or at least 1",
+                       param="truncate_prompt_tokens")
     unsupported: dict[str, bool] = {
         "logit_bias": bool(req.logit_bias),
         "stream_options": req.stream_options is not None and not req.stream,
@@ -157,10 +338,30 @@ def check_supported(req: CompletionRequest | ChatCompletionRequest) -> None:
             "messages[].tool_calls": any(m.tool_calls for m in req.messages),
             "messages[].function_call": any(m.function_call is not None for m in req.messages),
             "messages[].audio": any(m.audio is not None for m in req.messages),
-            "response_format": req.response_format not in (None, {"type": "text"}),
         }
     for name, bad in unsupported.items():
         if bad:
             if name == "stream_options":
                 raise APIError(400, "'stream_options' is only allowed when 'stream' is true", param=name)
             raise APIError(400, f"'{name}' is not supported by this server", param=name)
+
+
+class TokenizeCompletionRequest(_Body):
+    """vLLM's /tokenize with a prompt."""
+
+    model: str | None = None
+    prompt: Annotated[str, Field(min_length=1)]
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_ChatTemplateFields):
+    """vLLM's /tokenize with messages, rendered as /v1/chat/completions renders them."""
+
+    model: str | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: Annotated[list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]], Field(max_length=MAX_DETOKENIZE)]

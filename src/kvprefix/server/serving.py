@@ -17,14 +17,23 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
 from kvprefix.engine import CompletionOutput, EngineDeadError, RequestFailedError, RequestOutput, SamplingParams
+from kvprefix.engine.structured import grammar_for
 from kvprefix.logs import RequestLogWriter, RequestRecord
-from kvprefix.prompts import PromptError, RenderedPrompt, render_chat, render_completion
+from kvprefix.prompts import PromptError, RenderedPrompt, render_chat, render_completion, truncate_prompt
 from kvprefix.server.admission import Admission, Ticket
 from kvprefix.server.cache_detail import CacheDetail, CacheTracker
 from kvprefix.server.errors import APIError, bad_request
 from kvprefix.server.logprobs import chat_logprobs, completion_logprobs
 from kvprefix.server.metrics import FinishedSequence, ServerMetrics
-from kvprefix.server.protocol import ChatCompletionRequest, CompletionRequest, check_supported
+from kvprefix.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    check_supported,
+)
+from kvprefix.server.request_ids import MAX_REQUEST_ID_LEN, request_id_of, valid_request_id
 from kvprefix.server.tenancy import Caller, pseudonym, validate_client_salt
 
 
@@ -57,6 +66,10 @@ class _Job:
     detail: CacheDetail | None = None  # the cache diagnosis, made at the first token
     sent_text: list[int] = field(default_factory=list)  # streaming, per sample: characters already sent
     sent_tokens: list[int] = field(default_factory=list)  # streaming, per sample: tokens whose logprobs went out
+    sent_finish: set[int] = field(default_factory=set)  # streaming: samples whose finish_reason went out
+    seen_tokens: dict[int, int] = field(default_factory=dict)  # per sample: tokens seen so far
+    last_token_at: dict[int, float] = field(default_factory=dict)  # per sample: when its latest tokens came
+    token_gaps: list[float] = field(default_factory=list)  # seconds between consecutive tokens (all samples)
 
 
 class Serving:
@@ -83,10 +96,10 @@ class Serving:
             raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.info.name}'",
                            param="model", code="model_not_found")
 
-    async def _render(self, render, *args) -> RenderedPrompt:
+    async def _render(self, render, *args, **kwargs) -> RenderedPrompt:
         # In a thread: a long prompt must not stall every other stream on the event loop.
         try:
-            return await asyncio.to_thread(render, self.engine.tokenizer, *args)
+            return await asyncio.to_thread(render, self.engine.tokenizer, *args, **kwargs)
         except PromptError as exc:
             raise bad_request(str(exc), param=exc.param, code=exc.code) from None
 
@@ -98,12 +111,28 @@ class Serving:
                 if bad is not None:
                     raise bad_request(f"token id {bad} in 'prompt' is out of range: the vocabulary has "
                                       f"{self.info.vocab_size} tokens", param="prompt")
-            out.append(await self._render(render_completion, p, self.info.max_model_len))
+            out.append(await self._render(render_completion, p, self._char_limit(req), req.add_special_tokens))
         return out
 
-    async def _chat_prompt(self, req: ChatCompletionRequest) -> RenderedPrompt:
+    async def _chat_prompt(self, req: ChatCompletionRequest | TokenizeChatRequest) -> RenderedPrompt:
         messages = [m.model_dump(include={"role", "content"}) for m in req.messages]
-        return await self._render(render_chat, messages, True, self.info.max_model_len)
+        limit = self._char_limit(req) if isinstance(req, ChatCompletionRequest) else self.info.max_model_len
+        return await self._render(render_chat, messages, req.add_generation_prompt, limit,
+                                  continue_final_message=req.continue_final_message,
+                                  template_kwargs=req.chat_template_kwargs)
+
+    def _char_limit(self, req: CompletionRequest | ChatCompletionRequest) -> int | None:
+        """The length (in tokens) that refuses a prompt before tokenizing it: none when it is truncated anyway."""
+        return None if req.truncate_prompt_tokens is not None else self.info.max_model_len
+
+    def _truncated(self, req, prompts: list[RenderedPrompt]) -> list[RenderedPrompt]:
+        keep = req.truncate_prompt_tokens
+        if keep is None:
+            return prompts
+        if keep > self.info.max_model_len:
+            raise bad_request(f"'truncate_prompt_tokens' ({keep}) is over this model's maximum context length "
+                              f"({self.info.max_model_len})", param="truncate_prompt_tokens")
+        return [truncate_prompt(p, self.info.max_model_len if keep == -1 else keep) for p in prompts]
 
     def _max_tokens(self, prompt_len: int, requested: int | None, param: str) -> int:
         limit = self.info.max_model_len
@@ -129,7 +158,10 @@ class Serving:
         try:
             return SamplingParams(n=req.n, max_tokens=max_tokens, stop=req.stop_list() or None,
                                   stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
-                                  logprobs=req.num_logprobs(), **kwargs)
+                                  logprobs=req.num_logprobs(), min_tokens=req.min_tokens,
+                                  include_stop_str_in_output=req.include_stop_str_in_output,
+                                  skip_special_tokens=req.skip_special_tokens, prompt_logprobs=req.prompt_logprobs,
+                                  **kwargs)
         except ValueError as exc:  # the engine's own range checks, should ours ever be looser
             raise bad_request(str(exc)) from None
 
@@ -147,16 +179,50 @@ class Serving:
         prompt = await self._chat_prompt(req)
         return await self._serve(req, caller, raw, [prompt], req.max_new_tokens(), "messages", chat=True)
 
+    async def tokenize(self, req: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:
+        """vLLM's /tokenize: the token ids a completions or chat request with these fields would run."""
+        self._check_model(req.model)
+        if isinstance(req, TokenizeChatRequest):
+            prompt = await self._chat_prompt(req)
+        else:
+            prompt = await self._render(render_completion, req.prompt, None, req.add_special_tokens)
+        ids = prompt.token_ids
+        out = {"count": len(ids), "max_model_len": self.info.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            out["token_strs"] = self.engine.tokenizer.token_strings(ids)
+        return out
+
+    async def detokenize(self, req: DetokenizeRequest) -> dict:
+        self._check_model(req.model)
+        bad = next((t for t in req.tokens if t >= self.info.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} in 'tokens' is out of range: the vocabulary has "
+                              f"{self.info.vocab_size} tokens", param="tokens")
+        # Special tokens kept, as vLLM's /detokenize does: the caller wants the text these ids stand for.
+        text = await asyncio.to_thread(self.engine.tokenizer.decode, req.tokens, False)
+        return {"prompt": text}
+
     async def _serve(self, req, caller: Caller, raw: Request, prompts, requested_max: int | None, param: str,
                      chat: bool):
         validate_client_salt(caller.client_salt)
+        prompts = self._truncated(req, prompts)
         if not all(p.token_ids for p in prompts):
             raise bad_request(f"'{param}' is empty after tokenization", param=param)
         max_tokens = min(self._max_tokens(len(p.token_ids), requested_max, param) for p in prompts)
+        if req.min_tokens > max_tokens:
+            raise bad_request(f"'min_tokens' ({req.min_tokens}) is more than the {max_tokens} tokens this request may "
+                              "generate", param="min_tokens")
+        structured, field_name = req.structured()
+        if structured is not None:  # compiled here first, so that a bad one is a 400 before any stream starts
+            try:
+                await asyncio.to_thread(grammar_for, structured)
+            except ValueError as exc:
+                raise bad_request(f"invalid '{field_name}': {exc}", param=field_name) from None
         params = self._sampling(req, max_tokens)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        params.structured_outputs = structured
+        rid, engine_rid = _response_id(req, raw, "chatcmpl" if chat else "cmpl")
         now, wall = time.monotonic(), time.time()
-        jobs = [_Job(i, f"{rid}-{i}", p, now, wall, req.n, sent_text=[0] * req.n, sent_tokens=[0] * req.n)
+        jobs = [_Job(i, f"{engine_rid}-{i}", p, now, wall, req.n, sent_text=[0] * req.n, sent_tokens=[0] * req.n)
                 for i, p in enumerate(prompts)]
         ctx = _Context(self, req, caller, rid, jobs, params, chat)
         # Admission happens before the response starts, so overload is a plain 503 even for streams.
@@ -233,6 +299,13 @@ class _Context:
 
     def _update(self, job: _Job, out: RequestOutput) -> None:
         job.last = out
+        now = time.monotonic()
+        for o in out.outputs:
+            new = len(o.token_ids) - job.seen_tokens.get(o.index, 0)
+            if new > 0:
+                if o.index in job.last_token_at:  # tokens that arrive together share the time since the last
+                    job.token_gaps += [(now - job.last_token_at[o.index]) / new] * new
+                job.seen_tokens[o.index], job.last_token_at[o.index] = len(o.token_ids), now
         if job.first_token is None and any(o.token_ids for o in out.outputs):
             job.first_token = time.monotonic()
             # Diagnosed now, while the cache still looks as it did at admission; the request log keeps the reason.
@@ -255,7 +328,9 @@ class _Context:
         reasons = [o.finish_reason or "abort" for o in outputs] or ["abort"] * job.n
         e2e = time.monotonic() - job.arrival
         ttft = None if job.first_token is None else job.first_token - job.arrival
-        self.serving.metrics.observe(FinishedSequence(len(job.prompt.token_ids), cached, n_out, reasons, ttft, e2e))
+        self.serving.metrics.observe(FinishedSequence(
+            len(job.prompt.token_ids), cached, n_out, reasons, ttft, e2e, self.params.max_tokens or 0,
+            *_phases(out), token_gaps_s=job.token_gaps))
         log = self.serving.request_log
         if log is not None:
             log.write(self._record(job, cached, n_out, reasons, ttft, e2e, aborted))
@@ -321,6 +396,8 @@ class _Context:
         return completion_logprobs(decode, ids, entries, self.num_logprobs, text_start)
 
     def _decode_one(self, token_id: int) -> str:
+        if self.req.return_tokens_as_token_ids:  # vLLM's: tokens that do not decode alone stay identifiable
+            return f"token_id:{token_id}"
         return self.serving.engine.tokenizer.decode([token_id])
 
     def _choice_index(self, job: _Job, sample: int) -> int:
@@ -336,21 +413,43 @@ class _Context:
                     c["message"] = {"role": "assistant", "content": o.text}
                 else:
                     c["text"] = o.text
+                    if self.req.prompt_logprobs is not None:
+                        c["prompt_logprobs"] = self._prompt_logprobs(job)
+                    if self.req.return_token_ids:
+                        c["prompt_token_ids"] = job.prompt.token_ids
+                if self.req.return_token_ids:
+                    c["token_ids"] = o.token_ids
                 choices.append(c)
         choices.sort(key=lambda c: c["index"])
-        return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
+        body = {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.serving.info.name, "choices": choices, "usage": self._usage()}
+        if self.chat and self.req.prompt_logprobs is not None:  # vLLM's places: per choice, per response in chat
+            body["prompt_logprobs"] = self._prompt_logprobs(self.jobs[0])
+        if self.chat and self.req.return_token_ids:
+            body["prompt_token_ids"] = self.jobs[0].prompt.token_ids
+        return body
+
+    def _prompt_logprobs(self, job: _Job) -> list[dict | None]:
+        """vLLM's shape: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}}."""
+        return [None if entry is None else {
+            str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": self._decode_one(t)}
+            for t, lp in entry.items()} for entry in job.last.prompt_logprobs]
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
         chunk = {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
                  "created": self.created, "model": self.serving.info.name, "choices": choices}
         if self._include_usage:
-            chunk["usage"] = usage
+            chunk["usage"] = usage if usage is not None or not self._continuous_usage else self._usage()
         return chunk
 
     @property
     def _include_usage(self) -> bool:
         return bool(self.req.stream_options and self.req.stream_options.include_usage)
+
+    @property
+    def _continuous_usage(self) -> bool:
+        """vLLM's continuous_usage_stats: every chunk carries the usage so far (guidellm and aiperf ask for it)."""
+        return self._include_usage and self.req.stream_options.continuous_usage_stats
 
     # -- responses ---------------------------------------------------------------------------------------
 
@@ -380,9 +479,11 @@ class _Context:
     async def stream(self, ticket: Ticket) -> AsyncIterator[str]:
         try:
             if self.chat:
-                yield _sse(self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                         "logprobs": None, "finish_reason": None}
-                                        for i in range(self.req.n)]))
+                first = self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None} for i in range(self.req.n)])
+                if self.req.return_token_ids:
+                    first["prompt_token_ids"] = self.jobs[0].prompt.token_ids
+                yield _sse(first)
             try:
                 async for job, out in self._outputs():
                     choices = [c for o in out.outputs if (c := self._delta(job, o)) is not None]
@@ -398,19 +499,54 @@ class _Context:
             ticket.release()
 
     def _delta(self, job: _Job, o: CompletionOutput) -> dict | None:
+        if o.index in job.sent_finish:  # its last chunk went out; later outputs repeat it for the other samples
+            return None
         sent, sent_tokens = job.sent_text[o.index], job.sent_tokens[o.index]
         delta = o.text[sent:]
         new_tokens = len(o.token_ids) > sent_tokens
         job.sent_text[o.index], job.sent_tokens[o.index] = len(o.text), len(o.token_ids)
-        if not delta and o.finish_reason is None and not (new_tokens and self.num_logprobs is not None):
+        wants_tokens = self.num_logprobs is not None or self.req.return_token_ids
+        if not delta and o.finish_reason is None and not (new_tokens and wants_tokens):
             return None
         logprobs = self._logprobs(o, sent_tokens, sent) if new_tokens else None
+        if o.finish_reason is not None:
+            job.sent_finish.add(o.index)
         c = {"index": self._choice_index(job, o.index), "logprobs": logprobs, "finish_reason": o.finish_reason}
         if self.chat:
             c["delta"] = {"content": delta} if delta else {}
         else:
             c["text"] = delta
+        if self.req.return_token_ids:
+            c["token_ids"] = o.token_ids[sent_tokens:]
+            if not self.chat and sent_tokens == 0:
+                c["prompt_token_ids"] = job.prompt.token_ids
         return c
+
+
+def _phases(out: RequestOutput | None) -> tuple[float | None, ...]:
+    """The engine's queue, prefill, decode and inference times of a request (None for phases it never reached)."""
+    m = out.metrics if out is not None else None
+    if m is None or m.first_scheduled_time is None:
+        return None, None, None, None
+    queue = m.first_scheduled_time - m.arrival_time
+    prefill = None if m.first_token_time is None else m.first_token_time - m.first_scheduled_time
+    done = m.finished_time is not None and m.first_token_time is not None
+    decode = m.finished_time - m.first_token_time if done else None
+    inference = m.finished_time - m.first_scheduled_time if m.finished_time is not None else None
+    return queue, prefill, decode, inference
+
+
+def _response_id(req, raw: Request, kind: str) -> tuple[str, str]:
+    """(the response's id, the base of its engine request ids). The id is the client's x-request-id header, else
+    the body's request_id (vLLM's order), else the id the middleware made. A client's id may repeat, an engine's
+    may not: then the engine ids get a unique suffix."""
+    header_id, chosen = request_id_of(raw)
+    base = header_id if chosen or req.request_id is None else req.request_id
+    if not valid_request_id(base):
+        raise bad_request(f"'request_id' must be 1 to {MAX_REQUEST_ID_LEN} printable ASCII characters without "
+                          "spaces", param="request_id")
+    rid = f"{kind}-{base}"
+    return rid, (f"{rid}-{uuid.uuid4().hex[:12]}" if chosen or req.request_id is not None else rid)
 
 
 async def _disconnected(raw: Request) -> None:

@@ -21,7 +21,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from kvprefix.cache import CacheRequest, FreeBlockQueue, KVCacheManager, cdiv
-from kvprefix.router.pending import PendingBlocks
+from kvprefix.router.pending import Outstanding, Routed
 from kvprefix.router.policies import POLICIES, RENAMED, make_policy
 from kvprefix.sim.trace import Trace, TraceRequest
 
@@ -76,20 +76,24 @@ class ReplayRecords:
 
 class _ManagersView:
     """``ReplicaView`` over the replay's managers, for the routing policy. A replica's prefix counts blocks it
-    has cached plus blocks a request already routed to it will compute (``PendingBlocks``)."""
+    has cached plus blocks a request already routed to it will compute; its load is what was routed there and
+    has not finished (``Outstanding``, as the HTTP router counts it)."""
 
     def __init__(self, managers: list[KVCacheManager]):
         self.managers = managers
         self.num_replicas = len(managers)
-        self.loads = [0] * len(managers)
-        self.pending = [PendingBlocks() for _ in managers]
+        self.outstanding = [Outstanding() for _ in managers]
+
+    def route(self, replica: int, r: TraceRequest, policy) -> Routed:
+        """Counts a request routed to ``replica``: its prefill is the blocks the policy did not credit."""
+        return self.outstanding[replica].add(r.block_hashes, max(r.num_blocks - policy.credited, 0))
 
     def healthy(self, replica: int) -> bool:
         return True
 
     def cached_prefix_blocks(self, replica: int, block_hashes: Sequence[Hashable]) -> int:
         cached = self.managers[replica].pool.cached_blocks
-        pending = self.pending[replica]
+        pending = self.outstanding[replica].blocks
         n = 0
         for h in block_hashes:
             if h not in cached and h not in pending:
@@ -98,7 +102,10 @@ class _ManagersView:
         return n
 
     def load(self, replica: int) -> float:
-        return self.loads[replica]
+        return self.outstanding[replica].requests
+
+    def queued_prefill_blocks(self, replica: int) -> float:
+        return self.outstanding[replica].queued_prefill_blocks
 
 
 def unbounded_capacity_blocks(trace: Trace) -> int:
@@ -147,7 +154,6 @@ _BAR_STEP = 1024  # update the bar every so many requests: tqdm per request woul
 
 def _replay_order(reqs: list[TraceRequest], bs: int, managers: list[KVCacheManager], policy, rec, bar) -> None:
     view = _ManagersView(managers)
-    loads = view.loads  # in order mode nothing is in flight: load = requests routed so far
     rec_replica, rec_blocks = rec.replica, rec.cached_blocks
     for i, r in enumerate(reqs):
         rep = 0 if policy is None else policy.choose(r, view)
@@ -158,7 +164,8 @@ def _replay_order(reqs: list[TraceRequest], bs: int, managers: list[KVCacheManag
             continue  # larger than the whole pool: rejected
         mgr.cache_blocks(req, r.input_length)
         mgr.free(req)
-        loads[rep] += 1
+        if policy is not None:  # in order mode nothing is in flight: load = requests routed so far
+            view.route(rep, r, policy).prefilled()
         rec_replica[i] = rep
         rec_blocks[i] = len(hits)
         if bar is not None and (i + 1) % _BAR_STEP == 0:
@@ -179,7 +186,7 @@ def _replay_timed(
     bar,
 ) -> None:
     view = _ManagersView(managers)
-    loads = view.loads  # requests waiting, prefilling or decoding on each replica
+    routed: dict[int, Routed] = {}  # trace index -> its share of the replica's load, until it finishes
     queues: list[deque[int]] = [deque() for _ in managers]
     prefilling = [False] * len(managers)
     # (time, seq, kind, replica, trace index, request); seq keeps simultaneous events in push order
@@ -218,12 +225,13 @@ def _replay_timed(
             if kind == _PREFILL_DONE:
                 mgr.cache_blocks(req, req.num_tokens)
                 if policy is not None:
-                    view.pending[rep].drop(req.block_hashes)
+                    routed[i].prefilled()
                 prefilling[rep] = False
                 push(now + reqs[i].output_length / decode_tps, _FINISH, rep, i, req)
             else:
                 mgr.free(req)
-                loads[rep] -= 1
+                if policy is not None:
+                    routed.pop(i).finish()
             start_next(rep, now)
 
     for i, r in enumerate(reqs):
@@ -231,9 +239,8 @@ def _replay_timed(
         rep = 0 if policy is None else policy.choose(r, view)
         if cdiv(r.input_length + r.output_length, bs) > managers[rep].pool.num_blocks:
             continue  # could never fit, even alone: rejected
-        loads[rep] += 1
         if policy is not None:
-            view.pending[rep].add(r.block_hashes)
+            routed[i] = view.route(rep, r, policy)
         queues[rep].append(i)
         start_next(rep, r.timestamp)
         if bar is not None and (i + 1) % _BAR_STEP == 0:

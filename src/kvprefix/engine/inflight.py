@@ -1,0 +1,61 @@
+"""In-flight prefix sharing: a waiting request whose next uncached prompt blocks a running request is computing
+(same block hashes, not registered yet) waits for them and then hits, instead of computing them a second time.
+
+Requests that arrive together with one cold prefix would otherwise all compute it: the hash map only knows a
+block once its KV is written. The n samples of one request are the same case (sample 0 leads, the others follow).
+"""
+
+from __future__ import annotations
+
+from kvprefix.cache import BlockHash, cdiv
+from kvprefix.engine.request import Request
+
+
+class InflightPrefixes:
+    """Which running request (the leader) will compute each not-yet-cached full prompt block, by block hash.
+
+    A follower waits at most the number of steps computing those blocks itself would take under the token budget,
+    so sharing never delays it beyond doing the work; a leader that is preempted, aborted or finishes leaves the
+    map at once, and its followers are admitted in that same step (hitting whatever it registered).
+    """
+
+    def __init__(self, block_size: int, max_num_batched_tokens: int):
+        self.block_size = block_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self._leader_of: dict[BlockHash, Request] = {}
+        self.num_waits = 0  # waits behind a leader (each counted once, however many steps it lasted)
+
+    def add(self, req: Request) -> None:
+        """A request was admitted: the full prompt blocks after its hits are in flight (first leader kept)."""
+        leader_of = self._leader_of
+        for h in req.block_hashes[req.num_computed_tokens // self.block_size : self._num_prompt_blocks(req)]:
+            leader_of.setdefault(h, req)
+
+    def remove(self, req: Request) -> None:
+        """A request left the running set (finished, aborted or preempted): it leads nothing any more."""
+        leader_of = self._leader_of
+        for h in req.block_hashes[: self._num_prompt_blocks(req)]:
+            if leader_of.get(h) is req:
+                del leader_of[h]
+
+    def should_wait(self, req: Request, num_hit_blocks: int, step: int) -> bool:
+        """True while ``req``'s next uncached block is in flight and its wait has not run out. The bound is set when
+        a wait for that block starts: the steps computing the run of in-flight blocks itself would take. A wait
+        that ends in hits may be followed by one for a later block (the prompt of another leader), never the same."""
+        hashes = req.block_hashes
+        max_blocks = (req.num_tokens - 1) // self.block_size  # the block of the last token is never a hit
+        leader_of = self._leader_of
+        if num_hit_blocks >= max_blocks or hashes[num_hit_blocks] not in leader_of:
+            return False
+        wait = req.inflight_wait
+        if wait is None or wait[0] != num_hit_blocks:  # a new wait (an earlier one ended in hits: progress)
+            run = num_hit_blocks
+            while run < max_blocks and hashes[run] in leader_of:
+                run += 1
+            tokens = (run - num_hit_blocks) * self.block_size
+            wait = req.inflight_wait = (num_hit_blocks, step + cdiv(tokens, self.max_num_batched_tokens))
+            self.num_waits += 1
+        return step < wait[1]
+
+    def _num_prompt_blocks(self, req: Request) -> int:
+        return min(req.num_prompt_tokens // self.block_size, len(req.block_hashes))

@@ -1,0 +1,138 @@
+"""The reader's side of one request: folds the engine's ``RequestDelta``s into the cumulative ``RequestOutput``.
+
+It runs where the outputs are read (the caller of ``LLM.generate``, the event loop of an ``AsyncLLM`` stream), not
+on the engine thread, and it detokenizes lazily: tokens are decoded only when an output is asked for, so the text
+of steps nobody reads (a stream that fell behind, ``LLM.generate`` before the end) is decoded once, in one go.
+"""
+
+from __future__ import annotations
+
+from kvprefix.engine.outputs import CompletionOutput, Logprob, RequestDelta, RequestMetrics, RequestOutput
+from kvprefix.engine.sampling_params import SamplingParams
+from kvprefix.engine.text import SampleText, hold_back
+from kvprefix.prompts import Tokenizer
+
+
+class _Sample:
+    def __init__(self, index: int, tokenizer: Tokenizer, prompt_token_ids: list[int], params: SamplingParams):
+        self.index = index
+        self.params = params
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.ended_by_token = False
+        self.hold = hold_back(params)
+        # Samples with stop strings come with their text from the engine; the others are detokenized here.
+        self._text = None if params.stop_strings else SampleText(tokenizer, prompt_token_ids, params)
+        self.engine_text = ""
+        self._num_decoded = 0  # tokens whose text (and logprob entries' decoded_token) is done
+        self._tokenizer = tokenizer
+
+    def apply(self, delta) -> None:
+        self.token_ids += delta.token_ids
+        if delta.logprobs is not None and self.logprobs is not None:
+            for token, entry in zip(delta.token_ids, delta.logprobs, strict=True):
+                self.logprobs.append(entry)
+                self.cumulative_logprob += entry[token].logprob
+        if delta.text is not None:
+            self.engine_text = delta.text
+        if delta.finish_reason is not None:
+            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+            self.ended_by_token = delta.ended_by_token
+
+    def completion(self) -> CompletionOutput:
+        self._decode_pending()
+        text = self._text.text if self._text is not None else self.engine_text
+        if self.finish_reason is None and self.hold:
+            text = text[: max(0, len(text) - self.hold)]
+        return CompletionOutput(
+            index=self.index,
+            text=text,
+            token_ids=self.token_ids,
+            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
+            logprobs=self.logprobs,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+    def _decode_pending(self) -> None:
+        start, end = self._num_decoded, len(self.token_ids)
+        if start == end:
+            return
+        self._num_decoded = end
+        if self.logprobs is not None:
+            decode_entries(self._tokenizer, self.logprobs[start:end])
+        text = self._text
+        if text is None:
+            return
+        # A token that stopped the sample by itself (EOS or a stop token): its text only if asked for.
+        last_stops = self.ended_by_token
+        for i in range(start, end):
+            if last_stops and i == end - 1:
+                text.add_final(self.token_ids[i], self.params.include_stop_str_in_output)
+            else:
+                text.add(self.token_ids[i])
+
+
+class OutputState:
+    """Made by ``LLMEngine.add_request`` and kept by whoever reads the request's outputs (never by the engine)."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        sample_params: list[SamplingParams],
+        tokenizer: Tokenizer,
+        prompt_block_hashes: list[bytes],
+        namespace_id: str,
+        arrival_time: float,
+    ):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.prompt_block_hashes = prompt_block_hashes
+        self.namespace_id = namespace_id
+        self._tokenizer = tokenizer
+        self.samples = [_Sample(i, tokenizer, prompt_token_ids, p) for i, p in enumerate(sample_params)]
+        self.finished = False
+        self.num_cached_tokens = 0
+        self.metrics = RequestMetrics(arrival_time)
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+        self._prompt_logprobs_decoded = False
+
+    def apply(self, delta: RequestDelta) -> None:
+        for d in delta.samples:
+            self.samples[d.index].apply(d)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        self.finished = delta.finished
+        self.num_cached_tokens = delta.num_cached_tokens
+        self.metrics = delta.metrics
+
+    def output(self) -> RequestOutput:
+        if self.prompt_logprobs is not None and not self._prompt_logprobs_decoded:
+            self._prompt_logprobs_decoded = True
+            decode_entries(self._tokenizer, [e for e in self.prompt_logprobs if e is not None])
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[s.completion() for s in self.samples],
+            finished=self.finished,
+            num_cached_tokens=self.num_cached_tokens,
+            metrics=self.metrics,
+            prompt_block_hashes=self.prompt_block_hashes,
+            namespace_id=self.namespace_id,
+            prompt_logprobs=self.prompt_logprobs,
+        )
+
+
+def decode_entries(tokenizer: Tokenizer, entries: list[dict[int, Logprob]]) -> None:
+    """Fills each logprob entry's ``decoded_token`` (the sampler leaves it empty: decoding is the reader's work)."""
+    decode = tokenizer.decode
+    for entry in entries:
+        for t, lp in entry.items():
+            lp.decoded_token = decode([t])

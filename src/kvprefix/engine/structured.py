@@ -1,0 +1,80 @@
+"""Structured outputs with llguidance: a request's schema, regex, choices or grammar becomes a matcher that masks
+the logits of each step to the tokens that keep the output in the language, and follows the sampled tokens.
+
+llguidance, not xgrammar: on CPU its per-token mask is about half of xgrammar's at a 32k vocabulary
+(benchmarks/bench_structured.py, docs/server.md), and it needs no GPU toolchain to install.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import torch
+
+from kvprefix.engine.sampling_params import StructuredOutputsParams
+
+MAX_SPEC_CHARS = 65536  # a schema (as JSON text) or a grammar
+MAX_REGEX_CHARS = 4096
+MAX_CHOICES = 256
+MAX_CHOICE_CHARS = 1024
+# Compact JSON: no free whitespace between tokens (an unconstrained model can otherwise emit it without end).
+_JSON_DEFAULTS = {"whitespace_flexible": False}
+
+
+def grammar_for(spec: StructuredOutputsParams) -> str:
+    """The llguidance grammar of ``spec``; ValueError (naming the field) when it is too large or does not compile."""
+    if spec.json is not None or spec.json_object:
+        schema = spec.json if spec.json is not None else {"type": "object"}
+        text = schema if isinstance(schema, str) else json.dumps(schema)
+        _bounded("json", text, MAX_SPEC_CHARS)
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=_JSON_DEFAULTS)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"json: not a usable JSON schema: {exc}") from None
+    elif spec.regex is not None:
+        _bounded("regex", spec.regex, MAX_REGEX_CHARS)
+        grammar = llguidance.LLMatcher.grammar_from_regex(spec.regex)
+    elif spec.choice is not None:
+        if not 0 < len(spec.choice) <= MAX_CHOICES or not all(isinstance(c, str) and c for c in spec.choice):
+            raise ValueError(f"choice: give 1 to {MAX_CHOICES} non-empty strings")
+        for c in spec.choice:
+            _bounded("choice", c, MAX_CHOICE_CHARS)
+        # Each choice as a Lark string literal (JSON's escapes are Lark's).
+        grammar = llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
+    else:
+        _bounded("grammar", spec.grammar, MAX_SPEC_CHARS)
+        grammar = llguidance.LLMatcher.grammar_from_lark(spec.grammar)
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        kind = next(k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(spec, k))
+        raise ValueError(f"{kind}: {error.splitlines()[0]}")
+    return grammar
+
+
+def _bounded(name: str, text: str, limit: int) -> None:
+    if len(text) > limit:
+        raise ValueError(f"{name}: at most {limit} characters, got {len(text)}")
+
+
+class GrammarMasks:
+    """The vocabulary as llguidance sees it (built once per engine), matchers over it, and the masking step."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int):
+        self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size)
+
+    def matcher(self, grammar: str) -> llguidance.LLMatcher:
+        return llguidance.LLMatcher(self.tokenizer, grammar)
+
+    def apply(self, logits: torch.Tensor, matchers: Sequence[llguidance.LLMatcher | None]) -> torch.Tensor:
+        """Sets to -inf, in place, each constrained row's logits of tokens its grammar does not allow now."""
+        bitmask = llguidance.torch.allocate_token_bitmask(len(matchers), self.tokenizer.vocab_size)
+        bitmask.fill_(-1)  # all allowed: rows without a grammar
+        for i, m in enumerate(matchers):
+            if m is not None:
+                llguidance.torch.fill_next_token_bitmask(m, bitmask, i)
+        llguidance.torch.apply_token_bitmask_inplace(logits, bitmask.to(logits.device))
+        return logits

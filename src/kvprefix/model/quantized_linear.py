@@ -1,0 +1,257 @@
+"""Weight-only quantized linear layers for CPU decode, on the int8/int4 matmuls that PyTorch ships.
+
+Decode on CPU is bound by the bytes of weights read per step; these layers keep the weights compact:
+
+- ``Int8Linear``: one int8 per weight, one scale per output channel: ``w = q * scale``
+  (``torch.ops.aten._weight_int8pack_mm``).
+- ``Int4Linear``: 4 bits per weight in groups of 32 along the input dimension, with a scale and a zero per group:
+  ``w = (q - 8) * scale + zero``, q in 0..15 (``torch.ops.aten._weight_int4pack_mm_for_cpu``, the tinygemm
+  convention; tests/model/test_quantized_linear.py checks it against the op).
+
+Both ops run fast only with bfloat16 activations (float32 ones take a fallback that is 5-10x slower), so the layers
+compute in bfloat16 and return the caller's dtype. ``quantize_model`` swaps a loaded model's projections (and its
+lm_head, tied or not) for these layers; ``pack_gguf_tensor`` builds one straight from a GGUF file's blocks.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import torch
+from torch import nn
+
+from kvprefix.cache.identity import QUANTIZATION_METHODS
+from kvprefix.model.gguf_loader import _LAYER_NAMES, unpermute_rows
+
+GROUP_SIZE = 32  # int4 group along the input dimension; also the block size of GGUF's Q4_0/Q4_1/Q8_0
+_COMPUTE = torch.bfloat16
+_N_ALIGN = 16  # the int4 packing needs a multiple of 16 output channels: pad with zero rows
+
+
+class Int8Linear(nn.Module):
+    """y = x @ (q * scale[:, None]).T + bias, with q int8 [out, in] and scale bfloat16 [out]."""
+
+    # The quantized ops are matrix-vector kernels whose time grows with the rows: at a 512-token prefill of a
+    # 1536x576 projection they took ~50 ms where dequantizing (int8 3 ms, int4 15 ms) and a bfloat16 matmul (5 ms)
+    # take far less. Above this many rows a layer dequantizes; the crossovers sit near 40 (int8) and 150 (int4).
+    dense_above_rows = 32
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = qweight.shape
+        self.register_buffer("qweight", qweight.to(torch.int8).contiguous())
+        self.register_buffer("scales", scales.to(_COMPUTE).contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
+        """Symmetric per-output-channel quantization: scale = max|w| / 127 (rounded to bfloat16 first, so q is
+        computed against the scale the matmul uses): |error| <= scale / 2 per weight."""
+        w = weight.detach().float()
+        scales = (w.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny).to(_COMPUTE).float()
+        q = torch.round(w / scales[:, None]).clamp(-127, 127)
+        return cls(q.to(torch.int8), scales, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(_COMPUTE)
+        if flat.shape[0] > self.dense_above_rows:
+            out = flat @ self.dequantize().t()
+        else:
+            out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales)
+        return _finish(out, self.bias, x, self.out_features)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.qweight.to(_COMPUTE) * self.scales[:, None]  # q fits bfloat16 exactly: one rounding
+
+    def nbytes(self) -> int:
+        return _nbytes(self.qweight, self.scales, self.bias)
+
+
+class Int4Linear(nn.Module):
+    """y = x @ W.T + bias with W[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g], g = k // 32, q in 0..15."""
+
+    dense_above_rows = 128  # see Int8Linear
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        if self.in_features % GROUP_SIZE:
+            raise ValueError(f"int4 weights need an input dimension divisible by {GROUP_SIZE}, got {self.in_features}")
+        pad = -self.out_features % _N_ALIGN
+        q, scales, zeros = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, scales, zeros))
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+        self.register_buffer("qweight", packed)
+        # The op's packing is opaque; prefill dequantizes from this copy (two weights a byte: even k low, odd high).
+        q8 = q.to(torch.uint8)
+        self.register_buffer("nibbles", (q8[:, 0::2] | (q8[:, 1::2] << 4)).contiguous())
+        # [in // 32, out, 2]: the op's layout of (scale, zero) per group and output channel.
+        self.register_buffer("scales_and_zeros", torch.stack([scales.t(), zeros.t()], -1).to(_COMPUTE).contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int4Linear:
+        """Asymmetric min/max quantization per group of 32: scale = (max - min) / 15, zero = the value at q = 8;
+        both rounded to bfloat16 before q is chosen: |error| <= scale / 2 per weight (plus bfloat16 rounding)."""
+        w = weight.detach().float()
+        n, k = w.shape
+        if k % GROUP_SIZE:
+            raise ValueError(f"int4 weights need an input dimension divisible by {GROUP_SIZE}, got {k}")
+        groups = w.reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+        lo, hi = groups.amin(-1), groups.amax(-1)
+        scales = ((hi - lo) / 15).clamp_min(torch.finfo(torch.float32).tiny).to(_COMPUTE).float()
+        zeros = (lo + 8 * scales).to(_COMPUTE).float()
+        q = torch.round((groups - zeros[..., None]) / scales[..., None] + 8).clamp(0, 15)
+        return cls(q.reshape(n, k), scales, zeros, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(_COMPUTE)
+        if flat.shape[0] > self.dense_above_rows:
+            out = flat @ self.dequantize().t()
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.qweight, GROUP_SIZE, self.scales_and_zeros)
+        return _finish(out, self.bias, x, self.out_features)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight [out (padded to 16), in] in bfloat16, computed in float32 as the op does."""
+        q = torch.stack([self.nibbles & 0x0F, self.nibbles >> 4], -1).reshape(self.nibbles.shape[0], -1).float()
+        scales, zeros = self.scales_and_zeros.float().permute(2, 1, 0)  # each [out, in // 32]
+        groups = (q - 8).reshape(q.shape[0], -1, GROUP_SIZE) * scales[..., None] + zeros[..., None]
+        return groups.reshape(q.shape).to(_COMPUTE)
+
+    def nbytes(self) -> int:
+        return _nbytes(self.qweight, self.scales_and_zeros, self.bias)
+
+
+def _finish(out: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor, out_features: int) -> torch.Tensor:
+    if out.shape[1] != out_features:
+        out = out[:, :out_features]  # drops the int4 padding rows
+    out = out.to(x.dtype)  # back to the model's dtype (no copy when it is bfloat16)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], out_features)
+
+
+def _nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+# ---- GGUF blocks -------------------------------------------------------------------------------------------------
+
+
+def pack_gguf_tensor(file: str | gguf.GGUFReader, name: str, rows: torch.Tensor | None = None,
+                     bias: torch.Tensor | None = None) -> Int4Linear | Int8Linear:
+    """The linear layer for GGUF tensor ``name`` of ``file`` (a path, or a reader to reuse), from its raw blocks.
+
+    Q4_0 (w = d * (q - 8)) and Q4_1 (w = d * q + m) map onto int4 exactly: scale = d, zero = 0 or m + 8 d (the
+    only change is d and m going from float16 to bfloat16). Q8_0's scale is per block of 32 while the int8 matmul's
+    is per output channel, so Q8_0 (and every other type, dequantized by the gguf package) is re-quantized to
+    per-channel int8 (``Int8Linear.from_float``). ``rows`` reorders the output channels (the loader's undoing of
+    llama.cpp's q/k row permutation): blocks run along the input dimension, so a row order is lossless.
+    """
+    reader = gguf.GGUFReader(file) if isinstance(file, str) else file
+    tensor = next((t for t in reader.tensors if t.name == name), None)
+    if tensor is None:
+        raise ValueError(f"GGUF file has no tensor {name!r}")
+    out_features, in_features = int(tensor.shape[1]), int(tensor.shape[0])  # GGUF lists dims innermost first
+    kind = tensor.tensor_type
+    raw = np.asarray(tensor.data)
+    if kind in (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1):
+        blocks = torch.from_numpy(raw.reshape(out_features, in_features // GROUP_SIZE, -1).copy())
+        scales = _f16(blocks[..., 0:2])
+        if kind == gguf.GGMLQuantizationType.Q4_1:
+            zeros, nibbles = _f16(blocks[..., 2:4]) + 8 * scales, blocks[..., 4:]
+        else:
+            zeros, nibbles = torch.zeros_like(scales), blocks[..., 2:]
+        # A block's 16 bytes hold elements 0..15 in their low nibbles and 16..31 in their high nibbles.
+        q = torch.cat([nibbles & 0x0F, nibbles >> 4], -1).reshape(out_features, in_features)
+        q, scales, zeros = (_reorder(t, rows) for t in (q, scales, zeros))
+        return Int4Linear(q, scales, zeros, bias)
+    weight = torch.from_numpy(gguf.quants.dequantize(raw, kind).reshape(out_features, in_features).copy())
+    return Int8Linear.from_float(_reorder(weight, rows), bias)
+
+
+def _f16(two_bytes: torch.Tensor) -> torch.Tensor:
+    return two_bytes.contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def _reorder(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    return t if rows is None else t[rows]
+
+
+def gguf_rows_from_permuted(out_features: int, num_heads: int) -> torch.Tensor:
+    """The row order that undoes llama.cpp's q/k permutation: ``gguf_weight[rows]`` is the Hugging Face weight
+    (the loader's ``unpermute_rows`` applied to the row indices)."""
+    return torch.from_numpy(unpermute_rows(np.arange(out_features), num_heads))
+
+
+# The projections, as the loader names them: GGUF tensor name (within blk.N) -> module name (within a layer).
+_PROJECTIONS = {g: hf for g, hf in _LAYER_NAMES.items() if hf.endswith("_proj")}
+
+
+# ---- the hook ----------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, method: str | None, gguf_path: str | None = None) -> nn.Module:
+    """Swaps a loaded CausalLM's projections and lm_head for weight-only quantized layers, in place; returns it.
+
+    ``method``: None keeps dense weights; "int8" and "int4" re-quantize the loaded weights; "gguf" packs each
+    projection from the blocks of ``gguf_path`` (the file the model was loaded from; ``pack_gguf_tensor``). The
+    embedding stays dense (a decode step reads one row of it), as do norms, biases and the KV cache.
+    """
+    if method is None:
+        return model
+    check_quantization(method, gguf_path, next(model.parameters()).device)
+    config = model.config
+    reader = gguf.GGUFReader(gguf_path) if method == "gguf" else None
+    # llama.cpp permutes q/k rows only in "llama" files (Qwen's keep the NeoX rotation): as the loader undoes it.
+    llama_rows = reader is not None and reader.fields["general.architecture"].contents() == "llama"
+    permuted_heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads} if llama_rows else {}
+    for i, layer in enumerate(model.model.layers):
+        for gguf_name, hf_name in _PROJECTIONS.items():
+            parent_name, attr = hf_name.split(".")
+            parent = getattr(layer, parent_name)
+            linear = getattr(parent, attr)
+            if method == "gguf":
+                heads = permuted_heads.get(gguf_name)
+                rows = None if heads is None else gguf_rows_from_permuted(linear.out_features, heads)
+                new = pack_gguf_tensor(reader, f"blk.{i}.{gguf_name}.weight", rows, linear.bias)
+            else:
+                new = _from_float(method, linear)
+            setattr(parent, attr, new)
+    if method == "gguf":
+        names = {t.name for t in reader.tensors}
+        head = "output.weight" if "output.weight" in names else "token_embd.weight"  # tied: the embedding
+        model.lm_head = pack_gguf_tensor(reader, head)
+    else:
+        model.lm_head = _from_float(method, model.lm_head)
+    return model
+
+
+def check_quantization(method: str | None, path: str | None, device: torch.device | str) -> None:
+    """ValueError, before any loading, for a method this build cannot run on ``path`` and ``device``."""
+    if method is None:
+        return
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(f"unsupported quantization {method!r}; accepted: {', '.join(QUANTIZATION_METHODS)}")
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"quantization {method!r} runs on device cpu only (PyTorch's CPU kernels), not {device}")
+    if method == "gguf" and not (path and path.endswith(".gguf")):
+        raise ValueError(f"quantization 'gguf' needs a .gguf checkpoint, got {path!r}")
+
+
+def _from_float(method: str, linear: nn.Module) -> Int4Linear | Int8Linear:
+    cls = Int8Linear if method == "int8" else Int4Linear
+    return cls.from_float(linear.weight, linear.bias)
+
+
+def linear_weight_bytes(model: nn.Module) -> int:
+    """Bytes of the projection and lm_head weights (with scales and biases): what one decode step reads of them."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, (Int8Linear, Int4Linear)):
+            total += module.nbytes()
+        elif isinstance(module, nn.Linear):
+            total += _nbytes(module.weight, module.bias)
+    return total

@@ -1,0 +1,139 @@
+"""Relaying one request to the replica a policy chose, as raw ASGI: the router's hot path.
+
+The answer goes back byte for byte as it arrives (``upstream.Pool``), so ``cached_tokens`` is the replica's own
+and a stream stays a stream. A replica that fails before answering, or answers 503, is passed over for another
+(never the same one twice); once bytes went to the client nothing is retried. Every path settles the request's
+share of the replica's load (``pending.Routed``): its queued prefill when its first token is out, the rest when
+it ends however it ends (finished, replica gone, client gone, retried elsewhere), and before the end goes out, so
+a client that sends its next request at once finds its previous one settled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+
+from kvprefix.router.fleet import FleetView, Replica
+from kvprefix.router.hashing import RouteRequest
+from kvprefix.router.metrics import RouterMetrics
+from kvprefix.router.pending import Routed
+from kvprefix.router.policies import RoutingPolicy
+from kvprefix.router.upstream import Pool, ReplicaDown
+from kvprefix.server.errors import APIError
+
+log = logging.getLogger("kvprefix.router")
+
+FORWARD_HEADERS = frozenset({b"authorization", b"content-type", b"accept"})
+DROP_RESPONSE_HEADERS = frozenset({b"transfer-encoding", b"connection", b"keep-alive", b"date",
+                                   b"server"})
+REPLICA_HEADER = b"x-kvprefix-replica"
+_CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+_TAIL_BYTES = 4096  # usage comes last in a body or stream: enough of the end to find it
+
+
+class Relay:
+    def __init__(self, policy: RoutingPolicy, view: FleetView, pools: list[Pool], metrics: RouterMetrics):
+        self.policy = policy
+        self.view = view
+        self.pools = pools
+        self.metrics = metrics
+        self.block_size = 0  # tokens per block, once the hashing identity is known (for the predicted metric)
+        names = [rep.name for rep in view.replicas]
+        # prometheus children looked up once: labels() per request costs more than the rest of the bookkeeping
+        self._requests = {(i, reason): metrics.requests.labels(name, reason)
+                          for i, name in enumerate(names) for reason in ("retry", "cached_prefix", "session",
+                                                                         "no_prefix")}
+        self._retries = [metrics.retries.labels(name) for name in names]
+        self._predicted = [metrics.predicted_cached.labels(name) for name in names]
+        self._reported = [metrics.reported_cached.labels(name) for name in names]
+
+    async def __call__(self, scope, receive, send, route: RouteRequest, body: bytes) -> None:
+        """Answers the request from a replica; APIError (503 no_replica) when none can take it."""
+        headers = [(k, v) for k, v in scope["headers"] if k in FORWARD_HEADERS]
+        target = scope["raw_path"] or scope["path"].encode()
+        if scope["query_string"]:
+            target += b"?" + scope["query_string"]
+        method = scope["method"].encode()
+        view, attempt = self.view, 0
+        while True:
+            if not view.usable():
+                self.metrics.unroutable.inc()
+                raise APIError(503, "no replica can take the request now (all down or all failed it)",
+                               type="server_error", code="no_replica")
+            i = self.policy.choose(route, view)
+            credited = self.policy.credited
+            rep = view.replicas[i]
+            routed = rep.outstanding.add(route.block_hashes, max(route.num_blocks - credited, 0))
+            try:
+                upstream = await self.pools[i].request(method, target, headers, body)
+            except ReplicaDown as exc:
+                routed.finish()
+                log.warning("replica %s failed before answering: %s; retrying elsewhere", rep.url, exc)
+                rep.healthy = False
+                self._retries[i].inc()
+                view, attempt = view.excluding(i), attempt + 1
+                continue
+            except BaseException:
+                routed.finish()
+                raise
+            again = view.excluding(i)
+            if upstream.status == 503 and again.usable():  # full or shutting down: another replica may take it
+                upstream.close()
+                routed.finish()
+                self._retries[i].inc()
+                view, attempt = again, attempt + 1
+                continue
+            reason = ("retry" if attempt else "cached_prefix" if credited else
+                      "session" if route.session is not None and self.policy.name == "session" else "no_prefix")
+            self._requests[i, reason].inc()
+            if credited:
+                self._predicted[i].inc(credited * self.block_size)
+            await self._answer(scope, receive, send, i, rep, routed, upstream)
+            return
+
+    async def _answer(self, scope, receive, send, i: int, rep: Replica, routed: Routed, upstream) -> None:
+        """Streams the replica's answer to the client. A client that leaves closes the upstream connection (the
+        replica aborts the request), which ends the relay as a cut-off answer would."""
+        client_gone = False
+
+        async def watch() -> None:
+            nonlocal client_gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            client_gone = True
+            upstream.abort()
+
+        watcher = asyncio.create_task(watch())
+        headers = [(k, v) for k, v in upstream.headers if k.lower() not in DROP_RESPONSE_HEADERS]
+        headers.append((REPLICA_HEADER, rep.url.encode()))
+        sse = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in upstream.headers)
+        # The first token is out with the first event of a completion stream, the second of a chat stream (a
+        # role-only event comes first), the first bytes of a whole answer.
+        first_token_event = (2 if scope["path"].endswith("/chat/completions") else 1) if sse else 0
+        tail, events = b"", 0
+        try:
+            await send({"type": "http.response.start", "status": upstream.status, "headers": headers})
+            try:
+                async for chunk in upstream.chunks():
+                    tail = (tail + chunk)[-_TAIL_BYTES:]
+                    if events < first_token_event:
+                        events += chunk.count(b"data:")
+                    if events >= first_token_event:
+                        routed.prefilled()
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except ReplicaDown as exc:  # the replica went away mid-answer: nothing to retry once bytes went out
+                if not client_gone:
+                    log.warning("answer from %s cut off: %s", rep.url, exc)
+            routed.finish()
+            found = _CACHED_TOKENS.findall(tail)
+            if found:
+                self._reported[i].inc(int(found[-1]))
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            routed.finish()
+            upstream.close()
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher

@@ -1,0 +1,49 @@
+"""Structured outputs in the engine (llguidance): whatever the random model prefers, every output is in the
+language asked for, and the sample stops when the language is complete."""
+
+import json
+import re
+
+import pytest
+
+from kvprefix import SamplingParams
+from kvprefix.engine import StructuredOutputsParams
+
+PROMPT = list(range(30, 50))
+
+
+@pytest.fixture(scope="module")
+def llm(make_llm):
+    return make_llm()
+
+
+def run(llm, n=3, **spec):
+    params = SamplingParams(n=n, temperature=1.0, seed=5, max_tokens=200,
+                            structured_outputs=StructuredOutputsParams(**spec))
+    return llm.generate(PROMPT, params)[0].outputs
+
+
+def test_json_schema_choice_regex_and_grammar(llm, assert_no_leaks):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "tier": {"enum": ["gold", "silver"]}},
+              "required": ["ok", "tier"], "additionalProperties": False}
+    for o in run(llm, json=schema):
+        doc = json.loads(o.text)
+        assert o.finish_reason == "stop" and set(doc) == {"ok", "tier"} and doc["tier"] in ("gold", "silver")
+    assert {o.text for o in run(llm, n=4, choice=["red", "green", "blue"])} <= {"red", "green", "blue"}
+    for o in run(llm, regex=r"[0-9]{3}-[a-c]{2}"):
+        assert re.fullmatch(r"[0-9]{3}-[a-c]{2}", o.text) and o.finish_reason == "stop"
+    for o in run(llm, grammar='start: "(" NUM ("," NUM)~1..3 ")"\nNUM: /[1-9]/'):
+        assert re.fullmatch(r"\(\d(,\d){1,3}\)", o.text), o.text
+    free = llm.generate(PROMPT, SamplingParams(temperature=1.0, seed=5, max_tokens=20))[0].outputs[0]
+    with pytest.raises(json.JSONDecodeError):  # without a grammar the random model writes no JSON
+        json.loads(free.text)
+    assert_no_leaks(llm)
+
+
+def test_bad_specs_are_value_errors(llm):
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams(json={"type": "object"}, regex="a")
+    for spec, match in ((dict(regex="("), "regex"), (dict(grammar="start: nope"), "grammar"),
+                        (dict(json={"type": "nope"}), "json"), (dict(choice=[""]), "choice")):
+        with pytest.raises(ValueError, match=match):
+            llm.generate(PROMPT, SamplingParams(structured_outputs=StructuredOutputsParams(**spec)))

@@ -1,0 +1,255 @@
+"""Weight-only int8/int4 layers: the ops' dequantization convention, packing from float weights and from GGUF blocks
+(files the tests write with the gguf writer), and a tiny random Llama generating with quantized weights."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from paged import Chunk, greedy_generate, run_batch
+
+from kvprefix.engine import LLM, SamplingParams
+from kvprefix.model import allocate_kv_cache, load_model
+from kvprefix.model.quantized_linear import (
+    Int4Linear,
+    Int8Linear,
+    gguf_rows_from_permuted,
+    linear_weight_bytes,
+    pack_gguf_tensor,
+    quantize_model,
+)
+
+BF16_EPS = 2.0**-8  # bfloat16 keeps 8 significant bits: rounding moves a value by at most |v| * 2**-9
+Q = gguf.GGMLQuantizationType
+
+
+def effective_weight(layer: torch.nn.Module) -> torch.Tensor:
+    """The weight the layer's matmul applies, [out, in] in float32 (identity input; output rounded to bf16)."""
+    return layer(torch.eye(layer.in_features)).float().t()
+
+
+def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter (convert_hf_to_gguf.py, LlamaModel.permute): Hugging Face q/k rows -> GGUF rows."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def test_int4_convention_is_q_minus_8_times_scale_plus_zero() -> None:
+    gen = torch.Generator().manual_seed(0)
+    n, k = 40, 96  # n not a multiple of 16: exercises the padding rows
+    q = torch.randint(0, 16, (n, k), generator=gen)
+    scales = (torch.rand(n, k // 32, generator=gen) * 0.1 + 0.01).bfloat16().float()
+    zeros = (torch.randn(n, k // 32, generator=gen) * 0.1).bfloat16().float()
+    layer = Int4Linear(q, scales, zeros)
+    expected = (q - 8) * scales.repeat_interleave(32, 1) + zeros.repeat_interleave(32, 1)
+    torch.testing.assert_close(effective_weight(layer), expected, rtol=BF16_EPS, atol=1e-6)
+    x = torch.randn(3, k, generator=gen)
+    assert layer(x).shape == (3, n) and layer(x).dtype == torch.float32
+    torch.testing.assert_close(layer(x), x.bfloat16().float() @ expected.t(), rtol=0.02, atol=0.02)
+
+
+def test_int8_convention_is_q_times_channel_scale() -> None:
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randint(-127, 128, (24, 64), generator=gen, dtype=torch.int8)
+    scales = (torch.rand(24, generator=gen) * 0.01).bfloat16().float()
+    bias = torch.randn(24, generator=gen)
+    layer = Int8Linear(q, scales, bias)
+    x = torch.randn(2, 5, 64, generator=gen)
+    expected = x.bfloat16().float() @ (q.float() * scales[:, None]).t() + bias
+    torch.testing.assert_close(layer(x), expected, rtol=0.02, atol=0.02)
+
+
+@pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
+def test_requantization_error_is_bounded(cls) -> None:
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(48, 128, generator=gen)
+    eff = effective_weight(cls.from_float(w))
+    if cls is Int8Linear:
+        step = w.abs().amax(1, keepdim=True) / 127
+    else:
+        groups = w.reshape(48, 4, 32)
+        step = ((groups.amax(-1) - groups.amin(-1)) / 15).repeat_interleave(32, 1)
+    # Half a quantization step, plus the bfloat16 rounding of the scale (x up to 127 or 8 steps) and the output.
+    bound = step / 2 * (1 + BF16_EPS * 256) + w.abs() * BF16_EPS
+    assert ((eff - w).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
+def test_prefill_sized_inputs_take_the_dequantized_path_with_the_same_weights(cls) -> None:
+    gen = torch.Generator().manual_seed(5)
+    layer = cls.from_float(torch.randn(40, 64, generator=gen), torch.randn(40, generator=gen))
+    x = torch.randn(cls.dense_above_rows + 1, 64, generator=gen)
+    kernel_rows = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
+    # Equal but for bfloat16 rounding of the outputs (the dense matmul rounds its result, the kernels too).
+    scale = float(kernel_rows.abs().max())
+    torch.testing.assert_close(layer(x), kernel_rows, rtol=0.0, atol=4 * BF16_EPS * scale)
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory) -> tuple[str, dict[str, np.ndarray]]:
+    """A GGUF file with one [48, 64] tensor per type; returns its path and the float weights quantized."""
+    rng = np.random.default_rng(3)
+    path = str(tmp_path_factory.mktemp("gguf") / "blocks.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    weights = {}
+    for kind in (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.F16):
+        w = rng.standard_normal((48, 64)).astype(np.float32) * 0.1
+        name = f"w.{kind.name}"
+        data = w.astype(np.float16) if kind == Q.F16 else gguf.quants.quantize(w, kind)
+        writer.add_tensor(name, data, raw_dtype=None if kind == Q.F16 else kind)
+        weights[name] = w
+    _close(writer)
+    return path, weights
+
+
+def _close(writer: gguf.GGUFWriter) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _reference(reader: gguf.GGUFReader, name: str) -> torch.Tensor:
+    tensor = next(t for t in reader.tensors if t.name == name)
+    return torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).copy()).float()
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_q4_blocks_pack_into_int4_without_loss(gguf_file, kind: str) -> None:
+    path, _ = gguf_file
+    reader = gguf.GGUFReader(path)
+    ref = _reference(reader, f"w.{kind}")
+    layer = pack_gguf_tensor(path, f"w.{kind}")
+    assert isinstance(layer, Int4Linear)
+    # Exact but for bfloat16: the block's d and zero (x up to 8 steps of q) and the output each round once.
+    blocks = ref.reshape(48, 2, 32)
+    d = ((blocks.amax(-1) - blocks.amin(-1)) / 15).repeat_interleave(32, 1)
+    err = (effective_weight(layer) - ref).abs()
+    assert (err <= BF16_EPS * (ref.abs() + 8 * d + blocks.abs().amax(-1).repeat_interleave(32, 1))).all()
+    assert err.max() < d.min() / 4  # far below a quantization step: no weight moved to another level
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "F16"])
+def test_other_types_are_requantized_per_channel_int8(gguf_file, kind: str) -> None:
+    path, _ = gguf_file
+    ref = _reference(gguf.GGUFReader(path), f"w.{kind}")
+    layer = pack_gguf_tensor(path, f"w.{kind}")
+    assert isinstance(layer, Int8Linear)
+    step = ref.abs().amax(1, keepdim=True) / 127
+    assert ((effective_weight(layer) - ref).abs() <= step / 2 * (1 + BF16_EPS * 256) + ref.abs() * BF16_EPS).all()
+
+
+def test_rows_reorder_output_channels_and_unknown_names_fail(gguf_file) -> None:
+    path, _ = gguf_file
+    rows = torch.randperm(48, generator=torch.Generator().manual_seed(4))
+    plain = effective_weight(pack_gguf_tensor(path, "w.Q4_1"))
+    assert torch.equal(effective_weight(pack_gguf_tensor(path, "w.Q4_1", rows)), plain[rows])
+    with pytest.raises(ValueError, match="no tensor 'w.missing'"):
+        pack_gguf_tensor(path, "w.missing")
+
+
+def test_rows_undo_llama_cpp_permutation() -> None:
+    w = np.arange(64 * 3, dtype=np.float32).reshape(64, 3)
+    for heads in (1, 2, 4):
+        permuted = llama_cpp_permute(w, heads)
+        assert np.array_equal(permuted[gguf_rows_from_permuted(64, heads).numpy()], w)
+
+
+# ---- a model with quantized weights ----------------------------------------------------------------------------
+
+
+PROMPTS = [list(range(3, 40)), list(range(3, 30)) + [7, 7, 9], [5, 9, 2, 11] * 6]
+
+
+def _greedy(model, prompt: list[int], max_new: int = 12) -> list[int]:
+    kv = allocate_kv_cache(model.config, 8, 16, torch.bfloat16, "cpu")
+    return greedy_generate(model, kv, 16, prompt, max_new, list(range(8)))
+
+
+def _logits(model, prompt: list[int]) -> torch.Tensor:
+    kv = allocate_kv_cache(model.config, 8, 16, torch.bfloat16, "cpu")
+    return run_batch(model, kv, 16, [Chunk(prompt, 0, len(prompt), list(range(8)))])[0]
+
+
+def _agreement(a: list[int], b: list[int]) -> int:
+    """Greedy tokens equal before the first difference."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+
+
+# Logits error relative to their norm; unrelated logits would be ~1.4. Int4 on a random untrained model (weights
+# of std 1/sqrt(hidden), no outliers to learn around) moves the logits by about a third.
+@pytest.mark.parametrize("method,max_rel_err", [("int8", 0.05), ("int4", 0.5)])
+def test_requantized_model_stays_close_to_dense(tiny_llama_path: str, method: str, max_rel_err: float) -> None:
+    dense = load_model(tiny_llama_path, torch.bfloat16)
+    quant = quantize_model(load_model(tiny_llama_path, torch.bfloat16), method)
+    assert linear_weight_bytes(quant) < linear_weight_bytes(dense) / (1.9 if method == "int8" else 3.0)
+    agree, errors = [], []
+    for prompt in PROMPTS:
+        ref, got = _logits(dense, prompt), _logits(quant, prompt)
+        errors.append(round(float((got - ref).norm() / ref.norm()), 3))
+        agree.append(_agreement(_greedy(dense, prompt), _greedy(quant, prompt)))
+    print(f"{method}: logits error {errors}; greedy tokens equal to dense bfloat16 before the first difference: "
+          f"{agree} of 12")
+    assert max(errors) < max_rel_err
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_gguf_blocks_model_matches_its_dequantized_weights(tiny_llama_path: str, tmp_path, arch: str) -> None:
+    """Every projection in Q4_1 (q/k rows permuted as llama.cpp writes them in "llama" files only), lm_head in
+    Q8_0: the packed model against a dense model holding the dequantized weights."""
+    dense = load_model(tiny_llama_path, torch.bfloat16)
+    config = dense.config
+    path = str(tmp_path / "tiny.gguf")
+    writer = gguf.GGUFWriter(path, arch)
+    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+    with torch.no_grad():
+        for i, layer in enumerate(dense.model.layers):
+            for module_name, linear in [*layer.self_attn.named_children(), *layer.mlp.named_children()]:
+                if module_name not in names:
+                    continue
+                w = linear.weight.float().numpy()
+                blocks = gguf.quants.quantize(w, Q.Q4_1)
+                heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}.get(module_name)
+                stored = blocks if heads is None or arch != "llama" else llama_cpp_permute(blocks, heads)
+                writer.add_tensor(f"blk.{i}.{names[module_name]}.weight", stored, raw_dtype=Q.Q4_1)
+                linear.weight.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, Q.Q4_1)))
+        head = dense.lm_head.weight.float().numpy()
+        writer.add_tensor("output.weight", gguf.quants.quantize(head, Q.Q8_0), raw_dtype=Q.Q8_0)
+        dense.lm_head.weight.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(head, Q.Q8_0),
+                                                                         Q.Q8_0)))
+    _close(writer)
+    packed = quantize_model(load_model(tiny_llama_path, torch.bfloat16), "gguf", path)
+    assert all(isinstance(layer.mlp.down_proj, Int4Linear) for layer in packed.model.layers)
+    assert isinstance(packed.lm_head, Int8Linear)
+    agree = []
+    for prompt in PROMPTS:
+        ref, got = _logits(dense, prompt), _logits(packed, prompt)
+        assert (got - ref).norm() / ref.norm() < 0.05
+        agree.append(_agreement(_greedy(dense, prompt), _greedy(packed, prompt)))
+    print(f"gguf blocks: greedy tokens equal to the dequantized dense model before the first difference: {agree}")
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_engine_outputs_identical_with_caching_on_and_off(tiny_llama_path: str, method: str) -> None:
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    outputs = {}
+    for caching in (True, False):
+        llm = LLM(tiny_llama_path, quantization=method, enable_prefix_caching=caching, dtype="bfloat16",
+                  num_gpu_blocks=64)
+        llm.generate(PROMPTS[0], params)  # the later prompts share its first blocks: a hit with caching on
+        results = llm.generate(PROMPTS, params)
+        outputs[caching] = [r.outputs[0].token_ids for r in results]
+        assert (results[1].num_cached_tokens > 0) == caching
+    assert outputs[True] == outputs[False]
+
+
+def test_engine_refuses_what_it_cannot_run(tiny_llama_path: str) -> None:
+    with pytest.raises(ValueError, match="unsupported quantization 'fp8'; accepted: int8, int4, gguf"):
+        LLM(tiny_llama_path, quantization="fp8")
+    with pytest.raises(ValueError, match="quantization 'gguf' needs a .gguf checkpoint"):
+        LLM(tiny_llama_path, quantization="gguf")
+
+
+def test_quantization_changes_the_hash_root(tiny_llama_path: str) -> None:
+    roots = {q: LLM(tiny_llama_path, quantization=q, num_gpu_blocks=8).llm_engine.hasher.root for q in (None, "int8")}
+    assert roots[None] != roots["int8"]
+

@@ -1,0 +1,62 @@
+"""Load as the prefix policies weigh it: requests in flight and queued prefill, on the router's real view."""
+
+from __future__ import annotations
+
+from kvprefix.router.fleet import FleetView, Replica
+from kvprefix.router.hashing import RouteRequest
+from kvprefix.router.policies import make_policy
+
+
+def fleet(n: int) -> FleetView:
+    replicas = [Replica(f"http://replica-{i}") for i in range(n)]
+    for rep in replicas:
+        rep.healthy = True
+    return FleetView(replicas)
+
+
+def test_queued_prefill_is_counted_until_the_first_token_and_everything_settles_once():
+    view = fleet(2)
+    out = view.replicas[0].outstanding
+    routed = out.add(["a", "b"], 5)
+    assert (view.load(0), view.queued_prefill_blocks(0), view.cached_prefix_blocks(0, ["a", "b", "c"])) == (1, 5, 2)
+    routed.prefilled()
+    routed.prefilled()
+    assert (view.load(0), view.queued_prefill_blocks(0)) == (1, 0)  # running, no longer queued
+    early = out.add(["a"], 3)  # a stream the client leaves before its first token
+    early.finish()
+    routed.finish()
+    routed.finish()
+    early.finish()
+    assert (out.requests, out.queued_prefill_blocks, len(out.blocks)) == (0, 0, 0)
+
+
+def test_credit_is_weighed_against_queued_prefill():
+    """A replica holding the prefix wins while its queue is short, and is passed over once its queued prefill
+    exceeds what the prefix would save there; the blocks it was not credited become queued prefill."""
+    view, policy = fleet(3), make_policy("kv-events")
+    prefix = [f"h{i}" for i in range(8)]
+    holder = view.replicas[1].outstanding
+    first = holder.add(prefix, 8)  # a request computing the prefix there: its blocks count as cached
+    request = RouteRequest(prefix + ["q1"], None, num_blocks=10)
+    assert policy.choose(request, view) == 1 and policy.credited == 8
+    second = holder.add(request.block_hashes, request.num_blocks - policy.credited)
+    assert view.queued_prefill_blocks(1) == 8 + 2
+    for _ in range(6):  # far more queued there than the 8 blocks the prefix saves
+        holder.add([], 10)
+    for i in (0, 2):  # as many requests in flight elsewhere, all past prefill: only the queues differ
+        for _ in range(8):
+            view.replicas[i].outstanding.add([], 0)
+    other = RouteRequest(prefix + ["q2"], None, num_blocks=10)
+    choice = policy.choose(other, view)
+    assert choice != 1 and policy.credited == 0
+    for r in (first, second):
+        r.finish()
+    assert view.load(1) == 6 and view.cached_prefix_blocks(1, prefix) == 0
+
+
+def test_a_miss_goes_to_the_least_queued_replica():
+    view, policy = fleet(3), make_policy("prefix")
+    view.replicas[0].outstanding.add([], 40)
+    view.replicas[2].outstanding.add([], 4)
+    view.replicas[1].outstanding.add([], 9)
+    assert policy.choose(RouteRequest(["x"], None, 1), view) == 2  # all load 1: the shortest prefill queue
