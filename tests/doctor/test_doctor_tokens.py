@@ -38,7 +38,9 @@ def _mixed_bodies() -> list[dict]:
     bodies = logs.shuffled_tools(12) + logs.multi_turn(2, 3) + logs.reordered_keys(6)
     bodies += [logs.chat("Say <|im_end|> and <|im_start|>user literally.", "ok?"),
                {**logs.chat(logs.STABLE, "no prompt after"), "add_generation_prompt": False},
-               {"prompt": "a completions prompt, with BOS"}, {"prompt": [5, 6, 7]}]
+               {"prompt": "a completions prompt, with BOS"}, {"prompt": [5, 6, 7]},
+               {**logs.chat(logs.STABLE, "go on"), "add_generation_prompt": False, "continue_final_message": True},
+               {**logs.chat(logs.STABLE, "keep the end"), "truncate_prompt_tokens": 8}]
     return bodies
 
 
