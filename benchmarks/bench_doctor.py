@@ -54,11 +54,10 @@ def write_log(path: Path, n: int, seed: int = 0) -> None:
 def write_request_log(bodies: Path, path: Path, model: str, with_prompts: bool) -> None:
     """What `kvprefix serve --request-log` would write for these bodies (its renderer, its sha256 hashes)."""
     from kvprefix.cache import BlockHasher
-    from kvprefix.doctor.tokens import SegmentMemoTokenizer
     from kvprefix.logs import RequestLogWriter, RequestRecord
-    from kvprefix.prompts import Tokenizer, render_bodies
+    from kvprefix.prompts import SegmentCachedTokenizer, Tokenizer, render_bodies
 
-    tokenizer = SegmentMemoTokenizer(Tokenizer(model))
+    tokenizer = SegmentCachedTokenizer(Tokenizer(model))
     hasher = BlockHasher(16, "sha256")
     writer = RequestLogWriter(str(path), include_prompts=with_prompts)
     with open(bodies, encoding="utf-8") as f:

@@ -3,8 +3,7 @@
 import doctor_logs as logs
 import pytest
 
-from kvprefix.doctor.tokens import SegmentMemoTokenizer
-from kvprefix.prompts import Tokenizer, render_bodies, render_body
+from kvprefix.prompts import SegmentCachedTokenizer, Tokenizer, render_bodies, render_body
 
 TEXTS = [
     "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nHi  there\n\n<|im_end|>\n",
@@ -17,7 +16,7 @@ TEXTS = [
 
 def test_memoized_encode_equals_the_tokenizer(tokenizer_dir):
     plain = Tokenizer(str(tokenizer_dir))
-    memo = SegmentMemoTokenizer(plain)
+    memo = SegmentCachedTokenizer(plain)
     for _ in range(2):  # the second round comes from the memo
         for text in TEXTS:
             assert memo.encode(text, add_special_tokens=False) == plain.encode(text, add_special_tokens=False)
@@ -27,7 +26,7 @@ def test_memoized_encode_equals_the_tokenizer(tokenizer_dir):
 
 def test_rendering_through_the_memo_equals_rendering_without(tokenizer_dir):
     plain = Tokenizer(str(tokenizer_dir))
-    memo = SegmentMemoTokenizer(plain)
+    memo = SegmentCachedTokenizer(plain)
     for body in logs.shuffled_tools(10) + logs.multi_turn(2, 3) + logs.short_prefix(3):
         assert render_body(memo, body)[0] == render_body(plain, body)[0]
 
@@ -49,7 +48,7 @@ def test_batched_rendering_equals_rendering_one_by_one(tokenizer_dir):
     bodies = _mixed_bodies()
     one_by_one = [render_body(plain, b) for b in bodies]
     assert render_bodies(plain, bodies) == one_by_one
-    memo = SegmentMemoTokenizer(plain)
+    memo = SegmentCachedTokenizer(plain)
     for _ in range(3):  # the memo's checked encodings first, then trusted batches, then pieces from the memo
         assert render_bodies(memo, bodies * 4) == one_by_one * 4
     assert memo.enabled and not memo._checks_left
@@ -57,7 +56,7 @@ def test_batched_rendering_equals_rendering_one_by_one(tokenizer_dir):
 
 def test_batched_encoding_equals_the_tokenizer(tokenizer_dir):
     plain = Tokenizer(str(tokenizer_dir))
-    memo = SegmentMemoTokenizer(plain)
+    memo = SegmentCachedTokenizer(plain)
     texts = TEXTS * 20
     for special in (False, True):
         want = [plain.encode(t, add_special_tokens=special) for t in texts]

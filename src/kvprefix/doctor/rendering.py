@@ -6,13 +6,12 @@ from typing import Any
 
 from kvprefix.doctor.divergence import Rendered
 from kvprefix.doctor.readers import DoctorInputError, LogEntry
-from kvprefix.doctor.tokens import SegmentMemoTokenizer
-from kvprefix.prompts import PromptError, Tokenizer, render_bodies, render_body
+from kvprefix.prompts import PromptError, SegmentCachedTokenizer, Tokenizer, render_bodies, render_body
 
 
 class Renderer:
     def __init__(self, tokenizer: Tokenizer, path: str):
-        self.tokenizer = SegmentMemoTokenizer(tokenizer)
+        self.tokenizer = SegmentCachedTokenizer(tokenizer)
         self.path = path
 
     def body(self, body: dict[str, Any], line: int) -> Rendered:

@@ -11,11 +11,13 @@ from kvprefix.prompts.render import (
     render_completion,
     truncate_prompt,
 )
+from kvprefix.prompts.segment_cache import SegmentCachedTokenizer
 from kvprefix.prompts.tokenizer import Tokenizer
 
 __all__ = [
     "PromptError",
     "RenderedPrompt",
+    "SegmentCachedTokenizer",
     "Tokenizer",
     "completion_prompts",
     "normalize_messages",

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
-from collections import OrderedDict
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +18,7 @@ from typing import Any
 from kvprefix.cache import BlockHash, BlockHasher, context_for_checkpoint
 from kvprefix.cache.event_wire import Hello
 from kvprefix.cache.identity import kv_labels
-from kvprefix.prompts import PromptError, Tokenizer, render_body
+from kvprefix.prompts import PromptError, SegmentCachedTokenizer, Tokenizer, render_body
 
 
 @dataclass
@@ -49,56 +47,6 @@ def route_request(body: bytes, headers: Mapping[str, str], tenant: str | None,
     return RouteRequest(hashes, session if isinstance(session, str) else None, num_blocks)
 
 
-class SegmentCachedTokenizer(Tokenizer):
-    """The replicas' tokenizer, with ``encode`` of rendered text going piece by piece through an LRU cache.
-
-    A fast tokenizer splits its input on the added tokens (``<|im_start|>``, ...) and tokenizes each piece between
-    them on its own; a chat template puts such tokens between messages, so the pieces of a long system prompt or
-    history repeat from request to request and are tokenized once. Exact only where the tokenizer works that way:
-    no normalizer, added tokens that strip nothing, and a probe text that tokenizes alike both ways; else every
-    text is tokenized whole, as before.
-    """
-
-    def __init__(self, path: str, capacity: int = 4096):
-        super().__init__(path)
-        self.capacity = capacity
-        self._added = self.hf.get_added_vocab()
-        self._pieces: OrderedDict[str, list[int]] = OrderedDict()
-        self._split = re.compile("(" + "|".join(re.escape(t) for t in sorted(self._added, key=len, reverse=True))
-                                 + ")") if self._added else None
-        self.exact = self._split is not None and self._splits_like_the_tokenizer()
-
-    def _splits_like_the_tokenizer(self) -> bool:
-        backend = self.hf.backend_tokenizer
-        if backend.normalizer is not None or any(t.lstrip or t.rstrip or t.single_word
-                                                 for t in self.hf.added_tokens_decoder.values()):
-            return False
-        probe = " ".join(self._added) + " a  b\n\n c" + "".join(f"{t}x y {t}\n" for t in self._added)
-        return self._encode_pieces(probe) == super().encode(probe, add_special_tokens=False)
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if add_special_tokens or not self.exact:
-            return super().encode(text, add_special_tokens=add_special_tokens)
-        return self._encode_pieces(text)
-
-    def _encode_pieces(self, text: str) -> list[int]:
-        ids: list[int] = []
-        cache, capacity = self._pieces, self.capacity
-        for k, piece in enumerate(self._split.split(text)):
-            if k % 2:  # an added token
-                ids.append(self._added[piece])
-            elif piece:
-                hit = cache.get(piece)
-                if hit is None:
-                    hit = cache[piece] = super().encode(piece, add_special_tokens=False)
-                    if len(cache) > capacity:
-                        cache.popitem(last=False)
-                else:
-                    cache.move_to_end(piece)
-                ids += hit
-        return ids
-
-
 class RequestHasher:
     def __init__(self, tokenizer: Tokenizer, hasher: BlockHasher):
         self.tokenizer = tokenizer
@@ -107,7 +55,7 @@ class RequestHasher:
     @classmethod
     def for_replica(cls, model: str, hello: Hello) -> RequestHasher:
         """The hasher for ``model`` that gives the root ``hello`` announces; ValueError when none does."""
-        tokenizer = SegmentCachedTokenizer(model)
+        tokenizer = SegmentCachedTokenizer(Tokenizer(model), capacity=4096)
         context = context_for_checkpoint(model, "", tokenizer.chat_template)  # fingerprints the files once
         for kv_dtype in kv_labels():
             hasher = BlockHasher(hello.block_size, hello.hash_algo, dataclasses.replace(context, kv_dtype=kv_dtype))

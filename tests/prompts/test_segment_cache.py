@@ -1,16 +1,16 @@
-"""The router's segment-cached tokenizer gives the replicas' token ids exactly, cached or not."""
+"""The segment-cached tokenizer the router uses gives the replicas' token ids exactly, cached or not."""
 
 from __future__ import annotations
 
-from kvprefix.prompts import Tokenizer, render_body
-from kvprefix.router.hashing import SegmentCachedTokenizer
+from kvprefix.prompts import SegmentCachedTokenizer, Tokenizer, render_body
 
 SYSTEM = "You are a careful assistant. Follow the policy below to the letter. " * 20
 
 
 def test_segment_cache_tokenizes_like_the_replicas(default_model_dir: str):
-    plain, cached = Tokenizer(default_model_dir), SegmentCachedTokenizer(default_model_dir, capacity=4)
-    assert cached.exact  # the built-in tokenizer splits on its added tokens first
+    plain = Tokenizer(default_model_dir)
+    cached = SegmentCachedTokenizer(plain, capacity=4)
+    assert cached.enabled  # the built-in tokenizer splits on its added tokens first
     bodies = [{"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]}
               for q in ("hi", " leading space", "two\n\nlines  and  spaces", "<|im_start|>system forged", "é ü 中")]
     bodies += [{"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "a"},

@@ -1,9 +1,11 @@
-"""Tokenizing a log fast: the same system prompt, tools and history come back on every request, so the text
-between two added tokens (the pieces a Hugging Face tokenizer tokenizes independently) is tokenized once.
+"""A tokenizer that tokenizes repeated text once: the same system prompt, tools and history come back on every
+request, and a fast tokenizer tokenizes the text between two added tokens (``<|im_start|>``, ...) on its own, so
+those pieces are memoized (least recently used dropped past ``capacity``).
 
-``SegmentMemoTokenizer`` is a drop-in for ``kvprefix.prompts.Tokenizer`` inside ``render_body``: the renderer stays
-the one renderer, only its ``encode`` is memoized. Its first encodings are checked against the plain tokenizer,
-and any disagreement (a tokenizer whose pieces interact) turns the memo off for good.
+``SegmentCachedTokenizer`` wraps a ``kvprefix.prompts.Tokenizer`` and stands in for it everywhere (the renderer
+stays the one renderer; only ``encode`` is memoized). The router and the doctor use it. It is exact only where the
+tokenizer works that way: one with a normalizer or added tokens that strip is never memoized, and the first
+encodings are checked against the plain tokenizer, any disagreement turning the memo off for good.
 """
 
 from __future__ import annotations
@@ -12,44 +14,31 @@ import re
 from collections import OrderedDict
 from typing import Any
 
-from kvprefix.prompts import Tokenizer
+from kvprefix.prompts.tokenizer import Tokenizer
 
 _CHECKED = 64  # encodings compared with the plain tokenizer before the memo is trusted
-_MAX_PIECES = 1 << 16  # memo entries (least recently used dropped): bounded by distinct content, then by this
 
 
-class SegmentMemoTokenizer:
-    def __init__(self, tokenizer: Tokenizer):
+class SegmentCachedTokenizer:
+    def __init__(self, tokenizer: Tokenizer, capacity: int = 1 << 16):
         self.inner = tokenizer
+        self.capacity = capacity
         added = {t.content: i for i, t in tokenizer.hf.added_tokens_decoder.items()}
         self._added_ids = added
         pattern = "|".join(re.escape(t) for t in sorted(added, key=len, reverse=True))
         self._split = re.compile(f"({pattern})") if pattern else None
         self._memo: OrderedDict[str, list[int]] = OrderedDict()
         self._checks_left = _CHECKED
-        self.enabled = self._split is not None
+        self.enabled = self._split is not None and self._splits_on_added_tokens()
 
-    # What render_chat / render_completion use of a tokenizer, delegated.
-    @property
-    def special_tokens(self) -> tuple[str, ...]:
-        return self.inner.special_tokens
+    def _splits_on_added_tokens(self) -> bool:
+        """Whether the tokenizer can split like this at all: no normalizer, no added token that strips."""
+        hf = self.inner.hf
+        return hf.backend_tokenizer.normalizer is None and not any(
+            t.lstrip or t.rstrip or t.single_word for t in hf.added_tokens_decoder.values())
 
-    @property
-    def max_chars_per_token(self) -> int:
-        return self.inner.max_chars_per_token
-
-    @property
-    def chat_template(self) -> str | None:
-        return self.inner.chat_template
-
-    def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any):
-        return self.inner.apply_chat_template(messages, **kwargs)
-
-    def encode_literal(self, text: str) -> list[int]:
-        return self.inner.encode_literal(text)
-
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.inner.decode(token_ids, skip_special_tokens=skip_special_tokens)
+    def __getattr__(self, name: str) -> Any:  # everything but encode is the plain tokenizer's
+        return getattr(self.inner, name)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if add_special_tokens or not self.enabled:  # a BOS or post-processor would sit between pieces
@@ -72,7 +61,7 @@ class SegmentMemoTokenizer:
                                  if p and p not in added and p not in memo))
         for piece, ids in zip(new, self.inner.encode_batch(new, add_special_tokens=False), strict=True):
             memo[piece] = ids
-        while len(memo) > _MAX_PIECES:
+        while len(memo) > self.capacity:
             memo.popitem(last=False)
         return [self._encode_pieces(t) for t in texts]
 
@@ -89,7 +78,7 @@ class SegmentMemoTokenizer:
             ids = memo.get(piece)
             if ids is None:
                 ids = memo[piece] = self.inner.encode(piece, add_special_tokens=False)
-                if len(memo) > _MAX_PIECES:
+                if len(memo) > self.capacity:
                     memo.popitem(last=False)
             else:
                 memo.move_to_end(piece)
