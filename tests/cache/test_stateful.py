@@ -9,6 +9,7 @@ pool with eviction groups (two groups; one of them spans two salts), which must 
 from collections import Counter
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -177,7 +178,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert all(b.ref_cnt == 0 for b in pool.blocks)
 
 
-TestCacheMachine = CacheMachine.TestCase
+TestCacheMachine = pytest.mark.slow(CacheMachine.TestCase)
 TestCacheMachine.settings = settings(
     max_examples=200, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
@@ -187,5 +188,5 @@ class GroupedCacheMachine(CacheMachine):
     RESERVE = 0.5
 
 
-TestGroupedCacheMachine = GroupedCacheMachine.TestCase
+TestGroupedCacheMachine = pytest.mark.slow(GroupedCacheMachine.TestCase)
 TestGroupedCacheMachine.settings = TestCacheMachine.settings

@@ -1,8 +1,11 @@
 """`kvprefix lab` runs end to end (on the tests' small random model) with small settings."""
 
+import pytest
+
 from kvprefix.cli import main
 
 
+@pytest.mark.slow
 def test_lab_command(default_model_dir, capsys):
     assert main(["lab", "--model", default_model_dir, "--system-tokens", "64", "--num-requests", "3",
                  "--max-tokens", "4"]) == 0

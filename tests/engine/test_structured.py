@@ -23,6 +23,7 @@ def run(llm, n=3, **spec):
     return llm.generate(PROMPT, params)[0].outputs
 
 
+@pytest.mark.slow
 def test_json_schema_choice_regex_and_grammar(llm, assert_no_leaks):
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "tier": {"enum": ["gold", "silver"]}},
               "required": ["ok", "tier"], "additionalProperties": False}

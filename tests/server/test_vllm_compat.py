@@ -249,6 +249,7 @@ def test_unsupported_vllm_fields_get_a_named_400(server: Server, field: str, val
         assert r.status_code == 400 and r.json()["error"]["param"] == field
 
 
+@pytest.mark.slow
 def test_structured_outputs_parse_and_vllm_fields(server: Server) -> None:
     """openai's .parse() with a pydantic model, json_object, and vLLM's structured_outputs / guided_* fields:
     whatever the random model prefers, the output is in the language asked for."""

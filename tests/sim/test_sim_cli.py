@@ -9,6 +9,7 @@ import pytest
 from kvprefix.cli import main
 
 
+@pytest.mark.slow
 def test_sweep_writes_table_json_and_plot(traces_dir, tmp_path, capsys):
     out_json, out_png = tmp_path / "sweep.json", tmp_path / "sweep.png"
     argv = [
