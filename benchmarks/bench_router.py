@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import httpx
+from server_process import wait_healthy
 
 from kvprefix.router.policies import POLICIES
 from kvprefix.sim.formats import load_trace
@@ -136,19 +137,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait(url: str, proc: subprocess.Popen) -> None:
-    for _ in range(600):
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url} exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"{url} did not start")
-
-
 def _pinned(core: int) -> list[str]:
     return ["taskset", "-c", str(core)] if os.path.exists("/usr/bin/taskset") and (os.cpu_count() or 1) > 1 else []
 
@@ -234,14 +222,14 @@ def proxy(model: str, seconds: float = 5.0, concurrency: int = 32, rounds: int =
     routers: dict[str, tuple[subprocess.Popen, int]] = {}
     samples: dict[str, list[dict]] = {"direct": [], **{p: [] for p in PROXY_POLICIES}}
     try:
-        _wait(backend_url, backend)
+        wait_healthy(backend_url, backend)
         for policy in PROXY_POLICIES:
             port = _free_port()
             routers[policy] = (subprocess.Popen([*_pinned(0), sys.executable, "-m", "kvprefix.cli", "route",
                                                  "--replica", backend_url, "--policy", policy, "--model", model,
                                                  "--port", str(port), "--log-level", "warning"]), port)
         for proc, port in routers.values():
-            _wait(f"http://127.0.0.1:{port}", proc)
+            wait_healthy(f"http://127.0.0.1:{port}", proc)
         for _ in range(rounds):
             for name, port in [("direct", backend_port), *((p, routers[p][1]) for p in PROXY_POLICIES)]:
                 seq = _load_in(1, port, 1, seconds / 2, model)
@@ -377,7 +365,7 @@ def live(model: str | None, rates: list[float], requests: int, replicas: int = 4
                                            "--max-num-seqs", "16", *(["--model", model] if model else [])]))
             urls.append(f"http://127.0.0.1:{port}")
         for url, proc in zip(urls, procs, strict=True):
-            _wait(url, proc)
+            wait_healthy(url, proc)
         model_id = httpx.get(urls[0] + "/v1/models", timeout=10).json()["data"][0]["id"]
         routers = {}
         for policy in LIVE_POLICIES:
@@ -387,7 +375,7 @@ def live(model: str | None, rates: list[float], requests: int, replicas: int = 4
                                      *[a for u in urls for a in ("--replica", u)]])
             procs.append(proc)
             routers[policy] = f"http://127.0.0.1:{port}"
-            _wait(routers[policy], proc)
+            wait_healthy(routers[policy], proc)
         time.sleep(2)  # kv-events: every replica's stream synced
         print(f"\n{'rate':>5} {'policy':12} {'TTFT p50 ms':>11} {'TTFT p99 ms':>11} {'hit rate':>8} {'/shared':>7} "
               f"{'imbal':>6}")

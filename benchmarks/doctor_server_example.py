@@ -19,8 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 from openai import OpenAI
+from server_process import wait_healthy
 
 SYSTEM = ("You are the support assistant of a company that runs a prefix cache for language models. Answer in two "
           "sentences, cite the documentation page you used, and never invent a configuration option.")
@@ -47,13 +47,7 @@ def main() -> None:
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             url = f"http://127.0.0.1:{port}"
-            for _ in range(300):
-                try:
-                    if httpx.get(url + "/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.5)
+            wait_healthy(url, server, timeout_s=150)
             client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
             served = client.models.list().data[0].id
             cached = []
