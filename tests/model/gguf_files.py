@@ -102,3 +102,66 @@ def reference_model(checkpoint: str, held: dict[str, np.ndarray]):
     model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     model.load_state_dict({k: torch.from_numpy(v) for k, v in held.items()}, strict=False)
     return model
+
+
+# A SentencePiece BPE vocabulary trained at test time, stored as llama.cpp's converter stores one ("llama" model).
+SPM_USER_DEFINED = ("<|user|>",)
+SPM_CONTROL = ("<|end|>",)
+SPM_CHAT_TEMPLATE = (  # Llama 2's shape, reading the BOS and EOS spellings from the template variables
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}"
+    "{% else %}{{ ' ' + m['content'] + eos_token }}{% endif %}{% endfor %}"
+)
+
+
+def _spm_corpus() -> list[str]:
+    """A few KB of fixed text: the built-in tokenizer's corpus and pseudo-words, numbers and code from a seed."""
+    import random
+
+    from kvprefix.model.builtin_tokenizer import _CORPUS
+
+    rng = random.Random(0)
+    syllables = ["ka", "to", "ri", "en", "the", "an", "ing", "er", "qu", "st", "al", "on", "pre", "fix"]
+    lines = _CORPUS.splitlines()
+    for _ in range(120):
+        words = ["".join(rng.choices(syllables, k=rng.randint(1, 4))) for _ in range(rng.randint(3, 9))]
+        lines.append(" ".join(words) + rng.choice([".", "!", "?", ",", ":"]) + f" {rng.randint(0, 99999)}")
+    lines += [f"def f{i}(x): return x * {i} + {i * i}  # {i}" for i in range(20)]
+    return lines
+
+
+def train_sentencepiece(vocab_size: int = 700):
+    """A SentencePiece BPE model with byte fallback and no normalization (as Llama 2's), trained in memory."""
+    import io
+
+    import sentencepiece
+
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(_spm_corpus()), model_writer=model, model_type="bpe", vocab_size=vocab_size,
+        byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
+        split_digits=True, character_coverage=1.0, allow_whitespace_only_pieces=True, hard_vocab_limit=False,
+        user_defined_symbols=list(SPM_USER_DEFINED), control_symbols=list(SPM_CONTROL), minloglevel=2)
+    return sentencepiece.SentencePieceProcessor(model_proto=model.getvalue())
+
+
+def add_spm_tokenizer(writer: GGUFWriter, sp, *, add_space_prefix: bool | None = None,
+                      add_bos: bool | None = None) -> None:
+    """The vocabulary, scores, token types and special ids of ``sp``, as llama.cpp's converter writes them."""
+    user_defined = {sp.piece_to_id(s) for s in SPM_USER_DEFINED}
+    types = []
+    for i in range(sp.get_piece_size()):
+        types.append(2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 5 if sp.is_unused(i)
+                     else 6 if sp.is_byte(i) else 4 if i in user_defined else 1)
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([sp.id_to_piece(i) for i in range(sp.get_piece_size())])
+    writer.add_token_scores([sp.get_score(i) for i in range(sp.get_piece_size())])
+    writer.add_token_types(types)
+    writer.add_bos_token_id(sp.bos_id())
+    writer.add_eos_token_id(sp.eos_id())
+    writer.add_unk_token_id(sp.unk_id())
+    if add_space_prefix is not None:
+        writer.add_add_space_prefix(add_space_prefix)
+    if add_bos is not None:
+        writer.add_add_bos_token(add_bos)
+    writer.add_chat_template(SPM_CHAT_TEMPLATE)

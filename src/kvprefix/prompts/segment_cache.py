@@ -23,19 +23,13 @@ class SegmentCachedTokenizer:
     def __init__(self, tokenizer: Tokenizer, capacity: int = 1 << 16):
         self.inner = tokenizer
         self.capacity = capacity
-        added = {t.content: i for i, t in tokenizer.hf.added_tokens_decoder.items()}
+        added = tokenizer.added_tokens
         self._added_ids = added
         pattern = "|".join(re.escape(t) for t in sorted(added, key=len, reverse=True))
         self._split = re.compile(f"({pattern})") if pattern else None
         self._memo: OrderedDict[str, list[int]] = OrderedDict()
         self._checks_left = _CHECKED
-        self.enabled = self._split is not None and self._splits_on_added_tokens()
-
-    def _splits_on_added_tokens(self) -> bool:
-        """Whether the tokenizer can split like this at all: no normalizer, no added token that strips."""
-        hf = self.inner.hf
-        return hf.backend_tokenizer.normalizer is None and not any(
-            t.lstrip or t.rstrip or t.single_word for t in hf.added_tokens_decoder.values())
+        self.enabled = self._split is not None and tokenizer.tokenizes_between_added_tokens
 
     def __getattr__(self, name: str) -> Any:  # everything but encode is the plain tokenizer's
         return getattr(self.inner, name)
