@@ -42,9 +42,10 @@ def roundtrip(w: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
 
 def write_gguf(path: str, checkpoint: str, config: dict, qtype: GGMLQuantizationType, *, pre: str = "smollm",
                arch: str = "llama", tokenizer_vocab_size: int = 512,
-               rope_freqs: np.ndarray | None = None) -> dict[str, np.ndarray]:
+               rope_freqs: np.ndarray | None = None, spm=None) -> dict[str, np.ndarray]:
     """Writes ``checkpoint`` (a write_random_checkpoint directory) as a GGUF file; returns, per Hugging Face name,
-    the float32 values the file holds (quantized matrices dequantized, in Hugging Face row order)."""
+    the float32 values the file holds (quantized matrices dequantized, in Hugging Face row order). ``spm``: a
+    SentencePiece model (train_sentencepiece) whose vocabulary the file gets instead of the byte-level BPE."""
     config = {"rope_theta": 10000.0, **config}
     tensors = {k: v.float().numpy() for k, v in load_file(f"{checkpoint}/model.safetensors").items()}
     writer = GGUFWriter(path, arch)
@@ -57,19 +58,10 @@ def write_gguf(path: str, checkpoint: str, config: dict, qtype: GGMLQuantization
     writer.add_head_count_kv(kv_heads)
     writer.add_rope_freq_base(config["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    tok = build_tokenizer(tokenizer_vocab_size)
-    vocab = tok.backend_tokenizer.get_vocab(with_added_tokens=True)
-    tokens = [t for t, _ in sorted(vocab.items(), key=lambda item: item[1])]
-    specials = {t.content for t in tok.added_tokens_decoder.values()}
-    merges = json.loads(tok.backend_tokenizer.to_str())["model"]["merges"]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if t in specials else 1 for t in tokens])
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
-    writer.add_eos_token_id(vocab[IM_END])
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(tok.chat_template)
+    if spm is not None:
+        add_spm_tokenizer(writer, spm)
+    else:
+        add_bpe_tokenizer(writer, pre, tokenizer_vocab_size)
     if rope_freqs is not None:  # Llama 3.1+: llama.cpp's converter stores the per-frequency divisors
         writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     held = {}
@@ -93,6 +85,23 @@ def write_gguf(path: str, checkpoint: str, config: dict, qtype: GGMLQuantization
     writer.write_tensors_to_file()
     writer.close()
     return held
+
+
+def add_bpe_tokenizer(writer: GGUFWriter, pre: str, vocab_size: int) -> None:
+    """The built-in byte-level BPE as a "gpt2" vocabulary with ``pre`` as its pre-tokenizer."""
+    tok = build_tokenizer(vocab_size)
+    vocab = tok.backend_tokenizer.get_vocab(with_added_tokens=True)
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda item: item[1])]
+    specials = {t.content for t in tok.added_tokens_decoder.values()}
+    merges = json.loads(tok.backend_tokenizer.to_str())["model"]["merges"]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in specials else 1 for t in tokens])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    writer.add_eos_token_id(vocab[IM_END])
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(tok.chat_template)
 
 
 def reference_model(checkpoint: str, held: dict[str, np.ndarray]):

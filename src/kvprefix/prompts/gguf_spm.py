@@ -71,11 +71,23 @@ class SpmVocab:
     # --- tokenizing -------------------------------------------------------------------------------------------
 
     def encode(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        return self.encode_parts([(text, parse_special)], add_special)
+
+    def encode_parts(self, parts: list[tuple[str, bool]], add_special: bool = False) -> list[int]:
+        """One text given in parts, each with whether special tokens written in it are parsed (a chat template's
+        own text) or not (a message's content): the parts are partitioned apart, then tokenized as one text."""
+        fragments: list[str | int] = []
+        for text, parse_special in parts:
+            for fragment in self.partition(text, parse_special):
+                if isinstance(fragment, str) and fragments and isinstance(fragments[-1], str):
+                    fragments[-1] += fragment  # text runs on across the parts
+                else:
+                    fragments.append(fragment)
         out: list[int] = []
         if add_special and self.add_bos:
             out.append(self.special.bos)
         after_special = True  # the text's start counts as following a special token
-        for fragment in self.partition(text, parse_special):
+        for fragment in fragments:
             if isinstance(fragment, int):
                 out.append(fragment)
                 after_special = True
@@ -86,6 +98,10 @@ class SpmVocab:
         if add_special and self.add_eos:
             out.append(self.special.eos)
         return out
+
+    def encode_continuation(self, text: str) -> list[int]:
+        """``text`` as it tokenizes in the middle of a run of text: no space in front, no special tokens parsed."""
+        return self._merge(text.replace(" ", _SPACE)) if text else []
 
     def partition(self, text: str, parse_special: bool) -> list[str | int]:
         """The text as runs of plain text (str) and the special tokens written in it (their ids)."""

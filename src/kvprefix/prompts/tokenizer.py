@@ -56,6 +56,12 @@ class Tokenizer:
         """Tokenizes ``text`` as plain text: a special token's spelling in it ("<|im_start|>") stays text."""
         return self.hf(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
+    def encode_parts(self, parts: list[tuple[str, bool]]) -> list[int]:
+        """One text in parts, each (text, whether special tokens written in it are parsed), without BOS/EOS. A fast
+        tokenizer cannot tokenize across a change of rule, so each part is tokenized on its own."""
+        return [i for text, parse in parts if text
+                for i in (self.encode(text, add_special_tokens=False) if parse else self.encode_literal(text))]
+
     @functools.cached_property
     def special_tokens(self) -> tuple[str, ...]:
         """The spellings of the special (control) tokens, which text typed by users must never turn into."""
@@ -145,6 +151,10 @@ class SpmTokenizer(Tokenizer):
 
     def encode_literal(self, text: str) -> list[int]:
         return self.spm.encode(text, add_special=False, parse_special=False)
+
+    def encode_parts(self, parts: list[tuple[str, bool]]) -> list[int]:
+        """Tokenized as one text (llama.cpp's rules run on across the parts), specials parsed where a part says."""
+        return self.spm.encode_parts(parts)
 
     @functools.cached_property
     def special_tokens(self) -> tuple[str, ...]:
