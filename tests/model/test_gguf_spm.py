@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf_files import SPM_CONTROL, SPM_USER_DEFINED, add_spm_tokenizer, train_sentencepiece, write_gguf
 from llama_cpp_bpe import PARITY_STRINGS
 
-from kvprefix.prompts import SegmentCachedTokenizer, Tokenizer, render_body
+from kvprefix.prompts import SegmentCachedTokenizer, Tokenizer, render_bodies, render_body
 
 STRINGS = PARITY_STRINGS + (
     "ÿ þ ß ð",  # characters the vocabulary lacks: byte fallback
@@ -133,6 +133,29 @@ def test_segment_cache_is_exact_on_a_sentencepiece_vocabulary(tok) -> None:
     assert memo.enabled and not memo._checks_left
     assert memo.encode_batch(texts[:5], add_special_tokens=False) == [
         tok.encode(t, add_special_tokens=False) for t in texts[:5]]
+    # The doctor's and the router's path: many chat bodies rendered in a batch through the memo, as one by one.
+    bodies = [{"messages": [{"role": "user", "content": f"shared question {i % 4}"},
+                            {"role": "assistant", "content": "an answer"},
+                            {"role": "user", "content": f"and <s> {i}" if i % 5 == 0 else f"then {i}"}]}
+              for i in range(30)]
+    assert render_bodies(memo, bodies) == [render_body(tok, b) for b in bodies]
+
+
+@pytest.mark.slow
+def test_a_sentencepiece_gguf_tokenizes_without_torch(tok) -> None:
+    """A router or planner given a SentencePiece .gguf tokenizes, renders chats and fingerprints it without torch."""
+    import subprocess
+    import sys
+
+    path = tok.name_or_path
+    code = ("import sys; from kvprefix.prompts import Tokenizer, render_body; "
+            "from kvprefix.cache import context_for_checkpoint; "
+            f"t = Tokenizer({path!r}); c = context_for_checkpoint({path!r}, '', t.chat_template); "
+            "r = render_body(t, {'messages': [{'role': 'user', 'content': 'hello 123'}]})[0]; "
+            "print(len(t.encode('hello 123')), len(r.token_ids), bool(c.model), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    expected = [len(tok.encode("hello 123")), len(tok.apply_chat_template([{"role": "user", "content": "hello 123"}]))]
+    assert out.stdout.split() == [*map(str, expected), "True", "False"]
 
 
 def test_a_random_llama_with_the_vocabulary_generates_through_the_engine(sp, tmp_path) -> None:
