@@ -118,6 +118,9 @@ def test_chat_template_renders_with_the_files_bos_and_eos(tok, sp) -> None:
     assert rendered.token_ids == [bos, *sp.encode("[INST] Hi [/INST] Hello"), eos,
                                   *sp.encode("[INST] Bye <s> [/INST]")]
     assert rendered.token_ids.count(bos) == 1
+    [cont] = render_body(tok, {"messages": messages[:2], "continue_final_message": True,
+                               "add_generation_prompt": False})
+    assert cont.text == "<s>[INST] Hi [/INST] Hello"  # the reply goes on: no EOS after it
     assert tok.apply_chat_template([messages[:1], messages[:2]], tokenize=False) == [
         "<s>[INST] Hi [/INST]", "<s>[INST] Hi [/INST] Hello</s>"]
 

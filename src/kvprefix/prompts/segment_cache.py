@@ -4,8 +4,10 @@ those pieces are memoized (least recently used dropped past ``capacity``).
 
 ``SegmentCachedTokenizer`` wraps a ``kvprefix.prompts.Tokenizer`` and stands in for it everywhere (the renderer
 stays the one renderer; only ``encode`` is memoized). The router and the doctor use it. It is exact only where the
-tokenizer works that way: one with a normalizer or added tokens that strip is never memoized, and the first
-encodings are checked against the plain tokenizer, any disagreement turning the memo off for good.
+tokenizer works that way (``Tokenizer.tokenizes_between_added_tokens``: not with a normalizer over the whole text or
+added tokens that strip; yes for GGUF SentencePiece vocabularies, whose every run of text gets its own leading
+space), and the first encodings are checked against the plain tokenizer, any disagreement turning the memo off for
+good.
 """
 
 from __future__ import annotations

@@ -134,7 +134,8 @@ class SpmTokenizer(Tokenizer):
         self.hf = None
         self.name_or_path = path
         self.spm = SpmVocab(gguf)
-        self.eos_token_ids = gguf_eos_token_ids(gguf)
+        eos = self.spm.special.eos  # llama.cpp's default id when the file names none
+        self.eos_token_ids = gguf_eos_token_ids(gguf) | (frozenset() if eos is None else {eos})
         self.bos_token_id = self.spm.special.bos
         self.vocab_size = len(self.spm.tokens)
         self._template = gguf.get("tokenizer.chat_template")
