@@ -44,6 +44,7 @@ class SpmVocab:
         if len(self.scores) != n or len(self.types) != n:
             raise ValueError(f"{gguf.path}: tokenizer.ggml.scores/token_type do not have one entry per token ({n})")
         self.ids = {t: i for i, t in enumerate(self.tokens)}  # a repeated spelling: the last id, as in llama.cpp
+        self._rank = [-s for s in self.scores]  # heap order: the highest score first
         # llama.cpp's defaults for SentencePiece vocabularies; an id outside the vocabulary keeps the default.
         self.special = SpecialIds(*(self._id(gguf, key, default, n) for key, default in
                                     (("bos", 1), ("eos", 2), ("unknown", 0))))
@@ -125,41 +126,39 @@ class SpmVocab:
 
     def _merge(self, text: str) -> list[int]:
         """The bigram merge of one escaped run of text, from its characters, highest-scoring token first."""
-        ids, scores = self.ids, self.scores
+        get, rank = self.ids.get, self._rank
         n = len(text)
         size = [1] * n  # characters in the symbol starting at each position; 0 once merged into its left neighbour
         prev = list(range(-1, n - 1))
         nxt = list(range(1, n + 1))
         nxt[-1] = -1
-        queue: list[tuple[float, int, int]] = []
-
-        def offer(left: int, right: int) -> None:
-            if left < 0 or right < 0:
-                return
-            width = size[left] + size[right]
-            token = ids.get(text[left:left + width])
-            if token is not None:
-                heapq.heappush(queue, (-scores[token], left, width))
-
-        for i in range(1, n):
-            offer(i - 1, i)
+        # (minus the merged token's score, left position, merged width): the best pair first, the leftmost on ties.
+        queue = [(rank[t], i, 2) for i in range(n - 1) if (t := get(text[i:i + 2])) is not None]
+        heapq.heapify(queue)
+        push, pop = heapq.heappush, heapq.heappop
         while queue:
-            _, left, width = heapq.heappop(queue)
+            _, left, width = pop(queue)
             right = nxt[left] if size[left] else -1
             if right < 0 or size[left] + size[right] != width:
                 continue  # a side was merged into something else since this pair was offered
             size[left] = width
             size[right] = 0
-            nxt[left] = nxt[right]
-            if nxt[right] >= 0:
-                prev[nxt[right]] = left
-            offer(prev[left], left)
-            offer(left, nxt[left])
+            after = nxt[left] = nxt[right]
+            if after >= 0:
+                prev[after] = left
+                wider = width + size[after]
+                if (t := get(text[left:left + wider])) is not None:
+                    push(queue, (rank[t], left, wider))
+            before = prev[left]
+            if before >= 0:
+                wider = size[before] + width
+                if (t := get(text[before:before + wider])) is not None:
+                    push(queue, (rank[t], before, wider))
         out: list[int] = []
         i = 0
         while i >= 0:
             piece = text[i:i + size[i]]
-            token = ids.get(piece)
+            token = get(piece)
             # A merged symbol is always a token; only a single character can be missing from the vocabulary.
             out += [token] if token is not None else self._byte_fallback(piece)
             i = nxt[i]
