@@ -154,8 +154,9 @@ def train_sentencepiece(vocab_size: int = 700):
 
 
 def add_spm_tokenizer(writer: GGUFWriter, sp, *, add_space_prefix: bool | None = None,
-                      add_bos: bool | None = None) -> None:
-    """The vocabulary, scores, token types and special ids of ``sp``, as llama.cpp's converter writes them."""
+                      add_bos: bool | None = None, byte_tokens: bool = True) -> None:
+    """The vocabulary, scores, token types and special ids of ``sp``, as llama.cpp's converter writes them
+    (``byte_tokens=False``: the byte tokens renamed to unused ones, as in a vocabulary without byte fallback)."""
     user_defined = {sp.piece_to_id(s) for s in SPM_USER_DEFINED}
     types = []
     for i in range(sp.get_piece_size()):
@@ -163,7 +164,11 @@ def add_spm_tokenizer(writer: GGUFWriter, sp, *, add_space_prefix: bool | None =
                      else 6 if sp.is_byte(i) else 4 if i in user_defined else 1)
     writer.add_tokenizer_model("llama")
     writer.add_tokenizer_pre("default")
-    writer.add_token_list([sp.id_to_piece(i) for i in range(sp.get_piece_size())])
+    tokens = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+    if not byte_tokens:
+        tokens = [f"[unused{i}]" if kind == 6 else t for i, (t, kind) in enumerate(zip(tokens, types, strict=True))]
+        types = [5 if kind == 6 else kind for kind in types]
+    writer.add_token_list(tokens)
     writer.add_token_scores([sp.get_score(i) for i in range(sp.get_piece_size())])
     writer.add_token_types(types)
     writer.add_bos_token_id(sp.bos_id())

@@ -67,6 +67,13 @@ def test_decoding_round_trips_and_agrees_with_sentencepiece(tok, sp) -> None:
     assert tok.token_strings(tok.encode("ÿ", add_special_tokens=False))[-2:] == ["<0xC3>", "<0xBF>"]
 
 
+def test_a_vocabulary_without_byte_tokens_gives_the_unknown_token(sp, tmp_path) -> None:
+    tok = Tokenizer(write_spm_gguf(str(tmp_path / "no-bytes.gguf"), sp, byte_tokens=False))
+    assert tok.encode("aÿb", add_special_tokens=False) == [sp.piece_to_id("▁a"), sp.unk_id(), sp.piece_to_id("b")]
+    assert sp.encode("aÿb")[-3:] == [sp.piece_to_id("<0xC3>"), sp.piece_to_id("<0xBF>"), sp.piece_to_id("b")]
+    assert tok.decode(tok.encode("aÿb", add_special_tokens=False)) == "ab"  # unused tokens read as nothing
+
+
 def llama_cpp_ids(sp, text: str, split: tuple[str, ...]) -> list[int]:
     """llama.cpp's rule for the special tokens in a text: each is split out, and every run of text around them is
     tokenized on its own, so it gets a leading space of its own (sentencepiece alone adds one only at the start)."""

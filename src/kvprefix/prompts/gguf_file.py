@@ -2,8 +2,8 @@
 (ggml's docs/gguf.md) with ``struct`` over a memory map; tensor data stays memory-mapped.
 
 Our own reader rather than the `gguf` package's GGUFReader: that one builds two numpy memmap views per string of
-the metadata, which takes 5 to 15 s for a 49k-token vocabulary (its merges as many again), each time a process opens
-the file, and a tokenizer-only process (router, planner, doctor) paid it too. The tensors it describes are the
+the metadata, which took 9 to 17 s on the default model's 49k-token vocabulary and merges (benchmarks/
+bench_gguf_open.py) each time a process opened the file, tokenizer-only processes (router, planner, doctor) too. The tensors it describes are the
 same objects for the loader: ``tensor_type`` (gguf.GGMLQuantizationType), ``shape`` (innermost dimension first) and
 ``data`` (float16/float32/int arrays, or the raw bytes of quantized blocks shaped as gguf's ``quant_shape_to_byte_
 shape``); tests/model/test_gguf_file.py checks both against GGUFReader. Torch-free, so the tokenizer (and a router
@@ -14,6 +14,7 @@ ValueError whose one-line message names the file.
 from __future__ import annotations
 
 import functools
+import math
 import mmap
 import os
 import struct
@@ -145,7 +146,7 @@ def _read(buffer: mmap.mmap) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
     for name, dims, kind, offset in infos:
         if name in tensors:
             raise ValueError(f"tensor {name!r} appears twice")
-        elements = int(np.prod(dims, dtype=np.int64)) if dims else 1
+        elements = math.prod(dims)
         block, block_bytes = GGML_QUANT_SIZES[kind]
         size = elements * block_bytes // block
         if start + offset + size > len(buffer):

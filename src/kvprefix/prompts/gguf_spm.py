@@ -9,7 +9,7 @@ before the next. Every remaining run of text gets a leading space when it starts
 out (``add_space_prefix``), has its spaces written as U+2581, and is merged from its characters: of all adjacent
 pairs whose concatenation is in the vocabulary, the one whose token has the highest score goes first (the leftmost
 on ties), until no pair is left. A character that is not in the vocabulary becomes its UTF-8 bytes as ``<0xXX>``
-tokens.
+tokens (the unknown token in a vocabulary without them).
 """
 
 from __future__ import annotations
@@ -164,9 +164,14 @@ class SpmVocab:
             i = nxt[i]
         return out
 
-    def _byte_fallback(self, piece: str) -> list[int]:
-        # llama.cpp fails on a byte it has no token for; the unknown token is SentencePiece's answer.
-        return [self._bytes[b] if self._bytes[b] is not None else self.special.unk for b in piece.encode()]
+    def _byte_fallback(self, char: str) -> list[int]:
+        ids = [self._bytes[b] for b in char.encode()]
+        if None not in ids:
+            return ids
+        # A vocabulary without byte tokens: llama.cpp fails here; SentencePiece's answer is the unknown token.
+        if self.special.unk is None:
+            raise ValueError(f"the vocabulary has no token for {char!r}, no byte tokens and no unknown token")
+        return [self.special.unk]
 
     # --- detokenizing -----------------------------------------------------------------------------------------
 

@@ -1,5 +1,6 @@
 """Tokenizer: a checkpoint's tokenizer and chat template, via transformers (which needs no torch for this); for a
-.gguf file, the tokenizer rebuilt from its metadata (kvprefix.prompts.gguf_tokenizer)."""
+.gguf file, the tokenizer rebuilt from its metadata (kvprefix.prompts.gguf_tokenizer), or for a SentencePiece
+vocabulary in one, kvprefix's own llama.cpp-exact tokenizing (SpmTokenizer over kvprefix.prompts.gguf_spm)."""
 
 from __future__ import annotations
 
