@@ -168,17 +168,26 @@ def test_a_sentencepiece_gguf_tokenizes_without_torch(tok) -> None:
     assert out.stdout.split() == [*map(str, expected), "True", "False"]
 
 
-def test_a_random_llama_with_the_vocabulary_generates_through_the_engine(sp, tmp_path) -> None:
-    from kvprefix import LLM, SamplingParams
-    from kvprefix.engine.sampling_params import StructuredOutputsParams
+@pytest.fixture(scope="module")
+def spm_llama(sp, tmp_path_factory) -> str:
+    """A tiny random Llama with the SentencePiece vocabulary, as a Q8_0 GGUF file."""
     from kvprefix.model import write_random_checkpoint
 
+    tmp = tmp_path_factory.mktemp("spm-llama")
     config = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=10000.0,
                   vocab_size=sp.get_piece_size())
-    ckpt = write_random_checkpoint(str(tmp_path / "llama"), "llama", seed=7, **config)
-    path = str(tmp_path / "spm-llama.gguf")
+    ckpt = write_random_checkpoint(str(tmp / "llama"), "llama", seed=7, **config)
+    path = str(tmp / "spm-llama.gguf")
     write_gguf(path, ckpt, config, GGMLQuantizationType.Q8_0, spm=sp)
+    return path
+
+
+def test_a_random_llama_with_the_vocabulary_generates_through_the_engine(sp, spm_llama) -> None:
+    from kvprefix import LLM, SamplingParams
+    from kvprefix.engine.sampling_params import StructuredOutputsParams
+
+    path = spm_llama
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     llm = LLM(path, dtype="float32", num_gpu_blocks=64)
     out = llm.generate("The capital of France is", greedy)[0]
@@ -195,3 +204,34 @@ def test_a_random_llama_with_the_vocabulary_generates_through_the_engine(sp, tmp
                                  structured_outputs=StructuredOutputsParams(choice=choices))
     texts = [o.outputs[0].text for o in llm.generate(["Answer:", "Say", "Well"], constrained)]
     assert all(t in choices for t in texts), texts
+
+
+@pytest.mark.slow
+def test_kvprefix_serve_on_a_sentencepiece_gguf(sp, spm_llama, tmp_path, monkeypatch) -> None:
+    """The real server with the official client: chat (plain and streamed alike), prompt tokens as the renderer
+    counts them, /tokenize and /detokenize on the file's vocabulary."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "server"))  # the server tests' helpers: one copy
+    from server_helpers import start_server, stop_server
+
+    monkeypatch.setenv("KVPREFIX_TEST_MODEL", spm_llama)
+    server = start_server(tmp_path)
+    try:
+        client, model = server.client(), "default-model-v1"
+        messages = [{"role": "user", "content": "Hi <s> there"}]
+        whole = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0)
+        chunks = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0,
+                                                stream=True)
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert whole.choices[0].message.content == streamed
+        tok = Tokenizer(spm_llama)
+        [rendered] = render_body(tok, {"messages": messages})
+        assert whole.usage.prompt_tokens == len(rendered.token_ids)
+        tokens = server.post("/tokenize", {"prompt": "Hello world", "add_special_tokens": False}).json()
+        assert tokens["tokens"] == sp.encode("Hello world")
+        assert server.post("/detokenize", {"tokens": tokens["tokens"]}).json() == {"prompt": "Hello world"}
+    finally:
+        assert stop_server(server) in (0, -15)
+    assert "Traceback" not in server.log_path.read_text()
