@@ -71,6 +71,7 @@ class ToolCallParser:
         self._block = ""  # the current block's text since its tag, kept while none of its calls went out
         self._calls_in_block = 0
         self._held = ""  # trailing whitespace of content, sent only if more text (not a block) follows
+        self._block_ws = ""  # the whitespace before the current block: content again if the block is text
         self._after_block = False  # drop the whitespace that follows a block
         self._list = False  # the block is a list of calls (else one object)
         self._depth, self._in_string, self._escape = 0, False, False  # where the arguments' JSON is
@@ -92,7 +93,7 @@ class ToolCallParser:
         elif self._state == "fallback":
             self._fallback(out, self._block + self._buf, closed=False)
         elif self._calls_in_block == 0:
-            self._content(out, TOOL_CALL_START + self._block + self._buf, final=True)
+            self._content(out, self._block_ws + TOOL_CALL_START + self._block + self._buf, final=True)
         self._buf, self._state = "", "done"
         return out
 
@@ -219,7 +220,8 @@ class ToolCallParser:
         """A whole block that did not stream as calls: its calls if it parses as calls to known tools, else text."""
         calls = _whole_block_calls(inner, self.names)
         if calls is None:
-            self._content(out, TOOL_CALL_START + inner + (TOOL_CALL_END if closed else ""), final=not closed)
+            self._content(out, self._block_ws + TOOL_CALL_START + inner + (TOOL_CALL_END if closed else ""),
+                          final=not closed)
             return
         for name, arguments in calls:
             if self.max_calls is None or self.num_calls < self.max_calls:
@@ -227,6 +229,8 @@ class ToolCallParser:
                 self.num_calls += 1
 
     def _content(self, out: ParsedDelta, text: str, block_follows: bool = False, final: bool = False) -> None:
+        if block_follows:
+            self._block_ws = ""
         if self._after_block:
             text = text.lstrip(_WS)
             if not text:
@@ -234,7 +238,8 @@ class ToolCallParser:
             self._after_block = False
         text = self._held + text
         if block_follows:
-            self._held, text = "", text.rstrip(_WS)
+            kept = text.rstrip(_WS)
+            self._held, self._block_ws, text = "", text[len(kept):], kept
         elif final:
             self._held = ""
         else:
