@@ -449,7 +449,7 @@ class _Context:
             return {"role": "assistant", "content": o.text}
         content, calls = parse_tool_calls(o.text, self.tools.names, self.tools.max_calls)
         if not calls:
-            return {"role": "assistant", "content": content}
+            return {"role": "assistant", "content": content or ""}
         choice["finish_reason"] = _finish_reason(o.finish_reason, calls=True)
         return {"role": "assistant", "content": content, "tool_calls": calls}
 
