@@ -76,6 +76,7 @@ class ToolCallParser:
         self._list = False  # the block is a list of calls (else one object)
         self._depth, self._in_string, self._escape = 0, False, False  # where the arguments' JSON is
         self._emit = True  # the current call goes out (False for calls past max_calls)
+        self._scanned = 0  # in a block parsed whole: how much of the buffer holds no end tag
 
     def feed(self, text: str) -> ParsedDelta:
         out = ParsedDelta()
@@ -111,9 +112,11 @@ class ToolCallParser:
             self._buf = buf[keep:]
             return False
         if state == "fallback":
-            i = buf.find(TOOL_CALL_END)
-            if i < 0:
+            i = buf.find(TOOL_CALL_END, self._scanned)
+            if i < 0:  # next time, look only where the tag can still begin
+                self._scanned = max(0, len(buf) - len(TOOL_CALL_END) + 1)
                 return False
+            self._scanned = 0
             self._fallback(out, self._block + buf[:i], closed=True)
             self._end_block(buf[i + len(TOOL_CALL_END):])
             return True

@@ -2,7 +2,8 @@
 output (kvprefix.server.tool_parser), and, under ``"required"`` or a named function, the grammar that makes the
 output a valid call (as vLLM constrains these choices with guided decoding): ``<tool_call>`` + a JSON list of
 calls to the allowed functions, each one's arguments matching its schema + ``</tool_call>``, in the form
-kvprefix.prompts.tools renders past calls."""
+kvprefix.prompts.tools renders past calls. Under ``"auto"`` with ``strict`` tools the text stays free and every
+block of calls in it is held to the same grammar."""
 
 from __future__ import annotations
 
@@ -60,9 +61,12 @@ def plan_tools(req: ChatCompletionRequest) -> ToolPlan | None:
     if choice == "none":
         return None
     max_calls = None if req.parallel_tool_calls else 1
-    if choice in (None, "auto"):
-        return ToolPlan(frozenset(names), max_calls, None)
-    if isinstance(choice, NamedToolChoice):
+    auto = choice in (None, "auto")
+    if auto and not any(t.function.strict for t in tools):
+        return ToolPlan(frozenset(names), max_calls, None)  # free generation, parsed
+    if auto:  # strict tools: text stays free, every call in it is a valid one
+        called = list(enumerate(tools))
+    elif isinstance(choice, NamedToolChoice):
         name = choice.function.name
         if name not in names:
             raise bad_request(f"'tool_choice.function.name' {name!r} is not among the functions in 'tools' "
@@ -71,7 +75,7 @@ def plan_tools(req: ChatCompletionRequest) -> ToolPlan | None:
         max_calls = 1  # a named function is called once, as in OpenAI's and vLLM's API
     else:  # "required"
         called = list(enumerate(tools))
-    grammar = _call_grammar(called, parallel=max_calls is None)
+    grammar = _call_grammar(called, parallel=max_calls is None, free_text=auto)
     try:
         grammar_for(grammar)
     except ValueError as exc:
@@ -91,16 +95,28 @@ def _arguments_schema(tool: ToolDefinition) -> dict:
     return schema
 
 
-def _call_grammar(tools: list[tuple[int, ToolDefinition]], parallel: bool) -> StructuredOutputsParams:
-    """A Lark grammar (llguidance's dialect) of one block of calls. Each function's arguments are a %json of their
-    own, so that a schema's "$ref"s stay relative to that schema."""
+# Text with no <tool_call> in it (llguidance's lexemes take & and ~): so a call cannot slip by as text.
+_FREE_TEXT = ["TEXT: /(.|\\n)*/ & ~/(.|\\n)*" + TOOL_CALL_START + "(.|\\n)*/",
+              f"trig[lazy]: TEXT {json.dumps(TOOL_CALL_START)}"]
+
+
+def _call_grammar(tools: list[tuple[int, ToolDefinition]], parallel: bool, free_text: bool
+                  ) -> StructuredOutputsParams:
+    """A Lark grammar (llguidance's dialect): one block of calls, or with ``free_text`` any text with blocks of
+    calls in it (tool_choice auto with strict tools; a tool that is not strict takes any object there). Each
+    function's arguments are a %json of their own, so that a schema's "$ref"s stay relative to that schema."""
     rules = []
     for i, tool in tools:
         head = "{" + json.dumps("name") + KEY_SEPARATOR + json.dumps(tool.function.name) + ITEM_SEPARATOR + \
             json.dumps("arguments") + KEY_SEPARATOR
+        schema = _arguments_schema(tool) if tool.function.strict or not free_text else {"type": "object"}
         rules.append(f"call_{i}: {json.dumps(head)} args_{i} " + json.dumps("}"))
-        rules.append(f"args_{i}: %json " + json.dumps({**_arguments_schema(tool), "x-guidance": _JSON_STYLE}))
+        rules.append(f"args_{i}: %json " + json.dumps({**schema, "x-guidance": _JSON_STYLE}))
     more = f" ({json.dumps(ITEM_SEPARATOR)} call)*" if parallel else ""
-    start = f"start: {json.dumps(TOOL_CALL_START + '[')} call{more} {json.dumps(']' + TOOL_CALL_END)}"
+    block = f"{json.dumps('[')} call{more} {json.dumps(']' + TOOL_CALL_END)}"
+    if free_text:
+        head = [f"start: (trig block){'*' if parallel else '?'} TEXT", *_FREE_TEXT, f"block: {block}"]
+    else:
+        head = [f"start: {json.dumps(TOOL_CALL_START)} {block}"]
     call = "call: " + " | ".join(f"call_{i}" for i, _ in tools)
-    return StructuredOutputsParams(grammar="\n".join([start, call, *rules]) + "\n")
+    return StructuredOutputsParams(grammar="\n".join([*head, call, *rules]) + "\n")
