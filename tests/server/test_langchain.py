@@ -1,6 +1,6 @@
 """LangChain (langchain-openai, a client nobody here wrote) and openai's .parse() against a real server of the
 built-in default model, SmolLM2-135M-Instruct: bind_tools gets a tool call back, with_structured_output a valid
-object, by each of LangChain's methods."""
+object by each of LangChain's methods, .parse() a valid object and a strict tool's parsed arguments."""
 
 from __future__ import annotations
 
@@ -65,3 +65,9 @@ def test_openai_parse_with_the_default_model(builtin_model_server: Server) -> No
     parsed = r.choices[0].message.parsed
     assert isinstance(parsed, Capital) and r.choices[0].finish_reason == "stop"
     assert "paris" in parsed.capital.lower(), parsed
+    # A strict pydantic tool: .parse() validates the call's arguments into the model.
+    r = client.chat.completions.parse(
+        model=M, messages=[{"role": "user", "content": "What is the weather like in Paris today?"}],
+        tools=[openai.pydantic_function_tool(GetWeather)], tool_choice="required", temperature=0, max_tokens=80)
+    (call,) = r.choices[0].message.tool_calls
+    assert isinstance(call.function.parsed_arguments, GetWeather) and r.choices[0].finish_reason == "tool_calls"
