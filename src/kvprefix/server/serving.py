@@ -551,7 +551,6 @@ class _Context:
                 c["prompt_token_ids"] = job.prompt.token_ids
         return c
 
-
     def _tool_delta(self, index: int, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """The delta of a choice whose calls are parsed: content and OpenAI tool-call deltas."""
         parser = self.parsers.setdefault(index, self.tools.parser())
