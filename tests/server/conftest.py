@@ -43,3 +43,11 @@ def tenant_server(server_tmp: Path) -> Iterator[Server]:
     yield s
     assert stop_server(s) in (0, -15) and "Traceback" not in s.log_path.read_text(), s.log_path.read_text()
 
+
+
+@pytest.fixture(scope="session")
+def builtin_model_server(server_tmp: Path) -> Iterator[Server]:
+    """The built-in default model (SmolLM2-135M-Instruct): for the slow tests of what a trained model does."""
+    s = start_server(server_tmp, "--num-gpu-blocks", "512", builtin_model=True)
+    yield s
+    assert stop_server(s) in (0, -15) and "Traceback" not in s.log_path.read_text(), s.log_path.read_text()

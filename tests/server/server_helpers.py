@@ -71,15 +71,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(tmp: Path, *args: str, request_log: bool = False, port: int | None = None) -> Server:
-    """A `kvprefix serve` on ``port`` (default: a free one; give the old one to restart a replica in place)."""
+def start_server(tmp: Path, *args: str, request_log: bool = False, port: int | None = None,
+                 builtin_model: bool = False) -> Server:
+    """A `kvprefix serve` on ``port`` (default: a free one; give the old one to restart a replica in place), of the
+    tests' random model, or with ``builtin_model`` of the built-in default (SmolLM2-135M-Instruct)."""
     port = port or free_port()
     log_path = tmp / f"server-{port}.log"
     rl = tmp / f"requests-{port}.jsonl" if request_log else None
     # The tests' small random model (tests/conftest.py), under the name the tests send; float32 on every machine,
     # so that outputs compare exactly whatever "auto" picks there.
+    model = [] if builtin_model else ["--model", os.environ["KVPREFIX_TEST_MODEL"]]
     cmd = [sys.executable, "-m", "kvprefix.cli", "serve", "--port", str(port), "--log-level", "warning",
-           "--model", os.environ["KVPREFIX_TEST_MODEL"], "--served-model-name", "default-model-v1", "--dtype", "float32",
+           *model, "--served-model-name", "default-model-v1", "--dtype", "float32",
            "--max-num-seqs", "80", *args]
     if rl is not None:
         cmd += ["--request-log", str(rl)]
