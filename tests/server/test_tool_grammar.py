@@ -26,7 +26,7 @@ TWO = format_tool_calls([("get_weather", {"city": "Oslo"}), ("book", {"at": {"na
 @pytest.fixture(scope="module")
 def accepts(default_model_dir: str):
     tokenizer = Tokenizer(default_model_dir)
-    masks = GrammarMasks(tokenizer.hf, tokenizer.vocab_size)
+    masks = GrammarMasks(tokenizer, tokenizer.vocab_size)
 
     def accepts(body: dict, text: str) -> bool:
         req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **body})
