@@ -72,7 +72,7 @@ class Divergence:
     this: str  # excerpts of both renderings, the diverging part between « and »
     other: str
     site: VolatileSite | None = field(default=None, compare=False)
-    # What the fix needs to learn from this pair: ("examples" | "documents", the keys of the items that moved),
+    # What the fix needs to learn from this pair: ("examples" | "documents", the keys of both lists of items),
     # ("system", the first message after the system prompt, as JSON), ("head", (this head, the other's head)).
     learned: tuple[str, Any] | None = field(default=None, compare=False)
 
@@ -264,7 +264,7 @@ def _reordered_examples(here_new, p: int, new_messages: list, old_messages: list
     if here_new is None or here_new[0] not in (name, f"messages[{k + 1}].content"):
         return None
     return div("reordered", name, f"the same {len(items)} few-shot examples (user/assistant pairs from messages[{k}]) "
-               "in another order", (p, p + 24), (p, p + 24), learned=("examples", frozenset(items)))
+               "in another order", (p, p + 24), (p, p + 24), learned=("examples", frozenset(new_keys + old_keys)))
 
 
 def _reordered_documents(name: str, old_content: str, new_content: str, offset: int, div, span_new, span_old):
@@ -280,7 +280,7 @@ def _reordered_documents(name: str, old_content: str, new_content: str, offset: 
     if offset < new_items[j][0]:
         return None
     return div("reordered", name, f"the same {len(items)} documents in {name} in another order", span_new, span_old,
-               learned=("documents", frozenset(items)))
+               learned=("documents", frozenset(new_keys + old_keys)))
 
 
 def _template_head_drift(new: Rendered, old: Rendered, p: int, div):
