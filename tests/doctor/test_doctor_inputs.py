@@ -134,3 +134,19 @@ def test_other_traces_and_empty_files_are_refused(capsys, tmp_path):
     empty.write_text("")
     code, _, err = run(capsys, empty)
     assert code == 2 and "empty" in err
+
+
+def test_progress_off_a_terminal_is_a_line_now_and_then(capsys, tmp_path, tokenizer_dir):
+    """A job whose stderr is a file gets progress lines (every 10 s by default; here every time it looks)."""
+    from kvprefix.doctor.analysis import Options, diagnose
+    from kvprefix.doctor.cli import load_tokenizer
+
+    log = logs.write_jsonl(tmp_path / "log.jsonl", logs.volatile(600))
+    quiet = diagnose(str(log), lambda: load_tokenizer(str(tokenizer_dir)), Options())
+    assert capsys.readouterr().err == ""
+    loud = diagnose(str(log), lambda: load_tokenizer(str(tokenizer_dir)), Options(progress="lines",
+                                                                                progress_every_s=0.0))
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "kvprefix doctor: log.jsonl: reading: line 256 of 600 (43%), 0 s"
+    assert any(": fixing: line 512 of 600" in line for line in lines)
+    assert loud.to_dict() == quiet.to_dict()

@@ -3,7 +3,10 @@ with each fix that applies; replay every rendering through the planner; attribut
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
+import time
 from array import array
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterator
@@ -36,7 +39,8 @@ _BATCH = 256  # entries rendered together: fewer calls into the template and the
 class Options:
     block_size: int | None = None  # default: 16 for bodies, the log's own for a request log
     capacity_tokens: int | None = None  # per replica; None = unbounded
-    progress: bool = False
+    progress: str = "off"  # "bar" (a terminal), "lines" (a line on stderr every progress_every_s seconds), "off"
+    progress_every_s: float = 10.0
 
 
 @dataclass
@@ -76,7 +80,11 @@ class _Seen:
     line: int
     rendered: Rendered
     body: dict | None
-    tools: str | None  # the tools as sent, as JSON
+
+    @functools.cached_property
+    def tools(self) -> str | None:
+        """The tools as sent, as JSON: only for the requests that part (most never need it)."""
+        return tools_json(self.body)
 
 
 def diagnose(path: str, load_tokenizer: Callable[[], Tokenizer], options: Options | None = None) -> Diagnosis:
@@ -139,7 +147,9 @@ class _Doctor:
 
     def _entries(self, desc: str) -> Iterator[LogEntry]:
         entries = iter_entries(self.path, self.fmt)
-        if not self.options.progress:
+        if self.options.progress == "lines":
+            return _progress_lines(entries, desc, self._num_lines(), self.path, self.options.progress_every_s)
+        if self.options.progress != "bar":
             return entries
         from tqdm import tqdm
 
@@ -274,7 +284,7 @@ class _Doctor:
             t = common_tokens(rendered, seen.rendered)
             if t > best_t:
                 best, best_t = seen, t
-        me = _Seen(i, e.line, rendered, e.body, tools_json(e.body))
+        me = _Seen(i, e.line, rendered, e.body)
         self.ring.append(me)
         self.recent[i] = me
         if len(self.recent) > _RECENT:
@@ -524,6 +534,22 @@ class _Doctor:
         return {"line": self.lines[i], "other_line": None, "token": ideal.tokens[i] - unique[i], "field": None,
                 "detail": f"line {self.lines[i]}: {unique[i]} of {ideal.tokens[i]} prompt tokens appear in no "
                           f"earlier request, even with every fix", "this": None, "other": None}
+
+
+def _progress_lines(entries: Iterator[LogEntry], desc: str, lines: int, path: str,
+                    every_s: float) -> Iterator[LogEntry]:
+    """The entries, with a line on stderr every ``every_s`` seconds saying how far the pass is (for a job whose
+    stderr goes to a file or a pipe, where a bar redrawn in place is noise). A short job prints nothing."""
+    start = time.monotonic()
+    last = start
+    for n, e in enumerate(entries, 1):
+        if not n & 255:
+            now = time.monotonic()
+            if now - last >= every_s:
+                last = now
+                print(f"kvprefix doctor: {os.path.basename(path)}: {desc}: line {e.line} of {lines} "
+                      f"({e.line / max(lines, 1):.0%}), {now - start:.0f} s", file=sys.stderr, flush=True)
+        yield e
 
 
 def _ratio(a: float, b: float) -> float:
