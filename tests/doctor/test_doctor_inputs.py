@@ -76,6 +76,9 @@ def test_request_log_whose_default_system_prompt_changed_is_template_drift(capsy
     assert top["hit_rate_after"] == pytest.approx(fixed["hit_rate"], abs=1e-12) and fixed["hit_rate"] > report[
         "hit_rate"]
     assert [c["kind"] for c in fixed["causes"]] == ["no-sharing"]
+    code, out, _ = run(capsys, log, "--model", tokenizer_dir, "--html", tmp_path / "report.html")
+    assert code == 0 and "(the template's own text): " in out
+    assert "the template&#x27;s own text" in (tmp_path / "report.html").read_text()
 
 
 def test_request_log_and_bodies_agree_on_the_hit_rate(capsys, tmp_path, tokenizer_dir):
