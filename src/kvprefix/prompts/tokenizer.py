@@ -43,14 +43,8 @@ class Tokenizer:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
-        """``[encode(t) for t in texts]`` in one call into the tokenizer (fewer crossings into Rust); a fast
-        tokenizer's ``encode_batch_fast`` gives the same ids without computing offsets (about a quarter faster)."""
-        if not texts:
-            return []
-        fast = getattr(getattr(self.hf, "backend_tokenizer", None), "encode_batch_fast", None)
-        if fast is None:
-            return self.hf(texts, add_special_tokens=add_special_tokens)["input_ids"]
-        return [e.ids for e in fast(texts, add_special_tokens=add_special_tokens)]
+        """``[encode(t) for t in texts]`` in one call into the tokenizer (fewer crossings into Rust)."""
+        return self.hf(texts, add_special_tokens=add_special_tokens)["input_ids"] if texts else []
 
     def encode_literal(self, text: str) -> list[int]:
         """Tokenizes ``text`` as plain text: a special token's spelling in it ("<|im_start|>") stays text."""
