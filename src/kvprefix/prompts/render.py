@@ -154,18 +154,16 @@ def _template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
 
 def _encode_with_literal_spans(tokenizer: Tokenizer, text: str, spans) -> list[int]:
     """The template's own text with its special tokens, each message's content as plain text."""
-    ids: list[int] = []
+    parts: list[tuple[str, bool]] = []  # (text, whether special tokens in it are parsed)
     cursor = 0
     for span in spans:
         if span is None:
             continue
         start, end = span
-        ids += tokenizer.encode(text[cursor:start], add_special_tokens=False) if start > cursor else []
-        ids += tokenizer.encode_literal(text[start:end])
+        parts += [(text[cursor:start], True), (text[start:end], False)]
         cursor = end
-    if cursor < len(text):
-        ids += tokenizer.encode(text[cursor:], add_special_tokens=False)
-    return ids
+    parts.append((text[cursor:], True))
+    return tokenizer.encode_parts(parts)
 
 
 def _check_length(tokenizer: Tokenizer, text: str, max_tokens: int | None, param: str) -> None:
