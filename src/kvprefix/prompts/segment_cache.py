@@ -53,18 +53,18 @@ class SegmentCachedTokenizer:
         if add_special_tokens or not self.enabled or self._checks_left:  # checked one by one until trusted
             return [self.encode(t, add_special_tokens=add_special_tokens) for t in texts]
         memo, added = self._memo, self._added_ids
-        new = list(dict.fromkeys(p for t in texts for p in self._split.split(t)
-                                 if p and p not in added and p not in memo))
+        split = [self._split.split(t) for t in texts]  # once per text: the split costs about as much as the lookups
+        new = list(dict.fromkeys(p for pieces in split for p in pieces if p and p not in added and p not in memo))
         for piece, ids in zip(new, self.inner.encode_batch(new, add_special_tokens=False), strict=True):
             memo[piece] = ids
         while len(memo) > self.capacity:
             memo.popitem(last=False)
-        return [self._encode_pieces(t) for t in texts]
+        return [self._encode_pieces(t, pieces) for t, pieces in zip(texts, split, strict=True)]
 
-    def _encode_pieces(self, text: str) -> list[int]:
+    def _encode_pieces(self, text: str, pieces: list[str] | None = None) -> list[int]:
         out: list[int] = []
         memo, added = self._memo, self._added_ids
-        for piece in self._split.split(text):
+        for piece in self._split.split(text) if pieces is None else pieces:
             if not piece:
                 continue
             special = added.get(piece)
