@@ -87,8 +87,9 @@ class PolicyRequestRouter(RequestRouter):
     """Ray Serve request router that asks a kvprefix policy. Replicas keep a fixed position (the session ring and
     the routed-prefix index are keyed by it, Ray's replica ids change on every restart): the first replicas fill
     positions in replica-id order, a new one takes the first position a gone one left, forgotten by the index.
-    A call with ``slot=k`` goes to the replica at position k (the ingress follows each one's event stream, and
-    fans admin calls out to every one); a call with no ``route`` to any replica."""
+    A call with ``exclude=ids`` goes to a replica whose id is not among them (the ingress follows each replica's
+    event stream once, and fans admin calls out to every one; while Ray knows no other replica yet, any); a call
+    with no ``route`` to any replica."""
 
     def initialize_state(self, policy: str = "round-robin", seed: int = 0, load_cap: float = 1.25, **kwargs):
         self.policy = make_policy(policy, seed, load_cap)
@@ -116,10 +117,10 @@ class PolicyRequestRouter(RequestRouter):
         self._place(candidate_replicas)
         kwargs = pending_request.kwargs if pending_request is not None else {}
         by_id = {r.replica_id: r for r in candidate_replicas}
-        slot = kwargs.get("slot")
-        if slot is not None:  # that position's replica; before it has one, any (the ingress refuses a duplicate)
-            chosen = by_id.get(self.slots[slot]) if slot < len(self.slots) else None
-            return [[chosen]] if chosen is not None else [candidate_replicas]
+        exclude = kwargs.get("exclude")
+        if exclude is not None:  # a replica the caller has not reached yet; none: any (the ingress sees the repeat)
+            others = [r for r in candidate_replicas if r.replica_id.unique_id not in exclude]
+            return [others or candidate_replicas]
         route = kwargs.get("route")
         if route is None:  # not a client request (the block identity, a health probe): any replica
             return [candidate_replicas]
@@ -204,9 +205,9 @@ class Engine:
         return self.engine.tokenizer, h.block_size, h.algo, h.context
 
     async def handle(self, method: str, path: str, query: bytes, headers: list[tuple[str, str]], body: bytes,
-                     route: RouteRequest | None, slot: int | None = None) -> AsyncIterator[Any]:
-        # ``route`` and ``slot`` are for the request router (it reads the call's kwargs); the replica has no use
-        # for them.
+                     route: RouteRequest | None, exclude: tuple[str, ...] | None = None) -> AsyncIterator[Any]:
+        # ``route`` and ``exclude`` are for the request router (it reads the call's kwargs); the replica has no
+        # use for them.
         async for item in _call_asgi(self.app, method, path, query, headers, body):
             if isinstance(item, tuple):
                 status, response_headers = item
@@ -239,36 +240,43 @@ class Ingress:
         self.num_replicas = num_replicas
         self.admin_headers = [("authorization", f"Bearer {admin_key}")] if admin_key else []
         self.followed: list[Replica] = []
-        self._claimed: dict[int, str] = {}  # slot -> the replica id its event stream comes from
+        self._claimed: dict[int, str] = {}  # follower -> the replica id its event stream comes from
         self._followers: list[asyncio.Task] = []
         if policy == "kv-events":
-            self.followed = [Replica(f"slot-{k}") for k in range(num_replicas)]
+            self.followed = [Replica(f"events-{k}") for k in range(num_replicas)]
             self._followers = [asyncio.create_task(follow(self._event_lines(k), rep, lambda _: None))
                                for k, rep in enumerate(self.followed)]
 
-    def _event_lines(self, slot: int) -> Lines:
-        """The event stream of the replica at ``slot``, through the engine handle (Ray has no port of its own per
-        replica): the stream's lines, as ``follow`` reads them over HTTP from a `kvprefix serve`."""
+    def _event_lines(self, follower: int) -> Lines:
+        """The event stream of a replica no other follower follows, through the engine handle (Ray has no port of
+        its own per replica): the stream's lines, as ``follow`` reads them over HTTP from a `kvprefix serve`.
+
+        Which replica is whatever Ray's router picks outside the others' (``exclude``), not a position: a stream
+        opened while Ray knew one replica could otherwise hold the other follower's replica for ever (and leave a
+        replica unfollowed, its credit never given). A follower that got a replica already followed (Ray knew no
+        other yet) gives it up and tries again."""
         async def lines(params: dict[str, str]) -> AsyncIterator[bytes]:
+            others = tuple(r for k, r in self._claimed.items() if k != follower)
             stream = self.engine.options(stream=True).handle.remote(
-                "GET", "/v1/kv_events", urlencode(params).encode(), self.admin_headers, b"", route=None, slot=slot)
+                "GET", "/v1/kv_events", urlencode(params).encode(), self.admin_headers, b"", route=None,
+                exclude=others)
             status, _ = await stream.__anext__()
             if status != 200:
                 raise ValueError(f"GET /v1/kv_events answered {status}")
-            pending, first = b"", True
+            pending, claimed = b"", False
             try:
                 async for chunk in stream:
                     *complete, pending = (pending + chunk).split(b"\n")
                     for line in complete:
-                        if first:  # the hello: a replica another slot already follows means this slot is not placed yet
-                            first = False
+                        if line and not claimed:  # the hello names the replica
                             replica_id = loads(line).replica_id
                             if replica_id in self._claimed.values():
-                                raise ValueError(f"slot {slot} has no replica of its own yet")
-                            self._claimed[slot] = replica_id
+                                raise ValueError(f"replica {replica_id} is followed already")
+                            self._claimed[follower], claimed = replica_id, True
                         yield line
             finally:
-                self._claimed.pop(slot, None)
+                if claimed:
+                    del self._claimed[follower]
                 stream.cancel()  # the replica stops streaming to nobody
 
         return lines
@@ -331,19 +339,25 @@ class Ingress:
         self.auth.check_admin(raw.headers.get("authorization"))
         headers = [(k, raw.headers[k]) for k in FORWARD_HEADERS if k in raw.headers] or self.admin_headers
 
-        async def one(slot: int) -> dict:
+        reached: list[str] = []
+
+        async def one() -> dict:
             try:
                 stream = self.engine.options(stream=True).handle.remote(
-                    "POST", raw.url.path, raw.url.query.encode(), headers, b"", route=None, slot=slot)
-                status, _ = await stream.__anext__()
+                    "POST", raw.url.path, raw.url.query.encode(), headers, b"", route=None, exclude=tuple(reached))
+                status, response_headers = await stream.__anext__()
                 text = b"".join([chunk async for chunk in stream])
             except Exception as exc:  # the replica died under the call
-                return {"replica": f"slot-{slot}", "status": None, "error": str(exc) or type(exc).__name__}
-            return replica_result(f"slot-{slot}", status, text)
+                return {"replica": None, "status": None, "error": str(exc) or type(exc).__name__}
+            replica = dict(response_headers).get(REPLICA_HEADER, "")
+            if replica in reached:  # Ray knows fewer replicas than the deployment should have
+                return {"replica": replica, "status": None, "error": "reached twice: a replica is not running"}
+            reached.append(replica)
+            return replica_result(replica, status, text)
 
-        # One after another: two slot-pinned calls pending at once hung in Ray's request router (it may hand a
-        # chosen replica to another pending request), seen with Ray 2.60 on the test's local cluster.
-        return fan_out_response([await one(k) for k in range(self.num_replicas)])
+        # One after another, each to a replica not reached yet (two pinned calls pending at once hung in Ray
+        # 2.60's request router on the test's local cluster).
+        return fan_out_response([await one() for _ in range(self.num_replicas)])
 
 
 def build_app(engine_args: dict[str, Any], num_replicas: int, policy: str, seed: int = 0, load_cap: float = 1.25,
