@@ -119,6 +119,27 @@ def replay_kv_events(hasher, traffic: list[list[dict]]) -> list[int]:
     return replay(Trace("ray", bs, requests), ReplayConfig(None, replicas=2, routing="kv-events", mode="order")).replica
 
 
+def router_metrics(base: str) -> dict[tuple[str, str, str], float]:
+    """The ingress's /metrics: (sample name, replica, reason) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    answer = httpx.get(base + "/metrics", timeout=30)
+    assert answer.status_code == 200, answer.text
+    out = {}
+    for family in text_string_to_metric_families(answer.text):
+        for sample in family.samples:
+            out[sample.name, sample.labels.get("replica", ""), sample.labels.get("reason", "")] = sample.value
+    return out
+
+
+def by_replica(metrics: dict, name: str, reason: str | None = None) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for (sample, replica, why), value in metrics.items():
+        if sample == "kvprefix:router_" + name and (reason is None or why == reason):
+            out[replica] = out.get(replica, 0.0) + value
+    return out
+
+
 @pytest.mark.slow
 def test_ray_serve_kv_events_routes_like_the_standalone_policy_and_admin_calls_reach_every_replica(
         serve_port: int, default_model_dir: str):
@@ -134,6 +155,22 @@ def test_ray_serve_kv_events_routes_like_the_standalone_policy_and_admin_calls_r
         offline = replay_kv_events(hasher, traffic)
         assert same_choices(served, offline), (served, offline)
         assert all(c > 0 for c in cached[len(traffic) // 3:]), cached
+
+        # The router's metrics through the ingress: its decisions, per replica
+        m = router_metrics(base)
+        assert by_replica(m, "requests_total") == {rid: served.count(rid) for rid in set(served)}
+        first_round = len(traffic) // 3
+        assert sum(by_replica(m, "requests_total", "no_prefix").values()) == first_round  # new prompts
+        assert sum(by_replica(m, "requests_total", "cached_prefix").values()) == len(traffic) - first_round
+        reported = sum(by_replica(m, "reported_cached_tokens_total").values())
+        predicted = sum(by_replica(m, "predicted_cached_tokens_total").values())
+        assert reported == sum(cached) and predicted > 0.8 * reported, (predicted, reported)
+        assert by_replica(m, "replica_healthy") == {rid: 1.0 for rid in set(served)}
+        assert all(v > 0 for v in by_replica(m, "kv_events_blocks").values())  # synced, holding the prompts
+        assert by_replica(m, "kv_events_resyncs_total").keys() == set(served)
+        assert sum(by_replica(m, "retries_total").values()) == 0
+        assert by_replica(m, "requests_in_flight") == {rid: 0.0 for rid in set(served)}
+        assert m["kvprefix:router_load_imbalance", "", ""] == 1.0
 
         reset = httpx.post(base + "/reset_prefix_cache", params={"wait": "true"}, timeout=60)
         assert reset.status_code == 200, reset.text

@@ -30,6 +30,9 @@ class RouteRequest:
     num_blocks: int = 0  # prompt blocks, the partial tail included (0: not hashed)
     # replica id -> its exact cached prefix in blocks, where the caller follows the event streams (the Ray ingress)
     replica_cached: Mapping[str, int] | None = None
+    # (reason, credited blocks, replicas that refused it first), written by the Ray request router, which runs in
+    # the ingress's process: the ingress's metrics read it once the request is routed
+    decision: tuple[str, int, tuple[str, ...]] | None = None
 
 
 def route_request(body: bytes, headers: Mapping[str, str], tenant: str | None,

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
 
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -29,8 +29,9 @@ from kvprefix.cache.event_wire import loads
 from kvprefix.router.admin import fan_out_response, replica_result
 from kvprefix.router.app import HASHING_POLICIES
 from kvprefix.router.events import Lines, follow
-from kvprefix.router.fleet import Replica
+from kvprefix.router.fleet import FleetView, Replica
 from kvprefix.router.hashing import RouteRequest, route_request
+from kvprefix.router.metrics import TAIL_BYTES, RouterMetrics, decision_reason, reported_cached_tokens
 from kvprefix.router.pending import Outstanding, Routed
 from kvprefix.router.policies import make_policy
 from kvprefix.server.bodies import read_body
@@ -43,7 +44,6 @@ if TYPE_CHECKING:  # server.app loads the engine and torch: only the engine repl
 log = logging.getLogger("kvprefix.router.ray")
 
 REPLICA_HEADER = "x-kvprefix-replica"
-NO_ROUTE = RouteRequest([], None)
 
 
 class _SlotView:
@@ -95,7 +95,8 @@ class PolicyRequestRouter(RequestRouter):
         self.policy = make_policy(policy, seed, load_cap)
         self.slots: list[ReplicaID | None] = []
         self.outstanding: dict[ReplicaID, Outstanding] = {}
-        self._chosen: dict[str, tuple[RouteRequest, int]] = {}  # request id -> (route, credited blocks)
+        # request id -> (route, credited blocks, replica chosen, replicas chosen before that refused it)
+        self._chosen: dict[str, tuple[RouteRequest, int, ReplicaID | None, tuple[str, ...]]] = {}
         self._routed: dict[str, Routed] = {}  # request id -> its share of the replica's load, until it completes
 
     def _place(self, replicas: Sequence[RunningReplica]) -> None:
@@ -126,7 +127,10 @@ class PolicyRequestRouter(RequestRouter):
             return [candidate_replicas]
         view = _SlotView(self.slots, set(by_id), self.outstanding, route.replica_cached)
         chosen = by_id.get(self.slots[self.policy.choose(route, view)])
-        self._chosen[pending_request.metadata.internal_request_id] = route, self.policy.credited
+        request_id = pending_request.metadata.internal_request_id
+        earlier = self._chosen.get(request_id)  # asked again: the replica chosen before refused it (full)
+        refused = () if earlier is None else (*earlier[3], *([earlier[2].unique_id] if earlier[2] else []))
+        self._chosen[request_id] = route, self.policy.credited, chosen and chosen.replica_id, refused
         return [[chosen]] if chosen is not None else [candidate_replicas]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
@@ -134,7 +138,9 @@ class PolicyRequestRouter(RequestRouter):
         chosen = self._chosen.pop(request_id, None)
         if chosen is None:
             return
-        route, credited = chosen
+        route, credited, _, refused = chosen
+        route.decision = (decision_reason(bool(refused), credited, self.policy.name == "session", route.session),
+                          credited, refused)
         out = self.outstanding.setdefault(replica_id, Outstanding())
         # The router sees no first token: a request's prefill counts as queued until it completes.
         self._routed[request_id] = out.add(route.block_hashes, max(route.num_blocks - credited, 0))
@@ -239,13 +245,27 @@ class Ingress:
         self.hasher = None
         self.num_replicas = num_replicas
         self.admin_headers = [("authorization", f"Bearer {admin_key}")] if admin_key else []
+        self.policy = policy
+        self.block_size = 0  # tokens per block, once the block identity is known (for the predicted metric)
+        # The router's metrics (docs/router.md), by Ray replica id, each replica from the first time it answers or
+        # its event stream says hello; in flight = calls this ingress sent there whose answer has not ended.
+        self.replicas: dict[str, Replica] = {}
+        self.view = FleetView([])
+        self.metrics = RouterMetrics(self.view)
         self.followed: list[Replica] = []
         self._claimed: dict[int, str] = {}  # follower -> the replica id its event stream comes from
         self._followers: list[asyncio.Task] = []
         if policy == "kv-events":
             self.followed = [Replica(f"events-{k}") for k in range(num_replicas)]
-            self._followers = [asyncio.create_task(follow(self._event_lines(k), rep, lambda _: None))
+            self._followers = [asyncio.create_task(follow(self._event_lines(k), rep, self._resynced(k)))
                                for k, rep in enumerate(self.followed)]
+
+    def _resynced(self, follower: int):
+        def count(_: Replica) -> None:
+            replica_id = self._claimed.get(follower)
+            if replica_id is not None:
+                self.metrics.resyncs.labels(replica_id).inc()
+        return count
 
     def _event_lines(self, follower: int) -> Lines:
         """The event stream of a replica no other follower follows, through the engine handle (Ray has no port of
@@ -273,10 +293,13 @@ class Ingress:
                             if replica_id in self._claimed.values():
                                 raise ValueError(f"replica {replica_id} is followed already")
                             self._claimed[follower], claimed = replica_id, True
+                            rep = self._replica(replica_id)
+                            rep.healthy, rep.mirror = True, self.followed[follower].mirror
                         yield line
             finally:
                 if claimed:
                     del self._claimed[follower]
+                    self.replicas[replica_id].healthy = False  # until it answers again (Ray replaces a dead one)
                 stream.cancel()  # the replica stops streaming to nobody
 
         return lines
@@ -301,16 +324,51 @@ class Ingress:
 
             tokenizer, block_size, algo, context = await self.engine.block_identity.remote()
             self.hasher = RequestHasher(tokenizer, BlockHasher(block_size, algo, context))
+            self.block_size = block_size
         return self.hasher
 
+    def _replica(self, replica_id: str) -> Replica:
+        rep = self.replicas.get(replica_id)
+        if rep is None:
+            rep = self.replicas[replica_id] = Replica(replica_id)
+            self.view.replicas.append(rep)
+            self.metrics.add_replica(rep)
+        return rep
+
     async def _send(self, raw, route: RouteRequest | None, body: bytes):
+        """Relays the call through the handle (its router picks the replica) and counts it in the metrics: a
+        client request (``route``) by the router's decision, every answer's in-flight time and cached tokens."""
         headers = [(k, raw.headers[k]) for k in FORWARD_HEADERS if k in raw.headers]
         stream = self.engine.options(stream=True).handle.remote(raw.method, raw.url.path, raw.url.query.encode(),
                                                                 headers, body, route=route)
         status, response_headers = await stream.__anext__()
+        rep = self._replica(dict(response_headers).get(REPLICA_HEADER, "unknown"))
+        rep.healthy = True
+        if route is not None and route.decision is not None:
+            reason, credited, refused = route.decision
+            self.metrics.requests.labels(rep.name, reason).inc()
+            self.metrics.predicted_cached.labels(rep.name).inc(credited * self.block_size)
+            for other in refused:
+                self.metrics.retries.labels(self._replica(other).name).inc()
         drop = {"content-length", "transfer-encoding"}
-        return StreamingResponse(stream, status_code=status,
-                                  headers={k: v for k, v in response_headers if k.lower() not in drop})
+        return StreamingResponse(self._counted(stream, rep), status_code=status,
+                                 headers={k: v for k, v in response_headers if k.lower() not in drop})
+
+    async def _counted(self, stream, rep: Replica) -> AsyncIterator[bytes]:
+        """The answer's chunks, in flight until its end; its ``cached_tokens`` into the reported metric."""
+        routed, tail, ended = rep.outstanding.add((), 0), b"", False
+        try:
+            async for chunk in stream:
+                tail = (tail + chunk)[-TAIL_BYTES:]
+                yield chunk
+            ended = True
+            reported = reported_cached_tokens(tail)
+            if reported is not None:
+                self.metrics.reported_cached.labels(rep.name).inc(reported)
+        finally:
+            routed.finish()
+            if not ended:
+                stream.cancel()  # the client left mid-answer: the replica stops
 
     @_app.post("/v1/completions")
     @_app.post("/v1/chat/completions")
@@ -326,7 +384,13 @@ class Ingress:
     @_app.get("/v1/models")
     @_app.get("/v1/models/{model_id:path}")
     async def relay(self, raw: Request):
-        return await self._send(raw, NO_ROUTE, b"")
+        return await self._send(raw, RouteRequest([], None), b"")  # its own: the router writes its decision
+
+    @_app.get("/metrics")
+    async def metrics_endpoint(self, raw: Request):
+        """The router's metrics, as `kvprefix route` serves them (admin rule); replicas named by Ray replica id."""
+        self.auth.check_admin(raw.headers.get("authorization"))
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @_app.get("/health")
     async def health(self, raw: Request):
