@@ -245,7 +245,6 @@ class Ingress:
         self.hasher = None
         self.num_replicas = num_replicas
         self.admin_headers = [("authorization", f"Bearer {admin_key}")] if admin_key else []
-        self.policy = policy
         self.block_size = 0  # tokens per block, once the block identity is known (for the predicted metric)
         # The router's metrics (docs/router.md), by Ray replica id, each replica from the first time it answers or
         # its event stream says hello; in flight = calls this ingress sent there whose answer has not ended.
