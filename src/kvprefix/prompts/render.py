@@ -6,7 +6,9 @@ same block hashes) wherever it is rendered.
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -145,8 +147,14 @@ def _for_template(tokenizer: Tokenizer, normalized: list[dict[str, Any]], tools:
 
 
 def _needs_literal_spans(tokenizer: Tokenizer, rendered: list[dict[str, Any]]) -> bool:
-    specials = tokenizer.special_tokens
-    return any(special in m["content"] for m in rendered for special in specials)
+    pattern = _any_of(tokenizer.special_tokens)
+    return pattern is not None and any(pattern.search(m["content"]) for m in rendered)
+
+
+@functools.lru_cache(maxsize=16)
+def _any_of(spellings: tuple[str, ...]) -> re.Pattern[str] | None:
+    """One pass over a text for any of the spellings (a scan per spelling cost more than rendering the prompt)."""
+    return re.compile("|".join(map(re.escape, spellings))) if spellings else None
 
 
 def _chat_prompt(tokenizer: Tokenizer, text: str, rendered: list[dict[str, Any]], where: _Where,
