@@ -11,8 +11,6 @@ import json
 from collections.abc import Sequence
 
 import llguidance
-import llguidance.hf
-import llguidance.torch
 import torch
 
 from kvprefix.engine.sampling_params import StructuredOutputsParams
@@ -64,6 +62,11 @@ class GrammarMasks:
     """The vocabulary as llguidance sees it (built once per engine), matchers over it, and the masking step."""
 
     def __init__(self, hf_tokenizer, vocab_size: int):
+        # Imported at the first structured request, not with the server: llguidance.torch loads torch.compile's
+        # stack (dynamo, inductor), which is most of a server's start-up time.
+        import llguidance.hf
+        import llguidance.torch
+
         self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size)
 
     def matcher(self, grammar: str) -> llguidance.LLMatcher:
