@@ -73,6 +73,11 @@ def free_port() -> int:
 
 def start_server(tmp: Path, *args: str, request_log: bool = False, port: int | None = None) -> Server:
     """A `kvprefix serve` on ``port`` (default: a free one; give the old one to restart a replica in place)."""
+    return wait_ready(spawn_server(tmp, *args, request_log=request_log, port=port))
+
+
+def spawn_server(tmp: Path, *args: str, request_log: bool = False, port: int | None = None) -> Server:
+    """Starts the process and returns at once; `wait_ready` waits until it serves."""
     port = port or free_port()
     log_path = tmp / f"server-{port}.log"
     rl = tmp / f"requests-{port}.jsonl" if request_log else None
@@ -85,19 +90,23 @@ def start_server(tmp: Path, *args: str, request_log: bool = False, port: int | N
         cmd += ["--request-log", str(rl)]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
-    server = Server(f"http://127.0.0.1:{port}", proc, log_path, rl)
-    deadline = time.monotonic() + 120
+    return Server(f"http://127.0.0.1:{port}", proc, log_path, rl)
+
+
+def wait_ready(server: Server, timeout: float = 120) -> Server:
+    """Waits until ``server`` answers /health; kills it and raises, with its log, if it exits or never does."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{log_path.read_text()}")
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"server exited with {server.proc.returncode}:\n{server.log_path.read_text()}")
         try:
             if httpx.get(server.url + "/health", timeout=1).status_code == 200:
                 return server
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"server did not start:\n{log_path.read_text()}")
+    server.proc.kill()
+    raise RuntimeError(f"server did not start:\n{server.log_path.read_text()}")
 
 
 def stop_server(server: Server) -> int:
