@@ -27,3 +27,7 @@ tenant_server = shared_server(
     "--num-gpu-blocks", "256", "--request-log-prompts", request_log=True, api_keys=TENANT_KEYS,
     doc="Tenancy (three keys, two tenants), an admin key, small queues (4 pending, 3 per tenant), a small pool "
         "(256 blocks: evictions happen) and a request log with raw prompts.")
+
+tenants_without_admin = shared_server(
+    "tenants_without_admin", "--num-gpu-blocks", "48", api_keys=TENANT_KEYS,
+    doc="Tenants and no admin key: the admin endpoints (/metrics, KV events) refuse everyone.")
