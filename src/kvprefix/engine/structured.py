@@ -11,8 +11,6 @@ import json
 from collections.abc import Sequence
 
 import llguidance
-import llguidance.hf
-import llguidance.torch
 import torch
 
 from kvprefix.engine.sampling_params import StructuredOutputsParams
@@ -84,6 +82,11 @@ class GrammarMasks:
     """The vocabulary as llguidance sees it (built once per engine), matchers over it, and the masking step."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int):
+        # Imported at the first structured request, not with the server: llguidance.torch loads torch.compile's
+        # stack (dynamo, inductor), which is most of a server's start-up time.
+        import llguidance.hf
+        import llguidance.torch
+
         if tokenizer.hf is not None:
             self.tokenizer = llguidance.hf.from_tokenizer(tokenizer.hf, n_vocab=vocab_size)
         else:  # a GGUF SentencePiece vocabulary: llguidance gets its tokens' bytes and its tokenizing
