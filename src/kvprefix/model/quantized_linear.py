@@ -55,7 +55,7 @@ class Int8Linear(nn.Module):
         return cls(q.to(torch.int8), scales, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(_COMPUTE)
+        flat = _start(x, self.in_features)
         if flat.shape[0] > self.dense_above_rows:
             out = flat @ self.dequantize().t()
         else:
@@ -107,7 +107,7 @@ class Int4Linear(nn.Module):
         return cls(q.reshape(n, k), scales, zeros, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(_COMPUTE)
+        flat = _start(x, self.in_features)
         if flat.shape[0] > self.dense_above_rows:
             out = flat @ self.dequantize().t()
         else:
@@ -125,13 +125,22 @@ class Int4Linear(nn.Module):
         return _nbytes(self.qweight, self.scales_and_zeros, self.bias)
 
 
+# _start and _finish skip the reshapes and casts that are no-ops (the usual case: 2-D bfloat16 activations): a
+# decode step runs ~120 of these layers, and each skipped call saves a few microseconds of dispatch.
+def _start(x: torch.Tensor, in_features: int) -> torch.Tensor:
+    """x as the [rows, in] bfloat16 matrix the ops take."""
+    flat = x if x.dim() == 2 else x.reshape(-1, in_features)
+    return flat if flat.dtype == _COMPUTE else flat.to(_COMPUTE)
+
+
 def _finish(out: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor, out_features: int) -> torch.Tensor:
     if out.shape[1] != out_features:
         out = out[:, :out_features]  # drops the int4 padding rows
-    out = out.to(x.dtype)  # back to the model's dtype (no copy when it is bfloat16)
+    if out.dtype != x.dtype:
+        out = out.to(x.dtype)  # back to the model's dtype
     if bias is not None:
         out = out + bias
-    return out.reshape(*x.shape[:-1], out_features)
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out_features)
 
 
 def _nbytes(*tensors: torch.Tensor | None) -> int:
