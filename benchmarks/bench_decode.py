@@ -5,7 +5,8 @@ the layout of the SmolLM2 Q4_1 GGUF (int4 projections, int8 lm_head from its Q8_
 rounds: single-request decode ms per output token, 8 concurrent requests' output tokens/s, a 512-token prefill,
 the bytes read per token, and the fraction of this machine's memory bandwidth (measured here: a sum over a tensor far larger than the
 caches) those bytes per token make. Each engine step is split into model forward, lm_head, sampling, scheduling
-and the rest, so the non-model time per step shows where it goes. Random weights (speed only).
+and the rest, so the non-model time per step shows where it goes; the model parts also in CPU time of the engine's
+thread (steady under load from other processes, where wall time is not). Random weights (speed only).
 
     python benchmarks/bench_decode.py [--rounds 3] [--threads 1] [--out results/bench_decode.json]
 """
@@ -46,7 +47,7 @@ VARIANTS = {
     "int4 + int8 lm_head (Q4_1 GGUF)": ("bfloat16", "int4", True),
 }
 PROMPT_TOKENS, OUTPUT_TOKENS, BATCH, PREFILL_TOKENS = 32, 64, 8, 512
-MODEL_PARTS = ("forward", "projections", "lm_head")  # the rest of a step is the engine's
+MODEL_PARTS = ("forward", "projections", "lm_head", "cpu forward", "cpu projections", "cpu lm_head")
 
 
 def memory_read_bandwidth(threads: int) -> float:
@@ -69,7 +70,7 @@ class StepTimer:
     every step."""
 
     def __init__(self, llm: LLM) -> None:
-        self.seconds: dict[str, float] = defaultdict(float)
+        self.seconds: dict[str, float] = defaultdict(float)  # wall time; "cpu " + part: this thread's CPU time
         self.history: list[dict[str, float]] = []
         engine = llm.llm_engine
         model = engine.runner.model
@@ -98,11 +99,12 @@ class StepTimer:
         inner = getattr(obj, name)
 
         def timed(*args, **kwargs):
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             try:
                 return inner(*args, **kwargs)
             finally:
                 self.seconds[key] += time.perf_counter() - start
+                self.seconds["cpu " + key] += time.thread_time() - start_cpu
 
         setattr(obj, name, timed)
 
@@ -122,6 +124,11 @@ class StepTimer:
             "schedule": mean("schedule"),
             "step other": mean("step") - mean("runner") - mean("sample") - mean("schedule"),  # outputs
             "step": mean("step"),
+            # CPU time of the engine's thread (LLM.generate steps in the caller's thread, and with one torch thread
+            # the ops run there too): unlike wall time it leaves out the time other processes hold the core.
+            "cpu forward": mean("cpu forward"),
+            "cpu projections": mean("cpu projections"),
+            "cpu lm_head": mean("cpu lm_head"),
         }
 
 
@@ -192,7 +199,8 @@ def main() -> None:
             rounds[n].append(run_round(llms[n], timers[n], prompts))
     results = []
     print(f"\n{'weights':32} {'MB/token':>8} {'ms/token':>8} {'GB/s':>5} {'of bw':>6} {'8-req tok/s':>11}"
-          f" {'proj ms':>7} {'other fwd':>9} {'lm_head':>7} {'non-model':>9} {'prefill 512 s':>13}")
+          f" {'proj ms':>7} {'other fwd':>9} {'lm_head':>7} {'non-model':>9} {'prefill 512 s':>13}"
+          f" {'cpu: proj':>9} {'other fwd':>9} {'lm_head':>7}")
     for n in names:
         single = statistics.median(r["single_ms_per_token"] for r in rounds[n])
         batch = statistics.median(r["batch_tokens_per_s"] for r in rounds[n])
@@ -208,7 +216,8 @@ def main() -> None:
         non_model = sum(v for k, v in steps.items() if k not in MODEL_PARTS)
         print(f"{n:32} {nbytes / 1e6:8.1f} {single:8.1f} {achieved / 1e9:5.1f} {achieved / bandwidth:6.0%} "
               f"{batch:11.1f} {steps['projections']:7.1f} {steps['forward'] - steps['projections']:9.1f} "
-              f"{steps['lm_head']:7.1f} {non_model:9.2f} {prefill:13.2f}")
+              f"{steps['lm_head']:7.1f} {non_model:9.2f} {prefill:13.2f} {steps['cpu projections']:9.1f} "
+              f"{steps['cpu forward'] - steps['cpu projections']:9.1f} {steps['cpu lm_head']:7.1f}")
     print("\nnon-model time per step (ms, single request, median of rounds):")
     for row in results:
         parts = ", ".join(f"{k} {v:.2f}" for k, v in row["step_ms"].items() if k not in MODEL_PARTS)

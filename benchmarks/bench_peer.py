@@ -12,7 +12,8 @@ tokens/s (all completion tokens / wall time of the round), prompt tokens compute
 the cached tokens each server reports in usage.prompt_tokens_details), and single-request decode ms/token
 (one user: (end - first token) / (tokens - 1)).
 
-    python benchmarks/bench_peer.py [--gguf FILE] [--users 1,4,8] [--rounds 3] [--out results/bench_peer.json]
+    python benchmarks/bench_peer.py [--gguf FILE] [--users 1,4,8] [--rounds 3] [--kvprefix-args "--quantization int4"]
+        [--out results/bench_peer.json]
 """
 
 from __future__ import annotations
@@ -173,6 +174,8 @@ def main() -> None:
     p.add_argument("--parallel", type=int, default=8, help="llama-server slots")
     p.add_argument("--ctx-per-slot", type=int, default=2048)
     p.add_argument("--num-blocks", type=int, default=2048, help="kvprefix KV blocks")
+    p.add_argument("--kvprefix-args", default="",
+                   help="more `kvprefix serve` options, e.g. \"--quantization int4 --dtype bfloat16\"")
     p.add_argument("--llama-cpp-python", default=LLAMA_CPP_PYTHON_VERSION, help="sdist whose llama.cpp is built")
     p.add_argument("--llama-extra", default="", help="extra llama-server arguments")
     p.add_argument("--jobs", type=int, default=2, help="parallel compile jobs for the one-time build")
@@ -194,6 +197,7 @@ def run(args: argparse.Namespace) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # torch's intra-op threads in the kvprefix server
     args.model = str(gguf)
+    args.serve_args = args.kvprefix_args.split()
     llama = LlamaServer(binary, gguf, _free_port(), llama_args(args), out.with_suffix(".llama-server.log"))
     kv_proc = None
     try:
@@ -211,8 +215,11 @@ def run(args: argparse.Namespace) -> None:
                             f"(answers: {json.dumps({n: checks[n]['answer'] for n in wrong})})")
         system = system_prompt(args.system_words)
         ids = itertools.count()
-        for name, url in servers.items():  # both caches hold the system prompt before timing
+        # Both caches hold the system prompt before timing, llama.cpp's in every slot: as many concurrent users as
+        # it has slots each land on their own (kvprefix computes it once and shares its blocks).
+        for name, url in servers.items():
             asyncio.run(run_users(url, models[name], system, 1, 1, 4, ids))
+            asyncio.run(run_users(url, models[name], system, args.parallel, 1, 4, ids))
         rounds: dict[str, dict[int, list[dict]]] = {n: {u: [] for u in users_list} for n in servers}
         for users in users_list:
             for rnd in range(args.rounds):

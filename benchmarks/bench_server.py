@@ -47,6 +47,7 @@ def start_server(caching: bool, args: argparse.Namespace) -> tuple[subprocess.Po
            "--enable-prefix-caching" if caching else "--no-enable-prefix-caching"]
     if args.model:
         cmd += ["--model", args.model]
+    cmd += getattr(args, "serve_args", [])  # more `kvprefix serve` options, from a script that takes them
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=os.environ.copy())
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180

@@ -78,7 +78,7 @@ def main() -> None:
 
     hf_model, tensors = transformers_model(path, torch.float32)
     mine_model = load_model(path, torch.float32)
-    diffs = {name: (p - tensors[name].float()).abs().max().item() for name, p in mine_model.named_parameters()
+    diffs = {name: (p - tensors[name].float()).abs().max().item() for name, p in mine_model.checkpoint_views().items()
              if name in tensors}
     result["weights"] = {"compared": len(diffs), "max_abs_diff": max(diffs.values())}
     print(result["weights"])

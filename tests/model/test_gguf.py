@@ -31,7 +31,7 @@ def test_weights_and_logits_match_the_dequantized_reference(llama_dir, tmp_path,
     path = str(tmp_path / f"tiny-{qtype.name}.gguf")
     held = write_gguf(path, llama_dir, CONFIG, qtype)
     model = load_model(path)
-    params = dict(model.named_parameters())
+    params = model.checkpoint_views()  # the checkpoint's names, stacked projections split
     assert held.keys() == params.keys()
     # Exact: the same dequantization, and the q/k rows back in Hugging Face order.
     assert all(torch.equal(params[k], torch.from_numpy(v)) for k, v in held.items())

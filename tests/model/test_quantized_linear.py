@@ -1,6 +1,8 @@
 """Weight-only int8/int4 layers: the ops' dequantization convention, packing from float weights and from GGUF blocks
 (files the tests write with the gguf writer), and a tiny random Llama generating with quantized weights."""
 
+import re
+
 import gguf
 import numpy as np
 import pytest
@@ -14,7 +16,7 @@ from kvprefix.model.quantized_linear import (
     Int8Linear,
     gguf_rows_from_permuted,
     linear_weight_bytes,
-    pack_gguf_tensor,
+    pack_gguf_tensors,
     quantize_model,
 )
 
@@ -117,7 +119,7 @@ def test_q4_blocks_pack_into_int4_without_loss(gguf_file, kind: str) -> None:
     path, _ = gguf_file
     reader = gguf.GGUFReader(path)
     ref = _reference(reader, f"w.{kind}")
-    layer = pack_gguf_tensor(path, f"w.{kind}")
+    layer = pack_gguf_tensors(path, [(f"w.{kind}", None)])
     assert isinstance(layer, Int4Linear)
     # Exact but for bfloat16: the block's d and zero (x up to 8 steps of q) and the output each round once.
     blocks = ref.reshape(48, 2, 32)
@@ -131,7 +133,7 @@ def test_q4_blocks_pack_into_int4_without_loss(gguf_file, kind: str) -> None:
 def test_other_types_are_requantized_per_channel_int8(gguf_file, kind: str) -> None:
     path, _ = gguf_file
     ref = _reference(gguf.GGUFReader(path), f"w.{kind}")
-    layer = pack_gguf_tensor(path, f"w.{kind}")
+    layer = pack_gguf_tensors(path, [(f"w.{kind}", None)])
     assert isinstance(layer, Int8Linear)
     step = ref.abs().amax(1, keepdim=True) / 127
     assert ((effective_weight(layer) - ref).abs() <= step / 2 * (1 + BF16_EPS * 256) + ref.abs() * BF16_EPS).all()
@@ -140,10 +142,10 @@ def test_other_types_are_requantized_per_channel_int8(gguf_file, kind: str) -> N
 def test_rows_reorder_output_channels_and_unknown_names_fail(gguf_file) -> None:
     path, _ = gguf_file
     rows = torch.randperm(48, generator=torch.Generator().manual_seed(4))
-    plain = effective_weight(pack_gguf_tensor(path, "w.Q4_1"))
-    assert torch.equal(effective_weight(pack_gguf_tensor(path, "w.Q4_1", rows)), plain[rows])
+    plain = effective_weight(pack_gguf_tensors(path, [("w.Q4_1", None)]))
+    assert torch.equal(effective_weight(pack_gguf_tensors(path, [("w.Q4_1", rows)])), plain[rows])
     with pytest.raises(ValueError, match="no tensor 'w.missing'"):
-        pack_gguf_tensor(path, "w.missing")
+        pack_gguf_tensors(path, [("w.missing", None)])
 
 
 def test_rows_undo_llama_cpp_permutation() -> None:
@@ -202,16 +204,17 @@ def test_gguf_blocks_model_matches_its_dequantized_weights(tiny_llama_path: str,
     names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
              "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
     with torch.no_grad():
-        for i, layer in enumerate(dense.model.layers):
-            for module_name, linear in [*layer.self_attn.named_children(), *layer.mlp.named_children()]:
-                if module_name not in names:
-                    continue
-                w = linear.weight.float().numpy()
-                blocks = gguf.quants.quantize(w, Q.Q4_1)
-                heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}.get(module_name)
-                stored = blocks if heads is None or arch != "llama" else llama_cpp_permute(blocks, heads)
-                writer.add_tensor(f"blk.{i}.{names[module_name]}.weight", stored, raw_dtype=Q.Q4_1)
-                linear.weight.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, Q.Q4_1)))
+        # Each checkpoint projection, also those the decoder stacks (q/k/v, gate/up): written and read back by name.
+        for name, weight in dense.checkpoint_views().items():
+            match = re.fullmatch(r"model\.layers\.(\d+)\.\w+\.(\w+_proj)\.weight", name)
+            if match is None:
+                continue
+            i, module_name = match.groups()
+            blocks = gguf.quants.quantize(weight.float().numpy(), Q.Q4_1)
+            heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}.get(module_name)
+            stored = blocks if heads is None or arch != "llama" else llama_cpp_permute(blocks, heads)
+            writer.add_tensor(f"blk.{i}.{names[module_name]}.weight", stored, raw_dtype=Q.Q4_1)
+            weight.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, Q.Q4_1)))
         head = dense.lm_head.weight.float().numpy()
         writer.add_tensor("output.weight", gguf.quants.quantize(head, Q.Q8_0), raw_dtype=Q.Q8_0)
         dense.lm_head.weight.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(head, Q.Q8_0),

@@ -175,14 +175,20 @@ def paged_attention(
     """
     k_cache, v_cache = kv_cache
     block_size, kv_heads, head_dim = k_cache.shape[1:]
-    k_cache.view(-1, kv_heads, head_dim)[meta.slot_mapping] = k
-    v_cache.view(-1, kv_heads, head_dim)[meta.slot_mapping] = v
+    # index_copy_ copies whole rows (index_put_ goes element by element); k and v may be strided views.
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
     plan = meta.plan(block_size)
+    # A batch of one prefill, or of decodes only (one token each, in batch order), needs no scatter into `out`.
+    if not plan.prefills:
+        return _decode(q, k_cache, v_cache, plan, scale, window)  # q: the decodes' queries, in order
+    if len(plan.prefills) == 1 and plan.decode_tokens is None:
+        return _prefill(q, k, v, k_cache, v_cache, plan.prefills[0], scale, window)
     out = torch.empty_like(q)
     for p in plan.prefills:
         out[p.start : p.end] = _prefill(q, k, v, k_cache, v_cache, p, scale, window)
     if plan.decode_tokens is not None:
-        out[plan.decode_tokens] = _decode(q, k_cache, v_cache, plan, scale, window)
+        out[plan.decode_tokens] = _decode(q[plan.decode_tokens], k_cache, v_cache, plan, scale, window)
     return out
 
 
@@ -216,10 +222,11 @@ def _prefill(q, k, v, k_cache, v_cache, p: _Prefill, scale: float, window: int |
 
 
 def _decode(q, k_cache, v_cache, plan: _BatchPlan, scale: float, window: int | None) -> torch.Tensor:
+    """q: [D, q_heads, head_dim], the decodes' queries in plan order."""
     kv_heads, head_dim = k_cache.shape[2:]
     num = plan.decode_tokens.numel()
     # GQA folded: each KV head's query heads are its query rows, [D, kv_heads, group, dim], so K/V are not repeated.
-    query = q[plan.decode_tokens].view(num, kv_heads, -1, head_dim)
+    query = q.view(num, kv_heads, -1, head_dim)
     keys = _gather(k_cache, plan.decode_blocks, "k").view(num, -1, kv_heads, head_dim).transpose(1, 2)
     values = _gather(v_cache, plan.decode_blocks, "v").view(num, -1, kv_heads, head_dim).transpose(1, 2)
     mask = plan.decode_mask(window, keys.shape[2], q.dtype)

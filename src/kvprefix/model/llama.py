@@ -1,5 +1,7 @@
 """The Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3), with module names matching Hugging Face
-checkpoints so weights load by name. Variants differ only in flags carried by ModelConfig."""
+checkpoints, except that q/k/v and gate/up are each one stacked projection (``MergedLinear``): one matmul instead of
+three and two. ``CausalLM.checkpoint_views`` names every weight as the checkpoint does. Variants differ only in
+flags carried by ModelConfig."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from torch import nn
 
 from kvprefix.model.attention import AttentionMetadata, KVCache, paged_attention
 from kvprefix.model.config import ModelConfig
-from kvprefix.model.rope import RotaryEmbedding, apply_rotary
+from kvprefix.model.rope import RotaryEmbedding, apply_rotary_
 
 
 class RMSNorm(nn.Module):
@@ -19,11 +21,21 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalize in float32, then scale in the model dtype: the reference's rounding order.
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # The reference's rounding order: normalize in float32, round to the model dtype, then scale. PyTorch's
+        # fused kernel normalizes in float32 whatever the input dtype and rounds once, so without a weight it
+        # equals the reference's first step; in float32 the weight joins the same kernel (one op, not six).
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return F.rms_norm(x, self.weight.shape, None, self.eps) * self.weight
+
+
+class MergedLinear(nn.Linear):
+    """Projections of the same input stacked along the output: ``parts`` maps each checkpoint module (a sibling
+    name, e.g. "q_proj") to its rows, in order. Loading fills each part's rows (``CausalLM.checkpoint_views``)."""
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool, dtype: torch.dtype) -> None:
+        super().__init__(in_features, sum(parts.values()), bias=bias, dtype=dtype)
+        self.parts = dict(parts)
 
 
 class Attention(nn.Module):
@@ -34,9 +46,9 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.window = config.sliding_windows[layer]
         hidden, q_size, kv_size = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(hidden, q_size, bias=config.qkv_bias, dtype=dtype)
-        self.k_proj = nn.Linear(hidden, kv_size, bias=config.qkv_bias, dtype=dtype)
-        self.v_proj = nn.Linear(hidden, kv_size, bias=config.qkv_bias, dtype=dtype)
+        self.q_size, self.kv_size = q_size, kv_size
+        parts = {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}
+        self.qkv_proj = MergedLinear(hidden, parts, bias=config.qkv_bias, dtype=dtype)
         self.o_proj = nn.Linear(q_size, hidden, bias=config.o_bias, dtype=dtype)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
@@ -52,12 +64,15 @@ class Attention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        # q, k and v stay views of the one output: q and k are normed and rotated in place, as one tensor of heads.
+        qk = qkv[:, : self.q_size + self.kv_size].view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q.copy_(self.q_norm(q))
+            k.copy_(self.k_norm(k))
+        apply_rotary_(qk, cos, sin)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.window)
         return self.o_proj(out.reshape(tokens, -1))
 
@@ -66,12 +81,14 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(hidden, inner, bias=bias, dtype=dtype)
-        self.up_proj = nn.Linear(hidden, inner, bias=bias, dtype=dtype)
+        self.inner = inner
+        self.gate_up_proj = MergedLinear(hidden, {"gate_proj": inner, "up_proj": inner}, bias=bias, dtype=dtype)
         self.down_proj = nn.Linear(inner, hidden, bias=bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = self.gate_up_proj(x)
+        h = F.silu(gate_up[..., : self.inner])  # a fresh contiguous tensor: the product lands in it, in place
+        return self.down_proj(h.mul_(gate_up[..., self.inner :]))
 
 
 class DecoderLayer(nn.Module):
@@ -83,8 +100,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
     def forward(self, x, cos, sin, meta, kv_cache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # Residuals added in place: x is this forward's own activation (the embedding lookup made a fresh tensor).
+        x = x.add_(self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache))
+        return x.add_(self.mlp(self.post_attention_layernorm(x)))
 
 
 class DecoderModel(nn.Module):
@@ -113,6 +131,23 @@ class CausalLM(nn.Module):
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def checkpoint_views(self) -> dict[str, torch.Tensor]:
+        """Every weight under its checkpoint (Hugging Face) name, a stacked projection split into its parts as
+        views of their rows (a tied lm_head included): the loader copies into these, and a transformers model with
+        this config loads them as its state dict."""
+        views = {name: p.detach() for name, p in self.named_parameters(remove_duplicate=False)}
+        for name, module in self.named_modules():
+            if not isinstance(module, MergedLinear):
+                continue
+            parent = name.rpartition(".")[0]
+            for kind in ("weight", "bias"):
+                stacked = views.pop(f"{name}.{kind}", None)
+                if stacked is None:
+                    continue
+                for part, rows in zip(module.parts, stacked.split(list(module.parts.values())), strict=True):
+                    views[f"{parent}.{part}.{kind}"] = rows
+        return views
 
     @torch.inference_mode()
     def forward(

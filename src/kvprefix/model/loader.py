@@ -92,22 +92,21 @@ def load_model(model: str, dtype: torch.dtype | str = torch.float32, device: str
         net = CausalLM(config, dtype)
     net.to_empty(device=device)
     net.tie_weights()
-    params = dict(net.named_parameters(remove_duplicate=False))
+    views = net.checkpoint_views()  # checkpoint name -> the parameter (or the rows of a stacked one) it fills
     loaded: set[str] = set()
     for source, name, tensor in _checkpoint_tensors(path, config):
-        if name not in params:
+        if name not in views:
             raise ValueError(f"unexpected tensor {name!r} in {source!r} for a {config.model_type} model")
-        if tensor.shape != params[name].shape:
+        if tensor.shape != views[name].shape:
             raise ValueError(
                 f"tensor {name!r} in {source!r} has shape {tuple(tensor.shape)}, "
-                f"the config implies {tuple(params[name].shape)}"
+                f"the config implies {tuple(views[name].shape)}"
             )
-        with torch.no_grad():
-            params[name].copy_(tensor)
+        views[name].copy_(tensor)
         loaded.add(name)
     if config.tie_word_embeddings:
         loaded.add("lm_head.weight")  # shares the embedding's storage
-    missing = sorted(set(params) - loaded)
+    missing = sorted(set(views) - loaded)
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
     net.name_or_path = path

@@ -10,10 +10,12 @@ Decode on CPU is bound by the bytes of weights read per step; these layers keep 
 
 Both ops run fast only with bfloat16 activations (float32 ones take a fallback that is 5-10x slower), so the layers
 compute in bfloat16 and return the caller's dtype. ``quantize_model`` swaps a loaded model's projections (and its
-lm_head, tied or not) for these layers; ``pack_gguf_tensor`` builds one straight from a GGUF file's blocks.
+lm_head, tied or not) for these layers; ``pack_gguf_tensors`` builds one straight from a GGUF file's blocks.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import gguf
 import numpy as np
@@ -54,7 +56,7 @@ class Int8Linear(nn.Module):
         return cls(q.to(torch.int8), scales, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(_COMPUTE)
+        flat = _start(x, self.in_features)
         if flat.shape[0] > self.dense_above_rows:
             out = flat @ self.dequantize().t()
         else:
@@ -106,7 +108,7 @@ class Int4Linear(nn.Module):
         return cls(q.reshape(n, k), scales, zeros, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(_COMPUTE)
+        flat = _start(x, self.in_features)
         if flat.shape[0] > self.dense_above_rows:
             out = flat @ self.dequantize().t()
         else:
@@ -124,13 +126,22 @@ class Int4Linear(nn.Module):
         return _nbytes(self.qweight, self.scales_and_zeros, self.bias)
 
 
+# _start and _finish skip the reshapes and casts that are no-ops (the usual case: 2-D bfloat16 activations): a
+# decode step runs ~120 of these layers, and each skipped call saves a few microseconds of dispatch.
+def _start(x: torch.Tensor, in_features: int) -> torch.Tensor:
+    """x as the [rows, in] bfloat16 matrix the ops take."""
+    flat = x if x.dim() == 2 else x.reshape(-1, in_features)
+    return flat if flat.dtype == _COMPUTE else flat.to(_COMPUTE)
+
+
 def _finish(out: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor, out_features: int) -> torch.Tensor:
     if out.shape[1] != out_features:
         out = out[:, :out_features]  # drops the int4 padding rows
-    out = out.to(x.dtype)  # back to the model's dtype (no copy when it is bfloat16)
+    if out.dtype != x.dtype:
+        out = out.to(x.dtype)  # back to the model's dtype
     if bias is not None:
         out = out + bias
-    return out.reshape(*x.shape[:-1], out_features)
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out_features)
 
 
 def _nbytes(*tensors: torch.Tensor | None) -> int:
@@ -140,17 +151,30 @@ def _nbytes(*tensors: torch.Tensor | None) -> int:
 # ---- GGUF blocks -------------------------------------------------------------------------------------------------
 
 
-def pack_gguf_tensor(file: str | GGUFFile, name: str, rows: torch.Tensor | None = None,
-                     bias: torch.Tensor | None = None) -> Int4Linear | Int8Linear:
-    """The linear layer for GGUF tensor ``name`` of ``file`` (a path, or a reader to reuse), from its raw blocks.
+def pack_gguf_tensors(file: str | GGUFFile, parts: Sequence[tuple[str, torch.Tensor | None]],
+                      bias: torch.Tensor | None = None) -> Int4Linear | Int8Linear:
+    """The linear layer for GGUF tensors ``parts`` of ``file`` (a path, or a reader to reuse) stacked along the
+    output in order (one part for a plain projection; q, k, v or gate, up for a stacked one), from their raw blocks.
+    Each part is (tensor name, row order or None): the row order reorders that tensor's output channels (the
+    loader's undoing of llama.cpp's q/k row permutation); blocks run along the input dimension, so it is lossless.
 
     Q4_0 (w = d * (q - 8)) and Q4_1 (w = d * q + m) map onto int4 exactly: scale = d, zero = 0 or m + 8 d (the
     only change is d and m going from float16 to bfloat16). Q8_0's scale is per block of 32 while the int8 matmul's
     is per output channel, so Q8_0 (and every other type, dequantized by the gguf package) is re-quantized to
-    per-channel int8 (``Int8Linear.from_float``). ``rows`` reorders the output channels (the loader's undoing of
-    llama.cpp's q/k row permutation): blocks run along the input dimension, so a row order is lossless.
+    per-channel int8 (``Int8Linear.from_float``); so is a stack that mixes int4 and other types (its int4 parts
+    dequantized exactly first).
     """
     reader = open_gguf(file) if isinstance(file, str) else file
+    weights = [_gguf_weight(reader, name, rows) for name, rows in parts]
+    if all(isinstance(w, tuple) for w in weights):
+        q, scales, zeros = (torch.cat(t) for t in zip(*weights, strict=True))
+        return Int4Linear(q, scales, zeros, bias)
+    dense = [_int4_weight(*w) if isinstance(w, tuple) else w for w in weights]
+    return Int8Linear.from_float(torch.cat(dense), bias)
+
+
+def _gguf_weight(reader: GGUFFile, name: str, rows: torch.Tensor | None):
+    """(q, scales, zeros) of a Q4_0/Q4_1 tensor, as Int4Linear takes them; else the float32 weight."""
     tensor = reader.tensors.get(name)
     if tensor is None:
         raise ValueError(f"GGUF file has no tensor {name!r}")
@@ -166,10 +190,16 @@ def pack_gguf_tensor(file: str | GGUFFile, name: str, rows: torch.Tensor | None 
             zeros, nibbles = torch.zeros_like(scales), blocks[..., 2:]
         # A block's 16 bytes hold elements 0..15 in their low nibbles and 16..31 in their high nibbles.
         q = torch.cat([nibbles & 0x0F, nibbles >> 4], -1).reshape(out_features, in_features)
-        q, scales, zeros = (_reorder(t, rows) for t in (q, scales, zeros))
-        return Int4Linear(q, scales, zeros, bias)
+        return tuple(_reorder(t, rows) for t in (q, scales, zeros))
     weight = torch.from_numpy(gguf.quants.dequantize(raw, kind).reshape(out_features, in_features).copy())
-    return Int8Linear.from_float(_reorder(weight, rows), bias)
+    return _reorder(weight, rows)
+
+
+def _int4_weight(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """The float32 weight of int4 parts, as Int4Linear computes it (scale and zero rounded to bfloat16)."""
+    scales, zeros = scales.to(_COMPUTE).float(), zeros.to(_COMPUTE).float()
+    groups = (q.float() - 8).reshape(q.shape[0], -1, GROUP_SIZE) * scales[..., None] + zeros[..., None]
+    return groups.reshape(q.shape)
 
 
 def _f16(two_bytes: torch.Tensor) -> torch.Tensor:
@@ -186,8 +216,8 @@ def gguf_rows_from_permuted(out_features: int, num_heads: int) -> torch.Tensor:
     return torch.from_numpy(unpermute_rows(np.arange(out_features), num_heads))
 
 
-# The projections, as the loader names them: GGUF tensor name (within blk.N) -> module name (within a layer).
-_PROJECTIONS = {g: hf for g, hf in _LAYER_NAMES.items() if hf.endswith("_proj")}
+# Checkpoint module (within a layer) -> GGUF tensor name (within blk.N): the loader's names, inverted.
+_GGUF_NAMES = {hf: g for g, hf in _LAYER_NAMES.items() if hf.endswith("_proj")}
 
 
 # ---- the hook ----------------------------------------------------------------------------------------------------
@@ -197,9 +227,11 @@ _PROJECTIONS = {g: hf for g, hf in _LAYER_NAMES.items() if hf.endswith("_proj")}
 def quantize_model(model: nn.Module, method: str | None, gguf_path: str | None = None) -> nn.Module:
     """Swaps a loaded CausalLM's projections and lm_head for weight-only quantized layers, in place; returns it.
 
-    ``method``: None keeps dense weights; "int8" and "int4" re-quantize the loaded weights; "gguf" packs each
-    projection from the blocks of ``gguf_path`` (the file the model was loaded from; ``pack_gguf_tensor``). The
-    embedding stays dense (a decode step reads one row of it), as do norms, biases and the KV cache.
+    ``method``: None keeps dense weights; "int8" and "int4" re-quantize the loaded weights (a stacked projection
+    as a whole: both scale per output channel or per group within a row, so that equals quantizing its parts);
+    "gguf" packs each projection from the blocks of ``gguf_path`` (the file the model was loaded from;
+    ``pack_gguf_tensors``). The embedding stays dense (a decode step reads one row of it), as do norms, biases and
+    the KV cache.
     """
     if method is None:
         return model
@@ -210,20 +242,24 @@ def quantize_model(model: nn.Module, method: str | None, gguf_path: str | None =
     llama_rows = reader is not None and reader.architecture == "llama"
     permuted_heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads} if llama_rows else {}
     for i, layer in enumerate(model.model.layers):
-        for gguf_name, hf_name in _PROJECTIONS.items():
-            parent_name, attr = hf_name.split(".")
-            parent = getattr(layer, parent_name)
-            linear = getattr(parent, attr)
+        for name, linear in list(layer.named_modules()):
+            if not isinstance(linear, nn.Linear):
+                continue
+            parent_name, attr = name.rsplit(".", 1)
             if method == "gguf":
-                heads = permuted_heads.get(gguf_name)
-                rows = None if heads is None else gguf_rows_from_permuted(linear.out_features, heads)
-                new = pack_gguf_tensor(reader, f"blk.{i}.{gguf_name}.weight", rows, linear.bias)
+                parts = []  # (GGUF tensor, row order) of each checkpoint projection stacked in this one
+                for part, rows in getattr(linear, "parts", {attr: linear.out_features}).items():
+                    gguf_name = _GGUF_NAMES[f"{parent_name}.{part}"]
+                    heads = permuted_heads.get(gguf_name)
+                    order = None if heads is None else gguf_rows_from_permuted(rows, heads)
+                    parts.append((f"blk.{i}.{gguf_name}.weight", order))
+                new = pack_gguf_tensors(reader, parts, linear.bias)
             else:
                 new = _from_float(method, linear)
-            setattr(parent, attr, new)
+            setattr(layer.get_submodule(parent_name), attr, new)
     if method == "gguf":
         head = "output.weight" if "output.weight" in reader.tensors else "token_embd.weight"  # tied: the embedding
-        model.lm_head = pack_gguf_tensor(reader, head)
+        model.lm_head = pack_gguf_tensors(reader, [(head, None)])
     else:
         model.lm_head = _from_float(method, model.lm_head)
     return model

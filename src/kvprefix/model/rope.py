@@ -44,17 +44,21 @@ class RotaryEmbedding(torch.nn.Module):
         self._inv_freq = inverse_frequencies(config)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [T, head_dim] for int64 positions [T], computed once per forward for all layers."""
+        """cos, sin of shape [T, 1, head_dim // 2] for int64 positions [T], computed once per forward for all
+        layers (the reference's [T, head_dim] repeats them for the two halves)."""
         if self._inv_freq.device != positions.device:
             self._inv_freq = self._inv_freq.to(positions.device)
-        freqs = positions.float()[:, None] * self._inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        freqs = positions.float()[:, None, None] * self._inv_freq
+        return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; cos, sin: [T, head_dim]."""
-    cos, sin = cos[:, None, :], sin[:, None, :]
+def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates x [T, heads, head_dim] (q and k heads together, a view into the projection's output) in place:
+    the halves (x1, x2) become (x1 cos - x2 sin, x2 cos + x1 sin), the reference's ``x * cos + rotate_half(x) *
+    sin`` in four half-size ops and one copy instead of five full-size ops and two new tensors."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    x1, x2 = x[..., :half], x[..., half:]
+    x1_before = x1.clone()
+    x1.mul_(cos).addcmul_(x2, sin, value=-1)
+    x2.mul_(cos).addcmul_(x1_before, sin)
+    return x
