@@ -29,6 +29,9 @@ for tool in "${tools[@]}"; do
     python3 -m venv "$venv"
     "$venv/bin/python" -m pip install -q --no-deps --no-compile -r "$lock"
     "$venv/bin/python" -m pip check
+    # Bytecode now, on every core, rather than on each import: these tools start several processes that each
+    # import torch or transformers, and where PYTHONDONTWRITEBYTECODE is set nothing would ever be cached.
+    "$venv/bin/python" -m compileall -q -j 0 "$venv/lib" >/dev/null
     echo "$want" > "$venv/.lock-sha256"
     echo "$venv: installed in $((SECONDS - start)) s, $(du -sh "$venv" | cut -f1)"
 done
