@@ -117,17 +117,22 @@ def test_guidellm_reports_the_servers_cached_share(server: Server, default_model
     bench = json.loads((tmp_path / "out.json").read_text())["benchmarks"][0]
     reported = bench["requests"]
 
-    assert bench["metrics"]["request_totals"] == {"successful": REQUESTS, "errored": 0, "incomplete": 0,
-                                                  "total": REQUESTS}
-    assert delta[SERVED] == len(records) == len(reported["successful"]) == REQUESTS
+    by_id = {r.request_id.removesuffix("-0"): r for r in records}
+    recorded = [by_id[req["response_id"]] for req in reported["successful"]]
+    missing = [r for r in records if r not in recorded]
+    # guidellm 0.8.1 can lose its record of the request that finishes last (its scheduler shuts down before it
+    # queues that update; docs/benchmarks.md): only that one, and the server must have served it all the same.
+    assert missing == [] or (len(missing) == 1 and missing[0].finish_time == max(r.finish_time for r in records))
+    done = REQUESTS - len(missing)
+    assert bench["metrics"]["request_totals"] == {"successful": done, "errored": 0, "incomplete": 0, "total": done}
+    assert delta[SERVED] == len(records) == REQUESTS
     assert all(r.status == "ok" and r.finish_reasons == ["length"] for r in records)
     # guidellm keeps usage per request (it reports no total of cached tokens): the share is summed from its
     # records, and each record equals the server's log of that request (the response id names it).
-    by_id = {r.request_id.removesuffix("-0"): r for r in records}
-    for req in reported["successful"]:
-        logged = by_id[req["response_id"]]
+    for req, logged in zip(reported["successful"], recorded, strict=True):
         assert (req["prompt_tokens"], req["cached_tokens"]) == (logged.prompt_tokens, logged.cached_tokens)
         assert req["output_tokens"] == OUTPUT
-    assert sum(req["prompt_tokens"] for req in reported["successful"]) == delta[QUERIES]
-    assert sum(req["cached_tokens"] for req in reported["successful"]) == delta[HITS]
+    lost_prompt, lost_cached = sum(r.prompt_tokens for r in missing), sum(r.cached_tokens for r in missing)
+    assert sum(req["prompt_tokens"] for req in reported["successful"]) == delta[QUERIES] - lost_prompt
+    assert sum(req["cached_tokens"] for req in reported["successful"]) == delta[HITS] - lost_cached
     assert delta[HITS] >= (REQUESTS - CONCURRENCY) * (PREFIX - 16)
