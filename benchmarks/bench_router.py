@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import socket
@@ -141,8 +142,11 @@ def _pinned(core: int) -> list[str]:
     return ["taskset", "-c", str(core)] if os.path.exists("/usr/bin/taskset") and (os.cpu_count() or 1) > 1 else []
 
 
-BODY = {"model": "null", "max_tokens": 1, "messages": [{"role": "system", "content": PROMPT},
-                                                       {"role": "user", "content": "hi"}]}
+# One system prompt, a new question each time (cycled): the shape a prefix router is for. Every request renders,
+# tokenizes and hashes its whole prompt; only what it shares with earlier ones may come from a memo.
+BODIES = [{"model": "null", "max_tokens": 1, "messages": [
+    {"role": "system", "content": PROMPT}, {"role": "user", "content": f"Question {i}: what does rule {i} say?"}]}
+    for i in range(256)]
 
 
 def load(port: int, concurrency: int, seconds: float) -> dict:
@@ -151,9 +155,11 @@ def load(port: int, concurrency: int, seconds: float) -> dict:
     an HTTP client library (its own ceiling, against the null backend directly, is in the table)."""
     import httptools
 
-    body = json.dumps(BODY).encode()
-    request = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
-               b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    requests = []
+    for body in map(str.encode, map(json.dumps, BODIES)):
+        requests.append(b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json"
+                        b"\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    sent = itertools.count()
 
     class Client(asyncio.Protocol):
         def __init__(self):
@@ -182,7 +188,7 @@ def load(port: int, concurrency: int, seconds: float) -> dict:
             while time.perf_counter() < stop:
                 conn.done = loop.create_future()
                 t = time.perf_counter()
-                conn.transport.write(request)
+                conn.transport.write(requests[next(sent) % len(requests)])
                 status = await conn.done
                 if status != 200:
                     raise RuntimeError(f"status {status}")
@@ -192,7 +198,8 @@ def load(port: int, concurrency: int, seconds: float) -> dict:
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         elapsed = time.perf_counter() - start
-        return {"requests_per_s": len(latencies) / elapsed, "p50_ms": 1000 * statistics.median(latencies)}
+        return {"requests_per_s": len(latencies) / elapsed, "p50_ms": 1000 * statistics.median(latencies),
+                "requests": len(latencies)}
 
     loop = _event_loop()
     try:
@@ -209,6 +216,13 @@ def _load_in(core: int, port: int, concurrency: int, seconds: float, model: str)
 
 
 PROXY_POLICIES = ("round-robin", "prefix", "kv-events")
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc): what a request costs the router, whatever share
+    of its core a loaded machine left it."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def proxy(model: str, seconds: float = 5.0, concurrency: int = 32, rounds: int = 2) -> list[dict]:
@@ -229,12 +243,17 @@ def proxy(model: str, seconds: float = 5.0, concurrency: int = 32, rounds: int =
                                                  "--replica", backend_url, "--policy", policy, "--model", model,
                                                  "--port", str(port), "--log-level", "warning"]), port)
         for proc, port in routers.values():
-            wait_healthy(f"http://127.0.0.1:{port}", proc)
+            wait_healthy(f"http://127.0.0.1:{port}", proc, timeout_s=300)  # loading the tokenizer, on a busy core
+            _load_in(1, port, 4, 3.0, model)  # warm: the tokenizer cache checks its first encodings (full encodes)
         for _ in range(rounds):
             for name, port in [("direct", backend_port), *((p, routers[p][1]) for p in PROXY_POLICIES)]:
+                pid = backend.pid if name == "direct" else routers[name][0].pid
                 seq = _load_in(1, port, 1, seconds / 2, model)
+                cpu = _cpu_seconds(pid)
                 par = _load_in(1, port, concurrency, seconds, model)
-                samples[name].append({"p50_ms": seq["p50_ms"], "requests_per_s": par["requests_per_s"]})
+                cpu_ms = 1000 * (_cpu_seconds(pid) - cpu) / par["requests"]
+                samples[name].append({"p50_ms": seq["p50_ms"], "requests_per_s": par["requests_per_s"],
+                                      "cpu_ms_per_request": cpu_ms})
     finally:
         for proc, _ in routers.values():
             proc.terminate()
@@ -247,13 +266,17 @@ def proxy(model: str, seconds: float = 5.0, concurrency: int = 32, rounds: int =
 
     direct_p50, ceiling = med("direct", "p50_ms"), med("direct", "requests_per_s")
     print(f"\nload generator alone against the null backend: {ceiling:.0f} requests/s, p50 {direct_p50:.3f} ms")
-    print(f"{'policy':12} {'direct p50 ms':>13} {'routed p50 ms':>13} {'added ms':>9} {'routed req/s':>12}")
+    # router CPU per request: the one-core capacity (1000 / it) on a machine the router has to itself
+    print(f"{'policy':12} {'direct p50 ms':>13} {'routed p50 ms':>13} {'added ms':>9} {'routed req/s':>12} "
+          f"{'CPU ms/req':>10} {'req/CPU-s':>9}")
     rows = [{"policy": "direct", "p50_ms": direct_p50, "requests_per_s": ceiling}]
     for policy in PROXY_POLICIES:
-        routed, rps = med(policy, "p50_ms"), med(policy, "requests_per_s")
-        print(f"{policy:12} {direct_p50:13.3f} {routed:13.3f} {routed - direct_p50:9.3f} {rps:12.0f}")
+        routed, rps, cpu = med(policy, "p50_ms"), med(policy, "requests_per_s"), med(policy, "cpu_ms_per_request")
+        print(f"{policy:12} {direct_p50:13.3f} {routed:13.3f} {routed - direct_p50:9.3f} {rps:12.0f} {cpu:10.3f} "
+              f"{1000 / cpu:9.0f}")
         rows.append({"policy": policy, "direct_p50_ms": direct_p50, "routed_p50_ms": routed,
-                     "added_p50_ms": routed - direct_p50, "routed_requests_per_s": rps})
+                     "added_p50_ms": routed - direct_p50, "routed_requests_per_s": rps, "cpu_ms_per_request": cpu,
+                     "requests_per_cpu_second": 1000 / cpu, "load_average": os.getloadavg()[0]})
     return rows
 
 

@@ -1,11 +1,17 @@
 """Fixtures shared across test folders."""
 
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
 from kvprefix.model import write_random_checkpoint
+
+sys.path.insert(0, str(Path(__file__).parent / "server"))  # the server fixtures' registry: one copy for all folders
+
+from server_registry import ServerRegistry, specs_in_order_of_use  # noqa: E402
 
 # The suite shares 2 cores with servers, clients and other runs; with more than one OpenMP thread per process the
 # threads spin at barriers whenever a core is taken, and tiny-model forwards get several times slower.
@@ -34,3 +40,20 @@ def default_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KVPREFIX_TEST_MODEL", path)
         yield path
+
+
+@pytest.fixture(scope="session")
+def server_registry(tmp_path_factory: pytest.TempPathFactory, default_model_dir: str) -> Iterator[ServerRegistry]:
+    """The shared `kvprefix serve` processes (tests/server/server_registry.py); stops them all at the end."""
+    registry = ServerRegistry(tmp_path_factory.mktemp("servers"))
+    yield registry
+    registry.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _boot_servers_ahead(request: pytest.FixtureRequest) -> None:
+    """The shared servers the selected tests use start booting now, in the background, while the tests before
+    them run; a run that uses none starts nothing (and writes no model)."""
+    specs = specs_in_order_of_use(request.session.items)
+    if specs:
+        request.getfixturevalue("server_registry").boot_ahead(specs)

@@ -1,5 +1,6 @@
 """Logs with one planted cause each (or two, or none), written by the tests, and a small tokenizer whose chat
-template renders tools, so a shuffled tools list shows in the prompt."""
+template renders tools, so a shuffled tools list shows in the prompt, and writes a default system prompt when a
+request sends none (as SmolLM2's and Qwen2.5's do)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,18 @@ from pathlib import Path
 
 from kvprefix.model.builtin_tokenizer import build_tokenizer
 
-TOOLS_TEMPLATE = (
-    "{%- if tools %}<|im_start|>system\n# Tools\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
-    "<|im_end|>\n{% endif %}"
+DEFAULT_SYSTEM = "You are a helpful assistant."
+
+
+def tools_template(default_system: str = DEFAULT_SYSTEM) -> str:
+    return (
+        "{%- if tools %}<|im_start|>system\n# Tools\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+        "<|im_end|>\n{% endif %}"
+        "{% if messages[0]['role'] != 'system' %}<|im_start|>system\n" + default_system + "<|im_end|>\n{% endif %}"
+        + TURNS)
+
+
+TURNS = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
     "{% endfor %}"
@@ -26,9 +36,9 @@ STABLE = (
 )
 
 
-def write_tokenizer(path: Path) -> Path:
+def write_tokenizer(path: Path, default_system: str = DEFAULT_SYSTEM) -> Path:
     tok = build_tokenizer(1024)
-    tok.chat_template = TOOLS_TEMPLATE
+    tok.chat_template = tools_template(default_system)
     tok.save_pretrained(str(path))
     return path
 
@@ -161,3 +171,65 @@ def concurrent(groups: int = 5, copies: int = 8) -> list[dict]:
 
 def tenants(n: int = 40, count: int = 10) -> list[dict]:
     return [chat(STABLE, question(i), timestamp=i * 1000, tenant=f"tenant-{i % count}") for i in range(n)]
+
+
+def words(seed: int, n: int) -> str:
+    rng = random.Random(seed)
+    pool = STABLE.split()
+    return " ".join(rng.choice(pool) for _ in range(n))
+
+
+EXAMPLES = [(f"Example {k}: {words(200 + k, 24)}?", f"Answer {k}: {words(300 + k, 24)}.") for k in range(4)]
+
+
+def few_shot(n: int = 40, seed: int = 0, shuffled: bool = True) -> list[dict]:
+    """The same four few-shot examples (user/assistant pairs) before each question, in another order each time."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        examples = rng.sample(EXAMPLES, len(EXAMPLES)) if shuffled else EXAMPLES
+        messages = [{"role": "system", "content": "Answer like the examples."}]
+        for user, assistant in examples:
+            messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+        rows.append({"messages": messages + [{"role": "user", "content": question(i)}], "timestamp": i * 1000})
+    return rows
+
+
+DOCUMENTS = [words(400 + k, 40) for k in range(12)]
+LAYOUTS = {
+    "tags": lambda docs: "\n".join(f'<document index="{k + 1}">{d}</document>' for k, d in enumerate(docs)),
+    "numbered": lambda docs: "\n".join(f"[{k + 1}] {d}" for k, d in enumerate(docs)),
+    "blank lines": lambda docs: "\n\n".join(docs),
+}
+
+
+def rag(n: int = 40, seed: int = 0, layout: str = "tags", shuffled: bool = True, topics: int = 3) -> list[dict]:
+    """Each question with its topic's four retrieved documents in the user message (shuffled: in another order
+    each time, as a retriever whose scores tie would send them)."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        docs = DOCUMENTS[4 * (i % topics) : 4 * (i % topics) + 4]
+        if shuffled:
+            docs = rng.sample(docs, len(docs))
+        user = f"Answer from these documents.\n\n{LAYOUTS[layout](docs)}\n\nQuestion: {question(i)}"
+        rows.append(chat("Be helpful.", user, timestamp=i * 1000))
+    return rows
+
+
+def default_system(n: int = 40) -> list[dict]:
+    """The same conversation (a long instruction, then a question) sent by two clients: one with an explicit
+    system message, one with none (the template writes its default system prompt)."""
+    rows = []
+    for i in range(n):
+        messages = [{"role": "user", "content": STABLE}, {"role": "assistant", "content": "Understood."},
+                    {"role": "user", "content": question(i)}]
+        if i % 2:
+            messages = [{"role": "system", "content": "You are the support assistant."}, *messages]
+        rows.append({"messages": messages, "timestamp": i * 1000})
+    return rows
+
+
+def adapters(n: int = 40, count: int = 4) -> list[dict]:
+    """The same prompts for several LoRA adapters (``model`` names one; the first request's is the base)."""
+    return [chat(STABLE, question(i), timestamp=i * 1000, model=f"support-lora-{i % count}") for i in range(n)]

@@ -36,6 +36,12 @@ PLANTED = [
     ("routing", logs.scattered, "routing", ()),
     ("concurrency", logs.concurrent, "concurrency", ()),
     ("tenants", logs.tenants, "namespace", ()),
+    ("few-shot examples reordered", logs.few_shot, "reordered", ()),
+    ("documents in tags reordered", lambda: logs.rag(layout="tags"), "reordered", ()),
+    ("numbered documents reordered", lambda: logs.rag(layout="numbered"), "reordered", ()),
+    ("documents between blank lines reordered", lambda: logs.rag(layout="blank lines"), "reordered", ()),
+    ("default system prompt", logs.default_system, "template-drift", ()),
+    ("adapters", logs.adapters, "namespace", ()),
 ]
 
 
@@ -72,7 +78,12 @@ def test_whitespace_drift_points_at_the_message(capsys, tmp_path, tokenizer_dir)
     assert ex["field"] == "messages[2].content" and "whitespace differs" in ex["detail"]
 
 
-@pytest.mark.parametrize("make", [logs.clean, logs.multi_turn], ids=["stable prefix + tools", "multi-turn"])
+CLEAN = [logs.clean, logs.multi_turn] + [lambda layout=layout: logs.rag(layout=layout, shuffled=False)
+                                         for layout in logs.LAYOUTS]
+
+
+@pytest.mark.parametrize("make", CLEAN, ids=["stable prefix + tools", "multi-turn"] + [
+    f"RAG, documents in one order ({layout})" for layout in logs.LAYOUTS])
 def test_clean_logs_get_a_clean_bill(capsys, tmp_path, tokenizer_dir, make):
     report = doctor(capsys, logs.write_jsonl(tmp_path / "log.jsonl", make()), tokenizer_dir)
     assert report["hit_rate"] > 0.7
@@ -87,13 +98,36 @@ def test_unique_traffic_is_no_sharing_and_no_fix(capsys, tmp_path, tokenizer_dir
     assert report["causes"][0]["requests"] == report["requests"]
 
 
-def test_two_causes_mixed_are_both_in_the_top_three(capsys, tmp_path, tokenizer_dir):
-    rows = logs.volatile()
-    for row, shuffled in zip(rows, logs.shuffled_tools(), strict=True):
+def _with_tools(rows):
+    for row, shuffled in zip(rows, logs.shuffled_tools(len(rows)), strict=True):
         row["tools"] = shuffled["tools"]
-    report = doctor(capsys, logs.write_jsonl(tmp_path / "log.jsonl", rows), tokenizer_dir)
+    return rows
+
+
+def _interleaved(a, b):
+    """Two populations in one log (each cause alone wins its own): a, b, a, b, ..."""
+    rows = [row for pair in zip(a, b, strict=True) for row in pair]
+    return [{**row, "timestamp": i * 1000} for i, row in enumerate(rows)]
+
+
+def _scattered(rows, replicas):
+    return [{**row, "replica": f"replica-{i % replicas}"} for i, row in enumerate(rows)]
+
+
+MIXED = [
+    ("volatile + shuffled tools", lambda: _with_tools(logs.volatile()), "volatile-prefix", "reordered"),
+    ("few-shot + volatile", lambda: _interleaved(logs.few_shot(), logs.volatile()), "reordered", "volatile-prefix"),
+    ("documents + volatile", lambda: _interleaved(logs.rag(), logs.volatile()), "reordered", "volatile-prefix"),
+    ("default system prompt + routing", lambda: _scattered(logs.default_system(), 3), "template-drift", "routing"),
+    ("adapters + volatile", lambda: _interleaved(logs.adapters(), logs.volatile()), "namespace", "volatile-prefix"),
+]
+
+
+@pytest.mark.parametrize("name,make,first,second", MIXED, ids=[m[0] for m in MIXED])
+def test_two_causes_mixed_are_both_in_the_top_three(capsys, tmp_path, tokenizer_dir, name, make, first, second):
+    report = doctor(capsys, logs.write_jsonl(tmp_path / "log.jsonl", make()), tokenizer_dir)
     top3 = [c["kind"] for c in report["causes"][:3]]
-    assert "volatile-prefix" in top3 and "reordered" in top3
+    assert first in top3 and second in top3
 
 
 def _fixed_by_hand_volatile(rows):
@@ -128,6 +162,37 @@ def _fixed_by_hand_drift(rows):
     return out
 
 
+def _fixed_by_hand_examples(rows):
+    """The few-shot examples of every request in the order of the first request's."""
+    first = rows[0]["messages"][1:-1]
+    pairs = [first[k : k + 2] for k in range(0, len(first), 2)]
+    return [{**r, "messages": [r["messages"][0], *(m for p in pairs for m in p), r["messages"][-1]]} for r in rows]
+
+
+def _fixed_by_hand_documents(layout):
+    """Every request's documents in the order they were first seen in the log."""
+    def fix(rows):
+        rank: dict[str, int] = {}
+        out = []
+        for row in rows:
+            user = row["messages"][1]["content"]
+            docs = sorted((d for d in logs.DOCUMENTS if d in user), key=user.index)
+            for d in docs:
+                rank.setdefault(d, len(rank))
+            question = user.split("\n\nQuestion: ")[1]
+            content = (f"Answer from these documents.\n\n{logs.LAYOUTS[layout](sorted(docs, key=rank.get))}"
+                       f"\n\nQuestion: {question}")
+            out.append({**row, "messages": [row["messages"][0], {"role": "user", "content": content}]})
+        return out
+    return fix
+
+
+def _fixed_by_hand_system(rows):
+    """The first request sends no system message: none does."""
+    assert rows[0]["messages"][0]["role"] != "system"
+    return [{**r, "messages": [m for m in r["messages"] if m["role"] != "system"]} for r in rows]
+
+
 COUNTERFACTUALS = [
     ("volatile-prefix", logs.volatile, _fixed_by_hand_volatile, (), ()),
     ("reordered", logs.shuffled_tools, _fixed_by_hand_tools, (), ()),
@@ -137,12 +202,18 @@ COUNTERFACTUALS = [
     ("concurrency", logs.concurrent, _drop("timestamp"), (), ()),
     ("namespace", logs.tenants, _drop("tenant"), (), ()),
     ("eviction", logs.evicting, lambda rows: rows, ("--capacity", "800"), ()),
+    ("reordered few-shot examples", logs.few_shot, _fixed_by_hand_examples, (), ()),
+    *((f"reordered documents ({layout})", lambda layout=layout: logs.rag(layout=layout),
+       _fixed_by_hand_documents(layout), (), ()) for layout in logs.LAYOUTS),
+    ("template-drift default system prompt", logs.default_system, _fixed_by_hand_system, (), ()),
+    ("namespace adapters", logs.adapters, _drop("model"), (), ()),
 ]
 
 
-@pytest.mark.parametrize("kind,make,fix,extra,fixed_extra", COUNTERFACTUALS, ids=[c[0] for c in COUNTERFACTUALS])
-def test_counterfactual_equals_a_replay_of_the_log_fixed_by_hand(capsys, tmp_path, tokenizer_dir, kind, make, fix,
+@pytest.mark.parametrize("name,make,fix,extra,fixed_extra", COUNTERFACTUALS, ids=[c[0] for c in COUNTERFACTUALS])
+def test_counterfactual_equals_a_replay_of_the_log_fixed_by_hand(capsys, tmp_path, tokenizer_dir, name, make, fix,
                                                                  extra, fixed_extra):
+    kind = next(k for k in FIXABLE if name.startswith(k) or name.split(" ")[0] == k)
     rows = make()
     report = doctor(capsys, logs.write_jsonl(tmp_path / "log.jsonl", rows), tokenizer_dir, *extra)
     cause = next(c for c in report["causes"] if c["kind"] == kind)

@@ -12,12 +12,15 @@ from kvprefix.logs import RequestLogWriter, RequestRecord
 from kvprefix.prompts import Tokenizer, render_body
 
 
-def write_request_log(path, rows, tokenizer_dir, with_prompts):
-    """What `kvprefix serve --request-log` writes for these bodies: the server's renderer and hashes."""
+def write_request_log(path, rows, tokenizer_dir, with_prompts, later=None):
+    """What `kvprefix serve --request-log` writes for these bodies: the server's renderer and hashes. ``later``:
+    (from which row, another tokenizer directory) the server renders with from then on (a new chat template)."""
     tokenizer = Tokenizer(str(tokenizer_dir))
     hasher = BlockHasher(16, "sha256")
     writer = RequestLogWriter(str(path), include_prompts=with_prompts)
     for i, row in enumerate(rows):
+        if later is not None and i == later[0]:
+            tokenizer = Tokenizer(str(later[1]))
         prompt = render_body(tokenizer, row)[0]
         ts = 1_796_000_000.0 + row.get("timestamp", 0) / 1000
         writer.write(RequestRecord(
@@ -57,6 +60,25 @@ def test_request_log_with_prompts_shows_the_volatile_span(capsys, tmp_path, toke
     assert top["kind"] == "volatile-prefix" and top["example"]["field"] == "messages[0].content"
     assert "«2026-12-01T12:00:01Z. »" in top["example"]["this"]
     assert top["hit_rate_after"] > report["hit_rate"] + 0.3
+
+
+def test_request_log_whose_default_system_prompt_changed_is_template_drift(capsys, tmp_path, tokenizer_dir):
+    """The server's template changed its default system prompt halfway: the same conversations render anew."""
+    new_template = logs.write_tokenizer(tmp_path / "new-template", "You are a helpful assistant. Be brief.")
+    rows = [{**row, "messages": row["messages"][1:]} for row in logs.default_system() if len(row["messages"]) == 4]
+    log = write_request_log(tmp_path / "requests.jsonl", rows, tokenizer_dir, True, (len(rows) // 2, new_template))
+    report = json.loads(run(capsys, log, "--model", tokenizer_dir, "--json")[1])
+    top = report["causes"][0]
+    assert top["kind"] == "template-drift" and "before messages[0]" in top["example"]["detail"]
+    assert "Be brief." in top["example"]["this"] and "«" in top["example"]["other"]
+    one_template = write_request_log(tmp_path / "fixed.jsonl", rows, tokenizer_dir, True)
+    fixed = json.loads(run(capsys, one_template, "--model", tokenizer_dir, "--json")[1])
+    assert top["hit_rate_after"] == pytest.approx(fixed["hit_rate"], abs=1e-12) and fixed["hit_rate"] > report[
+        "hit_rate"]
+    assert [c["kind"] for c in fixed["causes"]] == ["no-sharing"]
+    code, out, _ = run(capsys, log, "--model", tokenizer_dir, "--html", tmp_path / "report.html")
+    assert code == 0 and "(the template's own text): " in out
+    assert "the template&#x27;s own text" in (tmp_path / "report.html").read_text()
 
 
 def test_request_log_and_bodies_agree_on_the_hit_rate(capsys, tmp_path, tokenizer_dir):
@@ -115,3 +137,19 @@ def test_other_traces_and_empty_files_are_refused(capsys, tmp_path):
     empty.write_text("")
     code, _, err = run(capsys, empty)
     assert code == 2 and "empty" in err
+
+
+def test_progress_off_a_terminal_is_a_line_now_and_then(capsys, tmp_path, tokenizer_dir):
+    """A job whose stderr is a file gets progress lines (every 10 s by default; here every time it looks)."""
+    from kvprefix.doctor.analysis import Options, diagnose
+    from kvprefix.doctor.cli import load_tokenizer
+
+    log = logs.write_jsonl(tmp_path / "log.jsonl", logs.volatile(600))
+    quiet = diagnose(str(log), lambda: load_tokenizer(str(tokenizer_dir)), Options())
+    assert capsys.readouterr().err == ""
+    loud = diagnose(str(log), lambda: load_tokenizer(str(tokenizer_dir)), Options(progress="lines",
+                                                                                progress_every_s=0.0))
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "kvprefix doctor: log.jsonl: reading: line 256 of 600 (43%), 0 s"
+    assert any(": fixing: line 512 of 600" in line for line in lines)
+    assert loud.to_dict() == quiet.to_dict()

@@ -1,6 +1,7 @@
 """A real local Ray cluster with two engine replicas behind the Ray Serve app: it answers through the custom request
-router, which makes the same choices as the standalone policy object replayed offline on the same sequence; with
-kv-events it follows the replicas' event streams, and the admin calls reach every replica."""
+router, which makes the same choices as the standalone policy object replayed offline on the same sequence, for
+`prefix` (its routed index) and `kv-events` (fed by the replicas' event streams, followed through the handle);
+the admin calls reach every replica."""
 
 from __future__ import annotations
 
@@ -15,14 +16,15 @@ from server_helpers import free_port
 
 ray = pytest.importorskip("ray")
 MODEL = "default-model-v1"
+UNEVICTED_BLOCKS = 512  # room for every prompt of the traffic on either replica: the offline replay never evicts
 
 
-def app(model_dir: str, policy: str):
+def app(model_dir: str, policy: str, blocks: int = REPLICA_BLOCKS):
     """The Ray Serve app of two replicas of the session's small random checkpoint under ``policy``."""
     from kvprefix.router.ray_serve import build_app
     from kvprefix.server.app import ServerConfig
 
-    engine_args = {"model": model_dir, "dtype": "float32", "device": "cpu", "num_gpu_blocks": REPLICA_BLOCKS,
+    engine_args = {"model": model_dir, "dtype": "float32", "device": "cpu", "num_gpu_blocks": blocks,
                    "max_num_seqs": 16}
     return build_app(engine_args, 2, policy, num_cpus=0.5, config=ServerConfig(served_model_name=MODEL))
 
@@ -52,15 +54,33 @@ def chat(client: openai.OpenAI, messages: list[dict]) -> tuple[str, int]:
     return raw.headers[REPLICA_HEADER], raw.parse().usage.prompt_tokens_details.cached_tokens
 
 
-@pytest.mark.slow
-def test_ray_serve_routes_like_the_standalone_policy(serve_port: int, default_model_dir: str):
+def block_identity(app_name: str):
+    """The request hasher of the deployment's replicas, as the ingress builds it."""
     from ray import serve
 
     from kvprefix.cache import BlockHasher
-    from kvprefix.router.hashing import RequestHasher, RouteRequest
+    from kvprefix.router.hashing import RequestHasher
+
+    tokenizer, block_size, algo, context = (
+        serve.get_deployment_handle("Engine", app_name).block_identity.remote().result())
+    return RequestHasher(tokenizer, BlockHasher(block_size, algo, context))
+
+
+def same_choices(served: list[str], offline: list[int]) -> bool:
+    """Whether the replicas that served are the offline choices, under one naming of Ray's replica ids as the
+    policy's positions (the router places replicas in the order Ray reports them, which the test does not see)."""
+    position: dict[str, int] = {}
+    return all(position.setdefault(rid, k) == k for rid, k in zip(served, offline, strict=True)) and len(
+        set(position.values())) == len(position) == 2
+
+
+@pytest.mark.slow
+def test_ray_serve_routes_like_the_standalone_prefix_policy(serve_port: int, default_model_dir: str):
+    from ray import serve
+
+    from kvprefix.router.hashing import RouteRequest
     from kvprefix.router.policies import make_policy
     from kvprefix.router.ray_serve import _SlotView
-
     serve.run(app(default_model_dir, "prefix"), name="kvprefix", route_prefix="/")
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{serve_port}/v1", api_key="none", max_retries=0)
@@ -68,45 +88,99 @@ def test_ray_serve_routes_like_the_standalone_policy(serve_port: int, default_mo
         traffic = shared_prefix_traffic(rounds=3)
         served, cached = zip(*(chat(client, m) for m in traffic), strict=True)
         chunks = list(client.chat.completions.create(model=MODEL, messages=traffic[0], max_tokens=3, stream=True))
-        tokenizer, block_size, algo, context = (
-            serve.get_deployment_handle("Engine", "kvprefix").block_identity.remote().result())
+        hasher = block_identity("kvprefix")
     finally:
         serve.delete("kvprefix")
-    hasher = RequestHasher(tokenizer, BlockHasher(block_size, algo, context))
 
-    # Positions are replica ids in sorted order, as the router places a fresh deployment's replicas.
-    position = {rid: i for i, rid in enumerate(sorted(set(served)))}
     policy, view = make_policy("prefix"), _SlotView(["a", "b"], {"a", "b"}, {})
     offline = []
     for m in traffic:
         hashes, num_blocks = hasher.hash_prompt({"messages": m}, None)
         offline.append(policy.choose(RouteRequest(hashes, None, num_blocks), view))
-    assert [position[rid] for rid in served] == offline
-    assert len(position) == 2
+    assert same_choices(served, offline), (served, offline)
     first_round = len(traffic) // 3
     assert all(c > 0 for c in cached[first_round:]), cached  # every later question hits its system prompt
     assert any(c.choices and c.choices[0].delta.content for c in chunks)
 
 
-@pytest.mark.slow
-def test_ray_serve_kv_events_app_serves_and_admin_calls_reach_every_replica(serve_port: int, default_model_dir: str):
-    from ray import serve
+def replay_kv_events(hasher, traffic: list[list[dict]]) -> list[int]:
+    """The standalone kv-events policy's choices for the same sequence: the planner's replay on real cache managers
+    (one per replica, none evicting), which is what the replicas' event streams tell the ingress."""
+    from kvprefix.cache import cdiv
+    from kvprefix.sim.replay import ReplayConfig, replay
+    from kvprefix.sim.trace import Trace, TraceRequest
 
-    serve.run(app(default_model_dir, "kv-events"), name="kvprefix-kv", route_prefix="/")
+    bs = hasher.hasher.block_size
+    requests = []
+    for messages in traffic:
+        hashes, num_blocks = hasher.hash_prompt({"messages": messages}, None)
+        length = len(hasher.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        requests.append(TraceRequest(0.0, length, 2, hashes, cdiv(length, bs)))
+    return replay(Trace("ray", bs, requests), ReplayConfig(None, replicas=2, routing="kv-events", mode="order")).replica
+
+
+def router_metrics(base: str) -> dict[tuple[str, str, str], float]:
+    """The ingress's /metrics: (sample name, replica, reason) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    answer = httpx.get(base + "/metrics", timeout=30)
+    assert answer.status_code == 200, answer.text
+    out = {}
+    for family in text_string_to_metric_families(answer.text):
+        for sample in family.samples:
+            out[sample.name, sample.labels.get("replica", ""), sample.labels.get("reason", "")] = sample.value
+    return out
+
+
+def by_replica(metrics: dict, name: str, reason: str | None = None) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for (sample, replica, why), value in metrics.items():
+        if sample == "kvprefix:router_" + name and (reason is None or why == reason):
+            out[replica] = out.get(replica, 0.0) + value
+    return out
+
+
+@pytest.mark.slow
+def test_ray_serve_kv_events_routes_like_the_standalone_policy_and_admin_calls_reach_every_replica(
+        serve_port: int, default_model_dir: str):
+    from ray import serve
+    serve.run(app(default_model_dir, "kv-events", UNEVICTED_BLOCKS), name="kvprefix-kv", route_prefix="/")
     try:
         base = f"http://127.0.0.1:{serve_port}"
         client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
-        traffic = shared_prefix_traffic(rounds=2)
-        served = [chat(client, m) for m in traffic]  # the kv-events app answers (its event-fed credit is not
-        assert len({rid for rid, _ in served}) == 2  # checked here: see docs/router.md, Ray Serve, not there yet)
+        traffic = shared_prefix_traffic(rounds=3)
+        served, cached = zip(*(chat(client, m) for m in traffic), strict=True)
+        hasher = block_identity("kvprefix-kv")
+        # Credit-free rotation (an index empty or stale at decision time) puts the second round elsewhere.
+        offline = replay_kv_events(hasher, traffic)
+        assert same_choices(served, offline), (served, offline)
+        assert all(c > 0 for c in cached[len(traffic) // 3:]), cached
+
+        # The router's metrics through the ingress: its decisions, per replica
+        m = router_metrics(base)
+        assert by_replica(m, "requests_total") == {rid: served.count(rid) for rid in set(served)}
+        first_round = len(traffic) // 3
+        assert sum(by_replica(m, "requests_total", "no_prefix").values()) == first_round  # new prompts
+        assert sum(by_replica(m, "requests_total", "cached_prefix").values()) == len(traffic) - first_round
+        reported = sum(by_replica(m, "reported_cached_tokens_total").values())
+        predicted = sum(by_replica(m, "predicted_cached_tokens_total").values())
+        assert reported == sum(cached) and predicted > 0.8 * reported, (predicted, reported)
+        assert by_replica(m, "replica_healthy") == {rid: 1.0 for rid in set(served)}
+        assert all(v > 0 for v in by_replica(m, "kv_events_blocks").values())  # synced, holding the prompts
+        assert by_replica(m, "kv_events_resyncs_total").keys() == set(served)
+        assert sum(by_replica(m, "retries_total").values()) == 0
+        assert by_replica(m, "requests_in_flight") == {rid: 0.0 for rid in set(served)}
+        assert m["kvprefix:router_load_imbalance", "", ""] == 1.0
 
         reset = httpx.post(base + "/reset_prefix_cache", params={"wait": "true"}, timeout=60)
         assert reset.status_code == 200, reset.text
-        assert reset.json()["success"] and len(reset.json()["replicas"]) == 2
+        assert reset.json()["success"]
+        assert {r["replica"] for r in reset.json()["replicas"]} == set(served)  # each replica once
         assert all(r["status"] == 200 for r in reset.json()["replicas"])
-        time.sleep(3)
+        time.sleep(1)
         assert chat(client, traffic[0])[1] == 0  # every replica's cache was emptied
         flush = httpx.post(base + "/flush_cache", timeout=60)
-        assert flush.status_code == 200 and len(flush.json()["replicas"]) == 2, flush.text
+        assert flush.status_code == 200, flush.text
+        assert {r["replica"] for r in flush.json()["replicas"]} == set(served)
     finally:
         serve.delete("kvprefix-kv")

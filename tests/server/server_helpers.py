@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -20,6 +21,17 @@ ADMIN_KEY = "admin-secret"
 TENANT_KEYS = {"key-alice": "alice", "key-bob": "bob", "key-alice-2": "alice"}
 # About 600 tokens with the built-in tokenizer: long enough to span many 16-token blocks.
 LONG_PREFIX = "You are a careful assistant. Follow the policy below to the letter. " * 30
+# One TLS context for every HTTP client the tests make: httpx builds one per client otherwise (loading certifi's
+# bundle: about 70 ms of CPU each), the tests make thousands, and all of them speak plain http to 127.0.0.1.
+TLS = ssl.create_default_context()
+
+
+class _HttpClient(openai.DefaultHttpxClient):
+    """openai's default HTTP client with the shared TLS context, closed when dropped as openai's own one is."""
+
+    def __del__(self) -> None:
+        if not self.is_closed:
+            self.close()
 
 
 @dataclass
@@ -30,7 +42,8 @@ class Server:
     request_log: Path | None
 
     def client(self, api_key: str = "none", **kwargs) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=60, **kwargs)
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=60,
+                             http_client=_HttpClient(verify=TLS), **kwargs)
 
     def async_client(self, api_key: str = "none") -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=120)
@@ -38,11 +51,11 @@ class Server:
     def post(self, path: str, body: bytes | dict | None = None, headers: dict | None = None, **kw) -> httpx.Response:
         content = json.dumps(body).encode() if isinstance(body, dict) else body
         hdrs = {"content-type": "application/json", **(headers or {})}
-        return httpx.post(self.url + path, content=content, headers=hdrs, timeout=60, **kw)
+        return httpx.post(self.url + path, content=content, headers=hdrs, timeout=60, verify=TLS, **kw)
 
     def metrics(self, headers: dict | None = None) -> dict[str, float]:
         """Every sample of /metrics by name plus its non-model labels, e.g. 'kvprefix:request_success_total{stop}'."""
-        text = httpx.get(self.url + "/metrics", headers=headers or {}, timeout=10).text
+        text = httpx.get(self.url + "/metrics", headers=headers or {}, timeout=10, verify=TLS).text
         out: dict[str, float] = {}
         for family in text_string_to_metric_families(text):
             for s in family.samples:
@@ -71,33 +84,46 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(tmp: Path, *args: str, request_log: bool = False, port: int | None = None) -> Server:
-    """A `kvprefix serve` on ``port`` (default: a free one; give the old one to restart a replica in place)."""
+def start_server(tmp: Path, *args: str, request_log: bool = False, port: int | None = None,
+                 builtin_model: bool = False) -> Server:
+    """A `kvprefix serve` on ``port`` (default: a free one; give the old one to restart a replica in place), of the
+    tests' random model, or with ``builtin_model`` of the built-in default (SmolLM2-135M-Instruct)."""
+    return wait_ready(spawn_server(tmp, *args, request_log=request_log, port=port, builtin_model=builtin_model))
+
+
+def spawn_server(tmp: Path, *args: str, request_log: bool = False, port: int | None = None,
+                 builtin_model: bool = False) -> Server:
+    """Starts the process and returns at once; `wait_ready` waits until it serves."""
     port = port or free_port()
     log_path = tmp / f"server-{port}.log"
     rl = tmp / f"requests-{port}.jsonl" if request_log else None
     # The tests' small random model (tests/conftest.py), under the name the tests send; float32 on every machine,
     # so that outputs compare exactly whatever "auto" picks there.
+    model = [] if builtin_model else ["--model", os.environ["KVPREFIX_TEST_MODEL"]]
     cmd = [sys.executable, "-m", "kvprefix.cli", "serve", "--port", str(port), "--log-level", "warning",
-           "--model", os.environ["KVPREFIX_TEST_MODEL"], "--served-model-name", "default-model-v1", "--dtype", "float32",
+           *model, "--served-model-name", "default-model-v1", "--dtype", "float32",
            "--max-num-seqs", "80", *args]
     if rl is not None:
         cmd += ["--request-log", str(rl)]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
-    server = Server(f"http://127.0.0.1:{port}", proc, log_path, rl)
-    deadline = time.monotonic() + 120
+    return Server(f"http://127.0.0.1:{port}", proc, log_path, rl)
+
+
+def wait_ready(server: Server, timeout: float = 120) -> Server:
+    """Waits until ``server`` answers /health; kills it and raises, with its log, if it exits or never does."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{log_path.read_text()}")
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"server exited with {server.proc.returncode}:\n{server.log_path.read_text()}")
         try:
-            if httpx.get(server.url + "/health", timeout=1).status_code == 200:
+            if httpx.get(server.url + "/health", timeout=1, verify=TLS).status_code == 200:
                 return server
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"server did not start:\n{log_path.read_text()}")
+    server.proc.kill()
+    raise RuntimeError(f"server did not start:\n{server.log_path.read_text()}")
 
 
 def stop_server(server: Server) -> int:

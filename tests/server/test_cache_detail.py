@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from server_helpers import ADMIN, Server
 
 
@@ -59,6 +60,7 @@ def test_different_salt_only_points_at_the_unsalted_namespace(server: Server) ->
     assert d["cached_tokens"] == 0 and d["reason"] == "not_cached", d
 
 
+@pytest.mark.slow  # fills a 256-block pool several times over: ~6 s
 def test_evicted(tenant_server: Server) -> None:
     """The tenant server has 256 blocks: three 90-block prompts push the first prompt's blocks out (LRU)."""
     victim = _ids(6, 20 * 16 + 5)

@@ -6,22 +6,18 @@ from __future__ import annotations
 import json
 import socket
 import time
-from collections.abc import Iterator
 from urllib.parse import urlsplit
 
 import pytest
-from server_helpers import Server, start_server, stop_server
+from server_helpers import Server
+from server_registry import shared_server
 
 KEEP_ALIVE, HEADERS, BODY, LIMIT = 1, 1, 2, 3
 
 
-@pytest.fixture(scope="module")
-def limited(server_tmp) -> Iterator[Server]:
-    s = start_server(server_tmp, "--num-gpu-blocks", "256", "--timeout-keep-alive", str(KEEP_ALIVE),
-                     "--timeout-headers", str(HEADERS), "--timeout-body", str(BODY),
-                     "--limit-concurrency", str(LIMIT))
-    yield s
-    assert stop_server(s) in (0, -15) and "Traceback" not in s.log_path.read_text(), s.log_path.read_text()
+limited = shared_server("limited", "--num-gpu-blocks", "256", "--timeout-keep-alive", str(KEEP_ALIVE),
+                        "--timeout-headers", str(HEADERS), "--timeout-body", str(BODY),
+                        "--limit-concurrency", str(LIMIT), scope="module")
 
 
 def _connect(server: Server) -> socket.socket:

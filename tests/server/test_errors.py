@@ -61,8 +61,9 @@ CASES = [
     ("unknown-part", CHAT, {"messages": [{"role": "user", "content": [{"type": "hologram"}]}]}, 400,
      "content part type 'hologram' is not supported", "messages.0.content"),
     ("null-prompt", C, {"prompt": None}, 400, "missing required parameter: 'prompt'", "prompt"),
-    ("tools", CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "'tools' is not supported",
-     "tools"),
+    ("tool-choice-unknown", CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}],
+                                   "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400,
+     "'g' is not among the functions in 'tools' (f)", "tool_choice.function.name"),
     ("json-schema-without-schema", CHAT, {"response_format": {"type": "json_schema"}}, 400, "json_schema",
      "response_format.json_schema"),
     ("response-format-unknown", CHAT, {"response_format": {"type": "xml"}}, 400, "'response_format.type'",
@@ -118,6 +119,7 @@ def test_oversized_body(server: Server) -> None:
     assert r.status_code == 413
 
 
+@pytest.mark.slow  # replays every case above: ~9 s on the loaded 2-core machine
 def test_still_serves_and_no_leak_after_bad_inputs(server: Server) -> None:
     for _, path, body, *_ in CASES:
         server.post(path, body if isinstance(body, bytes) else {**(OK_C if path == C else OK_CHAT), **body})

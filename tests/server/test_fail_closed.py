@@ -3,28 +3,21 @@ look like auth but configure none (an empty keys file, an empty key) refuse to s
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import httpx
 import pytest
-from server_helpers import TENANT_KEYS, start_server, stop_server
+from server_helpers import Server
 
 
 @pytest.mark.slow
-def test_metrics_refused_with_tenants_and_no_admin_key(server_tmp: Path) -> None:
-    keys = server_tmp / "keys-no-admin.json"
-    keys.write_text(json.dumps(TENANT_KEYS))
-    server = start_server(server_tmp, "--api-keys-file", str(keys), "--num-gpu-blocks", "256")
-    try:
-        for headers in ({}, {"authorization": "Bearer key-alice"}):
-            r = httpx.get(server.url + "/metrics", headers=headers, timeout=10)
-            assert r.status_code == 403 and "--admin-key" in r.json()["error"]["message"], r.text
-            assert "prompt_tokens_total" not in r.text
-    finally:
-        assert stop_server(server) in (0, -15)
+def test_metrics_refused_with_tenants_and_no_admin_key(tenants_without_admin: Server) -> None:
+    for headers in ({}, {"authorization": "Bearer key-alice"}):
+        r = httpx.get(tenants_without_admin.url + "/metrics", headers=headers, timeout=10)
+        assert r.status_code == 403 and "--admin-key" in r.json()["error"]["message"], r.text
+        assert "prompt_tokens_total" not in r.text
 
 
 def _serve(*args: str) -> subprocess.CompletedProcess:

@@ -13,7 +13,8 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 from kv_event_helpers import Subscriber, cached_tokens, chain, prompt
-from server_helpers import ADMIN, ADMIN_KEY, TENANT_KEYS, Server, start_server, stop_server
+from server_helpers import ADMIN, ADMIN_KEY, Server, start_server
+from server_registry import shared_server
 
 from kvprefix.cache import AllBlocksCleared, BlockRemoved, BlockStored, namespace_id
 from kvprefix.cache.event_wire import Event, Goodbye, SnapshotStart
@@ -23,11 +24,7 @@ pytestmark = pytest.mark.slow
 POOL = ("--num-gpu-blocks", "48")
 
 
-@pytest.fixture(scope="module")
-def events_server(server_tmp: Path) -> Iterator[Server]:
-    s = start_server(server_tmp, *POOL, "--replica-id", "replica-e2e")
-    yield s
-    assert stop_server(s) in (0, -15) and "Traceback" not in s.log_path.read_text(), s.log_path.read_text()
+events_server = shared_server("events_server", *POOL, "--replica-id", "replica-e2e", scope="module")
 
 
 @pytest.fixture
@@ -163,15 +160,6 @@ def test_events_need_the_admin_key_when_tenants_exist(tenant_server: Server):
     text = json.dumps([str(m) for m in sub.received])
     assert "alice" not in text and "bob" not in text
     sub.close()
-
-
-@pytest.fixture(scope="module")
-def tenants_without_admin(server_tmp: Path) -> Iterator[Server]:
-    keys = server_tmp / "keys-no-admin.json"
-    keys.write_text(json.dumps(TENANT_KEYS))
-    s = start_server(server_tmp, *POOL, "--api-keys-file", str(keys))
-    yield s
-    assert stop_server(s) in (0, -15), s.log_path.read_text()
 
 
 def test_events_are_refused_with_tenants_and_no_admin_key(tenants_without_admin: Server):

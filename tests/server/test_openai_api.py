@@ -30,10 +30,11 @@ def test_chat_history_from_model_dump(server: Server) -> None:
     second = client.chat.completions.create(model="default-model-v1", messages=messages, max_tokens=4,
                                             temperature=0)
     assert second.usage.prompt_tokens_details.cached_tokens >= len(LONG_PREFIX) // 8
+    # Past tool calls render (tests/server/test_tool_calls.py); ones whose arguments are not JSON are refused.
     with pytest.raises(openai.BadRequestError, match="tool_calls"):
         client.chat.completions.create(model="default-model-v1", max_tokens=4, messages=[
             {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function",
-                                                                   "function": {"name": "f", "arguments": "{}"}}]},
+                                                                   "function": {"name": "f", "arguments": "{"}}]},
             {"role": "user", "content": "hi"}])
 
 

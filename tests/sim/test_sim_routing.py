@@ -179,10 +179,17 @@ def test_prefix_spreads_one_hot_prefix_and_breaks_ties_at_random():
 def test_routed_index_is_lru_and_capped():
     index = RoutedIndex(3)
     index.record(0, [1, 2, 3])
-    index.record(0, [1, 4])  # 1 refreshed, 2 evicted
-    assert index.cached_prefix_blocks(0, [1, 2]) == 1 and index.cached_prefix_blocks(0, [1, 4]) == 2
+    index.record(0, [1, 4])  # 1 refreshed; 3, the deepest of the older prefix, evicted
+    assert index.cached_prefix_blocks(0, [1, 2, 3]) == 2 and index.cached_prefix_blocks(0, [1, 4]) == 2
     index.forget(0)
     assert index.cached_prefix_blocks(0, [1]) == 0
+
+
+def test_routed_index_evicts_a_prefix_from_its_end():
+    index = RoutedIndex(5)
+    index.record(0, [1, 2, 3, 4, 5])
+    index.record(0, [6, 7])  # two blocks must go: 5 and 4, so 1-3 still count as a cached prefix
+    assert index.cached_prefix_blocks(0, [1, 2, 3, 4, 5]) == 3 and index.cached_prefix_blocks(0, [6, 7]) == 2
 
 
 def test_make_policy_names_the_choices():

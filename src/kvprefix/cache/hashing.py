@@ -247,3 +247,58 @@ class BlockHasher:
             prev = digest(prev + header + data[i * step : (i + 1) * step] + tail)
             out.append(prev)
         return out
+
+
+class BlockHashMemo:
+    """``BlockHasher.hash_blocks`` of whole prompts, memoized by runs of ``run_blocks`` blocks: a prompt that starts
+    like an earlier one (the same system prompt, tools or history) takes that prefix's hashes from the memo instead
+    of hashing it again, which is most of a router's work per request.
+
+    Exact: a run's hashes depend only on its parent hash and its token bytes, and those (with the hasher's block
+    size and algorithm, fixed per memo) are the key; the hashes themselves come from ``hasher.hash_blocks``, the one
+    hash function. The full runs from the first block are memoized, the blocks after the last full run hashed
+    directly. Bounded: least recently used runs are dropped past ``capacity_runs``. One event loop (or thread) per
+    memo.
+    """
+
+    def __init__(self, block_size: int, algo: str, capacity_runs: int = 8192, run_blocks: int = 16):
+        if capacity_runs < 1 or run_blocks < 1:
+            raise ValueError(f"capacity_runs and run_blocks must be >= 1, got {capacity_runs}, {run_blocks}")
+        self.block_size = block_size
+        self.algo = algo
+        self.capacity_runs = capacity_runs
+        self.run_blocks = run_blocks
+        self._runs: OrderedDict[bytes, list[BlockHash]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
+    def hash_blocks(self, hasher: BlockHasher, token_ids: Sequence[int]) -> list[BlockHash]:
+        """``hasher.hash_blocks(token_ids)`` (from the root, no extras); ``hasher`` is any namespace's hasher of
+        this memo's block size and algorithm (the root, in the first run's key, keeps namespaces apart)."""
+        if hasher.block_size != self.block_size or hasher.algo != self.algo:
+            raise ValueError(f"this memo holds {self.algo} hashes of {self.block_size}-token blocks, not "
+                             f"{hasher.algo} of {hasher.block_size}")
+        bs, run = self.block_size, self.run_blocks
+        num_full = len(token_ids) // bs
+        num_runs = num_full // run
+        if num_runs == 0:
+            return hasher.hash_blocks(token_ids)
+        data = _token_bytes(_token_array(token_ids[: num_runs * run * bs]))
+        step, runs = 4 * bs * run, self._runs
+        out: list[BlockHash] = []
+        prev = hasher.root
+        for k in range(num_runs):
+            key = prev + data[k * step : (k + 1) * step]
+            hashes = runs.get(key)
+            if hashes is None:
+                hashes = runs[key] = hasher.hash_blocks(token_ids[k * run * bs : (k + 1) * run * bs], prev, k * run)
+                if len(runs) > self.capacity_runs:
+                    runs.popitem(last=False)
+            else:
+                runs.move_to_end(key)
+            out += hashes
+            prev = hashes[-1]
+        if num_full > num_runs * run:
+            out += hasher.hash_blocks(token_ids[num_runs * run * bs : num_full * bs], prev, num_runs * run)
+        return out

@@ -3,17 +3,20 @@ with each fix that applies; replay every rendering through the planner; attribut
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
+import time
 from array import array
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvprefix.cache import BlockHasher
+from kvprefix.cache import BlockExtras, BlockHasher, LoraKey
 from kvprefix.doctor.chains import BlockTree, Variant
 from kvprefix.doctor.divergence import Divergence, Rendered, VolatileSite, classify, common_tokens, tools_json
-from kvprefix.doctor.fixes import MoveVolatileToEnd, OneOrder, OneSpelling
+from kvprefix.doctor.fixes import MoveVolatileToEnd, OneOrder, OneSpelling, OneSystemPrompt
 from kvprefix.doctor.kinds import KINDS
 from kvprefix.doctor.readers import BODIES, DoctorInputError, LogEntry, iter_entries, log_format
 from kvprefix.doctor.rendering import Renderer
@@ -27,6 +30,7 @@ HASH_ALGO = "xxhash"
 _RING = 8  # recent requests a request is compared with when no earlier block of it is known
 _RECENT = 1024  # renderings kept, so the request that first had a block is usually still at hand
 _MAX_SITES = 32
+_MAX_LEARNED = 4096  # items, conversations and template heads a fix learns from the pairs
 _MAX_CAPACITY_STEPS = 16
 _BATCH = 256  # entries rendered together: fewer calls into the template and the tokenizer, little memory
 
@@ -35,7 +39,8 @@ _BATCH = 256  # entries rendered together: fewer calls into the template and the
 class Options:
     block_size: int | None = None  # default: 16 for bodies, the log's own for a request log
     capacity_tokens: int | None = None  # per replica; None = unbounded
-    progress: bool = False
+    progress: str = "off"  # "bar" (a terminal), "lines" (a line on stderr every progress_every_s seconds), "off"
+    progress_every_s: float = 10.0
 
 
 @dataclass
@@ -75,7 +80,11 @@ class _Seen:
     line: int
     rendered: Rendered
     body: dict | None
-    tools: str | None  # the tools as sent, as JSON
+
+    @functools.cached_property
+    def tools(self) -> str | None:
+        """The tools as sent, as JSON: only for the requests that part (most never need it)."""
+        return tools_json(self.body)
 
 
 def diagnose(path: str, load_tokenizer: Callable[[], Tokenizer], options: Options | None = None) -> Diagnosis:
@@ -99,7 +108,11 @@ class _Doctor:
         self.arrival: list[float | None] = []
         self.prefill: list[float | None] = []
         self.replica: list[str] = []
-        self.namespaces: Counter[str] = Counter()
+        self.namespaces: Counter[tuple[str, str]] = Counter()  # (namespace salt, adapter) -> requests
+        self.space_of = array("q")  # per request, its index in ``space_names``
+        self.space_names: dict[tuple[str, str], int] = {}
+        self.base_model: str | None = None  # the first request's model; another model names an adapter of it
+        self._extras: dict[str, BlockExtras] = {}
         self.miss_reasons: Counter[str] = Counter()
         self.ring: deque[_Seen] = deque(maxlen=_RING)
         self.recent: OrderedDict[int, _Seen] = OrderedDict()
@@ -108,7 +121,9 @@ class _Doctor:
         self.pairs: Counter[str] = Counter()
         self.sites: Counter[VolatileSite] = Counter()
         self.short_suspect = False
-        self.shared_namespace: str | None = None
+        self.shared_namespace: tuple[str, str] | None = None
+        self.learned: dict[str, set] = {"examples": set(), "documents": set(), "system": set()}
+        self.heads: dict[str, str] = {}  # request log: a template head -> the one first seen in its place
         self.text_ok = True  # every record of a request log has its text
         self.positions: list[int] = []
 
@@ -132,7 +147,9 @@ class _Doctor:
 
     def _entries(self, desc: str) -> Iterator[LogEntry]:
         entries = iter_entries(self.path, self.fmt)
-        if not self.options.progress:
+        if self.options.progress == "lines":
+            return _progress_lines(entries, desc, self._num_lines(), self.path, self.options.progress_every_s)
+        if self.options.progress != "bar":
             return entries
         from tqdm import tqdm
 
@@ -180,8 +197,20 @@ class _Doctor:
             return self.renderer.body(entry.body, entry.line)
         return self.renderer.text(entry.text, entry.add_special_tokens, entry.message_spans)
 
-    def _hashes(self, rendered: Rendered, namespace: str, hasher: BlockHasher | None = None) -> list[bytes]:
-        return (hasher or self.hasher).with_salt(namespace).hash_blocks(rendered.token_ids)
+    def _space(self, e: LogEntry) -> tuple[str, str]:
+        """Where the request's blocks live: its namespace salt (tenant, cache salt) and its adapter ("" = the base
+        model: the first request's model)."""
+        if self.base_model is None:
+            self.base_model = e.model
+        return e.namespace, "" if e.model == self.base_model else e.model
+
+    def _hashes(self, rendered: Rendered, space: tuple[str, str], hasher: BlockHasher | None = None) -> list[bytes]:
+        """As the engine hashes the request: in its namespace, a LoRA adapter in every block's extra keys."""
+        salt, adapter = space
+        extras = None
+        if adapter:
+            extras = self._extras.get(adapter) or self._extras.setdefault(adapter, BlockExtras(LoraKey(adapter, "")))
+        return (hasher or self.hasher).with_salt(salt).hash_blocks(rendered.token_ids, extras=extras)
 
     # -- pass 1: as it is -----------------------------------------------------------------------------------------
 
@@ -192,7 +221,9 @@ class _Doctor:
             self.arrival.append(e.timestamp)
             self.prefill.append(e.prefill_s)
             self.replica.append(e.replica)
-            self.namespaces[e.namespace] += 1
+            space = self._space(e)
+            self.namespaces[space] += 1
+            self.space_of.append(self.space_names.setdefault(space, len(self.space_names)))
             if e.miss_reason:
                 self.miss_reasons[e.miss_reason] += 1
             rendered = None
@@ -207,12 +238,12 @@ class _Doctor:
                             f"{self.path}:{e.line}: the prompt text tokenizes to {len(rendered.token_ids)} tokens, "
                             f"the log says {e.prompt_tokens}: give --model the checkpoint the server ran")
                     text = self._variant("text")
-                    text.add(self._hashes(rendered, e.namespace), e.prompt_tokens)
+                    text.add(self._hashes(rendered, space), e.prompt_tokens)
                     self._one_namespace(i, e, rendered, text)
             else:
                 rendered = self._render(e, ahead)
                 n = len(rendered.token_ids)
-                base.add(self._hashes(rendered, e.namespace), n)
+                base.add(self._hashes(rendered, space), n)
                 self._one_namespace(i, e, rendered, base)
             if rendered is not None:
                 self._compare(i, e, rendered, base)
@@ -222,10 +253,11 @@ class _Doctor:
     def _one_namespace(self, i: int, e: LogEntry, rendered: Rendered, same: Variant) -> None:
         """The namespace fix: every request in the first request's namespace (requests already there are as in
         ``same``)."""
+        space = self._space(e)
         if self.shared_namespace is None:
-            self.shared_namespace = e.namespace
+            self.shared_namespace = space
         shared = self._variant("one namespace")
-        if e.namespace == self.shared_namespace:
+        if space == self.shared_namespace:
             shared.copy(same, i)
         else:
             shared.add(self._hashes(rendered, self.shared_namespace), len(rendered.token_ids))
@@ -252,7 +284,7 @@ class _Doctor:
             t = common_tokens(rendered, seen.rendered)
             if t > best_t:
                 best, best_t = seen, t
-        me = _Seen(i, e.line, rendered, e.body, tools_json(e.body))
+        me = _Seen(i, e.line, rendered, e.body)
         self.ring.append(me)
         self.recent[i] = me
         if len(self.recent) > _RECENT:
@@ -272,18 +304,31 @@ class _Doctor:
         self.examples.setdefault(d.kind, d)
         if d.site is not None and (d.site in self.sites or len(self.sites) < _MAX_SITES):
             self.sites[d.site] += 1
+        if d.learned is not None:
+            what, value = d.learned
+            if what == "head":
+                new, old = value
+                if new not in self.heads and len(self.heads) < _MAX_SITES:
+                    self.heads[new] = self.heads.get(old, old)
+            elif len(self.learned[what]) < _MAX_LEARNED:
+                self.learned[what].update(value if isinstance(value, frozenset) else (value,))
 
     # -- pass 2: with the fixes ------------------------------------------------------------------------------------
 
-    def _fixes(self) -> dict[str, Any]:
-        fixes: dict[str, Any] = {}
+    def _fixes(self) -> dict[str, Callable[[], list]]:
+        """Per cause, what makes its fixes (each fix keeps state: one set for the cause alone, one for all)."""
+        fixes: dict[str, Callable[[], list]] = {}
         if self.sites:
-            fixes["volatile-prefix"] = lambda: MoveVolatileToEnd(self.sites)
+            fixes["volatile-prefix"] = lambda: [MoveVolatileToEnd(self.sites)]
         if self.fmt == BODIES:  # order and spelling are fixed in bodies; a request log has only the text
             if self.pairs["reordered"]:
-                fixes["reordered"] = OneOrder
+                examples, docs = frozenset(self.learned["examples"]), frozenset(self.learned["documents"])
+                fixes["reordered"] = lambda: [OneOrder(examples, docs)]
             if self.pairs["template-drift"]:
-                fixes["template-drift"] = OneSpelling
+                conversations = frozenset(self.learned["system"])
+                fixes["template-drift"] = lambda: [OneSpelling(), OneSystemPrompt(conversations)]
+        elif self.heads:  # the template's text before the first message, as first seen
+            fixes["template-drift"] = lambda: [OneSystemPrompt(heads=self.heads)]
         return fixes
 
     def _second_pass(self) -> None:
@@ -296,7 +341,7 @@ class _Doctor:
         if not makers and not short:
             return
         single = {kind: (make(), self._variant(kind)) for kind, make in makers.items()}
-        composed = [make() for make in makers.values()]
+        composed = [fix for make in makers.values() for fix in make()]
         ideal = self._variant("all fixed") if makers else None
         short_variant = self._variant("short-prefix", short_bs) if short else None
         short_hasher = BlockHasher(short_bs, HASH_ALGO)
@@ -311,7 +356,7 @@ class _Doctor:
                 short_job = len(jobs) if short_variant is not None else None
                 if short_job is not None:
                     jobs.append(e)
-                fixed = [self._apply([fix], e) for fix, _ in single.values()]
+                fixed = [self._apply(fixes, e) for fixes, _ in single.values()]
                 if ideal is not None:
                     fixed.append(self._apply(composed, e))
                 start = len(jobs)
@@ -320,12 +365,12 @@ class _Doctor:
             for e, (short_job, fixed_jobs) in zip(chunk, plans, strict=True):
                 if short_job is not None:
                     r = rendered[short_job]
-                    short_variant.add(self._hashes(r, e.namespace, short_hasher), len(r.token_ids))
+                    short_variant.add(self._hashes(r, self._space(e), short_hasher), len(r.token_ids))
                 for (_, variant), job in zip(single.values(), fixed_jobs, strict=False):
                     if job is None:
                         variant.copy(source, i)
                     else:
-                        variant.add(self._hashes(rendered[job], e.namespace), len(rendered[job].token_ids))
+                        variant.add(self._hashes(rendered[job], self._space(e)), len(rendered[job].token_ids))
                 if ideal is not None:
                     job = fixed_jobs[-1]
                     if job is None:
@@ -452,6 +497,8 @@ class _Doctor:
         if kind == "volatile-prefix" and self.sites:
             site = self.sites.most_common(1)[0][0]
             return f"{fix}: in {site.field}, the span after {site.before[-16:]!r}"
+        if kind == "namespace" and any(adapter for _, adapter in self.space_names):
+            return f"{fix}; adapters never share KV: send a shared prefix to one model (or adapter)"
         return fix
 
     def _replay_example(self, kind: str, variant: Variant, gains: list[int], now: array, detail: str) -> dict:
@@ -464,18 +511,45 @@ class _Doctor:
             "eviction": "was cached by line {o}, then evicted before this request came",
             "routing": "was cached on replica {r} (line {o}); this request went to replica {me}",
             "concurrency": "was still being computed for line {o} when this request arrived",
-            "namespace": "has the same tokens as line {o}, in another namespace",
+            "namespace": "has the same tokens as line {o}, in another namespace ({why})",
             "short-prefix": "shares fewer tokens than one block with earlier requests",
-        }[kind].format(o=other_line, r=self.replica[other] if other >= 0 else "?", me=self.replica[i])
+        }[kind].format(o=other_line, r=self.replica[other] if other >= 0 else "?", me=self.replica[i],
+                       why=self._namespace_difference(i, other) if kind == "namespace" else "")
         text = f"line {self.lines[i]}: {gains[i]} prompt tokens from token {now[i]} on {what}"
         return {"line": self.lines[i], "other_line": other_line, "token": now[i], "field": None,
                 "detail": f"{text}; {detail}" if detail else text, "this": None, "other": None}
+
+    def _namespace_difference(self, i: int, other: int) -> str:
+        if other < 0 or not self.space_of:
+            return "tenant, cache salt or adapter"
+        names = list(self.space_names)
+        (salt, adapter), (other_salt, other_adapter) = names[self.space_of[i]], names[self.space_of[other]]
+        whats = [] if salt == other_salt else ["another tenant or cache salt"]
+        if adapter != other_adapter:
+            whats.append(f"model {adapter or self.base_model!r} vs {other_adapter or self.base_model!r}")
+        return ", ".join(whats) or "tenant, cache salt or adapter"
 
     def _unique_example(self, unique: list[int], ideal: Variant) -> dict:
         i = max(range(len(unique)), key=unique.__getitem__)
         return {"line": self.lines[i], "other_line": None, "token": ideal.tokens[i] - unique[i], "field": None,
                 "detail": f"line {self.lines[i]}: {unique[i]} of {ideal.tokens[i]} prompt tokens appear in no "
                           f"earlier request, even with every fix", "this": None, "other": None}
+
+
+def _progress_lines(entries: Iterator[LogEntry], desc: str, lines: int, path: str,
+                    every_s: float) -> Iterator[LogEntry]:
+    """The entries, with a line on stderr every ``every_s`` seconds saying how far the pass is (for a job whose
+    stderr goes to a file or a pipe, where a bar redrawn in place is noise). A short job prints nothing."""
+    start = time.monotonic()
+    last = start
+    for n, e in enumerate(entries, 1):
+        if not n & 255:
+            now = time.monotonic()
+            if now - last >= every_s:
+                last = now
+                print(f"kvprefix doctor: {os.path.basename(path)}: {desc}: line {e.line} of {lines} "
+                      f"({e.line / max(lines, 1):.0%}), {now - start:.0f} s", file=sys.stderr, flush=True)
+        yield e
 
 
 def _ratio(a: float, b: float) -> float:

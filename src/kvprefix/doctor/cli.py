@@ -30,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV capacity per replica in tokens, e.g. 1e6 (default: unbounded)")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     parser.add_argument("--html", metavar="OUT", help="also write the report as an HTML page")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress on stderr (a bar on a terminal, else a line every 10 s)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -38,7 +39,8 @@ def run(args: argparse.Namespace) -> int:
     from kvprefix.doctor.readers import DoctorInputError
     from kvprefix.doctor.report import format_report
 
-    options = Options(args.block_size, args.capacity, progress=not args.no_progress and sys.stderr.isatty())
+    progress = "off" if args.no_progress else "bar" if sys.stderr.isatty() else "lines"
+    options = Options(args.block_size, args.capacity, progress=progress)
     try:
         diagnosis = diagnose(args.log, lambda: load_tokenizer(args.model), options)
     except (DoctorInputError, ValueError, OSError) as exc:

@@ -10,6 +10,8 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvprefix.doctor.items import document_keys, documents, example_pairs, first_difference, moved
+
 # A volatile span is at most this long; the content must agree again for at least MIN_AGREEMENT characters after
 # it (a window of WINDOW characters finds where).
 MAX_SPAN, WINDOW, MIN_AGREEMENT, ANCHOR = 64, 16, 48, 24
@@ -65,11 +67,14 @@ class Divergence:
     line: int
     other_line: int
     token: int  # first differing token
-    field: str
+    field: str | None
     detail: str
     this: str  # excerpts of both renderings, the diverging part between « and »
     other: str
     site: VolatileSite | None = field(default=None, compare=False)
+    # What the fix needs to learn from this pair: ("examples" | "documents", the keys of both lists of items),
+    # ("system", the first message after the system prompt, as JSON), ("head", (this head, the other's head)).
+    learned: tuple[str, Any] | None = field(default=None, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {"line": self.line, "other_line": self.other_line, "token": self.token, "field": self.field,
@@ -163,18 +168,26 @@ def classify(new: Rendered, new_body: dict | None, new_line: int, old: Rendered,
         return None
     p = common_prefix(new.text, old.text)
 
-    def div(kind: str, field_name: str, detail: str, span_new: tuple[int, int], span_old: tuple[int, int],
-            site: VolatileSite | None = None) -> Divergence:
+    def div(kind: str, field_name: str | None, detail: str, span_new: tuple[int, int], span_old: tuple[int, int],
+            site: VolatileSite | None = None, learned: tuple[str, Any] | None = None) -> Divergence:
         return Divergence(kind, new_line, old_line, t, field_name, detail, excerpt(new.text, *span_new),
-                          excerpt(old.text, *span_old), site)
+                          excerpt(old.text, *span_old), site, learned)
 
     here_new, here_old = _field_at(new, p), _field_at(old, p)
     if new_tools is not None and old_tools is not None and new_tools != old_tools:
         tools = _tools_order(new_body.get("tools"), old_body.get("tools"))
         if tools is not None and (here_new is None or here_new[0] == "tools"):
             return div("reordered", "tools", tools, (p, p + 24), (p, p + 24))
-    if here_new is None or here_old is None or here_new[0] != here_old[0]:
-        return None
+    new_messages, old_messages = _messages(new_body), _messages(old_body)
+    if new_messages is not None and old_messages is not None:
+        d = _system_prompt_drift(new, old, p, new_messages, old_messages, div)
+        d = d or _reordered_examples(here_new, p, new_messages, old_messages, div)
+        if d is not None:
+            return d
+    elif new_body is None and old_body is None:
+        d = _template_head_drift(new, old, p, div)
+        if d is not None:
+            return d
     name, start_new, end_new = here_new
     _, start_old, end_old = here_old
     a, b = old.text[start_old:end_old], new.text[start_new:end_new]
@@ -182,6 +195,9 @@ def classify(new: Rendered, new_body: dict | None, new_line: int, old: Rendered,
         what = "a reasoning block is in one and not the other" if _THINK.search(a + b) else "whitespace differs"
         return div("template-drift", name, f"the same {name} rendered differently: {what}", (p, end_new),
                    (p, end_old))
+    docs = _reordered_documents(name, a, b, p - start_new, div, (p, p + 24), (p, p + 24))
+    if docs is not None:
+        return docs
     if _same_json(a, b):
         return div("reordered", name, f"the same JSON object in {name} with its keys in another order",
                    (p, p + 24), (p, p + 24))
@@ -195,6 +211,89 @@ def classify(new: Rendered, new_body: dict | None, new_line: int, old: Rendered,
                    f"{len(b) - end_b} characters that every request shares",
                    (start_new + s, start_new + end_b), (start_old + s, start_old + end_a), site)
     return None
+
+
+def _messages(body: dict | None) -> list | None:
+    messages = body.get("messages") if body is not None else None
+    return messages if isinstance(messages, list) and messages else None
+
+
+def system_message(messages: list) -> tuple[Any, int]:
+    """(the system message's content or None where none is sent, index of the first message after it)."""
+    m = messages[0]
+    if isinstance(m, dict) and m.get("role") in ("system", "developer"):
+        return m.get("content"), 1
+    return None, 0
+
+
+def _same_message(a: Any, b: Any) -> bool:
+    return isinstance(a, dict) and isinstance(b, dict) and (a.get("role"), a.get("content")) == (
+        b.get("role"), b.get("content"))
+
+
+def conversation_key(message: Any) -> str:
+    """The first message after the system prompt, as JSON: what names a conversation for the system prompt fix."""
+    return json.dumps([message.get("role"), message.get("content")], ensure_ascii=False)
+
+
+def _system_prompt_drift(new: Rendered, old: Rendered, p: int, new_messages: list, old_messages: list, div):
+    """The same conversation (the same first message after the system prompt) sent once without a system message
+    (the template writes its default system prompt, or none) and once with one."""
+    (sys_new, first_new), (sys_old, first_old) = system_message(new_messages), system_message(old_messages)
+    if (sys_new is None) == (sys_old is None) or first_new >= len(new_messages) or first_old >= len(
+            old_messages) or not _same_message(new_messages[first_new], old_messages[first_old]):
+        return None
+    implicit, explicit = (new, old) if sys_new is None else (old, new)
+    ends = {id(r): (r.fields[0][2] if r is explicit else r.fields[0][1]) if r.fields else p + 24 for r in (new, old)}
+    return div("template-drift", "messages[0].content",
+               "the same conversation sent without a system message (the template's default system prompt, if it "
+               "has one) and with an explicit one", (p, ends[id(new)]), (p, ends[id(old)]),
+               learned=("system", conversation_key(new_messages[first_new])))
+
+
+def _reordered_examples(here_new, p: int, new_messages: list, old_messages: list, div):
+    """The same few-shot examples (user/assistant pairs after the system prompt) in another order."""
+    (first, new_keys), (first_old, old_keys) = example_pairs(new_messages), example_pairs(old_messages)
+    if first != first_old or len(new_keys) < 2 or len(old_keys) < 2:
+        return None
+    items = moved(new_keys, old_keys)
+    if not items:
+        return None
+    k = first + 2 * first_difference(new_keys, old_keys)
+    name = f"messages[{k}].content"
+    if here_new is None or here_new[0] not in (name, f"messages[{k + 1}].content"):
+        return None
+    return div("reordered", name, f"the same {len(items)} few-shot examples (user/assistant pairs from messages[{k}]) "
+               "in another order", (p, p + 24), (p, p + 24), learned=("examples", frozenset(new_keys + old_keys)))
+
+
+def _reordered_documents(name: str, old_content: str, new_content: str, offset: int, div, span_new, span_old):
+    """The same documents in one message's content in another order, nothing before them differing."""
+    new_items, old_items = documents(new_content), documents(old_content)
+    if not new_items or not old_items:
+        return None
+    new_keys, old_keys = document_keys(new_content, new_items), document_keys(old_content, old_items)
+    items = moved(new_keys, old_keys)
+    if not items:
+        return None
+    j = first_difference(new_keys, old_keys)
+    if offset < new_items[j][0]:
+        return None
+    return div("reordered", name, f"the same {len(items)} documents in {name} in another order", span_new, span_old,
+               learned=("documents", frozenset(new_keys + old_keys)))
+
+
+def _template_head_drift(new: Rendered, old: Rendered, p: int, div):
+    """A rendered text (a request log's) whose template text before the first message differs while that message
+    is the same: the template's default system prompt (or what else it writes there) changed."""
+    if not new.fields or not old.fields or new.fields[0][0] != old.fields[0][0] or new.fields[0][0] == "prompt":
+        return None
+    (_, hn, en), (_, ho, eo) = new.fields[0], old.fields[0]
+    if not (p < hn and p < ho) or new.text[hn:en] != old.text[ho:eo]:
+        return None
+    return div("template-drift", None, "the template's text before messages[0] differs (a changed default system "
+               "prompt): the same messages rendered differently", (p, hn), (p, ho),
+               learned=("head", (new.text[:hn], old.text[:ho])))
 
 
 def _tools_order(new: Any, old: Any) -> str | None:

@@ -1,5 +1,6 @@
 """The fixes, as transformations of a log entry's body (or rendered text): move the volatile span to the end,
-keep one order of tools and JSON keys, keep one spelling of each message. Each returns a new body, or the same
+keep one order of tools, JSON keys, few-shot examples and documents, keep one spelling of each message and one
+system prompt per conversation. Each returns a new body, or the same
 object when it changes nothing (so the doctor renders again only what a fix touched).
 
 The order and spelling fixes keep the first one seen, so a log that is already consistent is left as it is.
@@ -11,7 +12,8 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-from kvprefix.doctor.divergence import VolatileSite, normalized
+from kvprefix.doctor.divergence import VolatileSite, conversation_key, normalized, system_message
+from kvprefix.doctor.items import document_keys, documents, example_pairs, reorder, reorder_documents
 
 
 class MoveVolatileToEnd:
@@ -68,9 +70,14 @@ class MoveVolatileToEnd:
 
 class OneOrder:
     """Tools in the order their names were first seen; every JSON object (tool schemas, JSON message content)
-    with its keys in the order first seen at that place."""
+    with its keys in the order first seen at that place; the few-shot examples and documents seen in another order
+    (``examples``, ``documents``: their keys, ``kvprefix.doctor.items``) in the order first seen, among the places
+    they hold."""
 
-    def __init__(self) -> None:
+    def __init__(self, examples: frozenset[str] = frozenset(), documents: frozenset[str] = frozenset()) -> None:
+        self.examples = examples
+        self.documents = documents
+        self._item_rank: dict[str, int] = {}
         self._tool_rank: dict[str, int] = {}
         self._key_rank: dict[str, dict[str, int]] = {}
         # Tools lists as sent -> as ordered (None: unchanged). Valid for good: every name and key of a list has its
@@ -102,9 +109,32 @@ class OneOrder:
                 again = json.dumps(self._keys(value, f"messages[{i}]"), ensure_ascii=False)
                 if again != json.dumps(value, ensure_ascii=False):
                     new[i] = {**m, "content": again}
+            if self.examples:
+                self._order_examples(new)
+            if self.documents:
+                self._order_documents(new)
             if new != messages:
                 out = {**out, "messages": new}
         return out
+
+    def _item(self, key: str) -> int:
+        return self._item_rank.setdefault(key, len(self._item_rank))
+
+    def _order_examples(self, messages: list) -> None:
+        first, keys = example_pairs(messages)
+        perm = reorder(keys, self.examples, self._item)
+        if perm is not None:
+            pairs = [messages[first + 2 * j : first + 2 * j + 2] for j in perm]
+            messages[first : first + 2 * len(perm)] = [m for pair in pairs for m in pair]
+
+    def _order_documents(self, messages: list) -> None:
+        for i, m in enumerate(messages):
+            content = _text(m)
+            items = documents(content) if content else []
+            if items:
+                perm = reorder(document_keys(content, items), self.documents, self._item)
+                if perm is not None:
+                    messages[i] = {**m, "content": reorder_documents(content, items, perm)}
 
     def _rank(self, tool: Any) -> int:
         fn = tool.get("function") if isinstance(tool, dict) else None
@@ -144,6 +174,38 @@ class OneSpelling:
                 new[i] = {**m, "content": first}
                 changed = True
         return {**body, "messages": new} if changed else body
+
+
+class OneSystemPrompt:
+    """One system prompt per conversation: a conversation (its first message after the system prompt) seen both
+    without a system message (the template's default) and with one gets, in every request, what its first request
+    sent. ``heads`` (rendered text, a request log's): the template's text before the first message as first seen."""
+
+    def __init__(self, conversations: frozenset[str] = frozenset(), heads: dict[str, str] | None = None) -> None:
+        self.conversations = conversations
+        self.heads = sorted((heads or {}).items(), key=lambda kv: -len(kv[0]))  # the longest head that matches
+        self._first: dict[str, Any] = {}
+
+    def body(self, body: dict[str, Any]) -> dict[str, Any]:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not self.conversations:
+            return body
+        system, first = system_message(messages)
+        if first >= len(messages):
+            return body
+        key = conversation_key(messages[first])
+        if key not in self.conversations:
+            return body
+        pinned = self._first.setdefault(key, None if system is None else messages[0])
+        if (pinned is None) == (system is None):
+            return body
+        return {**body, "messages": messages[1:] if pinned is None else [pinned, *messages]}
+
+    def text(self, text: str) -> str:
+        for head, first in self.heads:
+            if text.startswith(head):
+                return first + text[len(head):]
+        return text
 
 
 def _text(message: Any) -> str | None:

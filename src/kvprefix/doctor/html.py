@@ -41,7 +41,8 @@ def render_html(d: Diagnosis) -> str:
         if ex.get("detail"):
             parts.append(f"<p>{escape(ex['detail'])}</p>")
         if ex.get("this") is not None:
-            parts.append(f"<div class='pair'><div>line {ex['line']}, token {ex['token']}, {escape(ex['field'])}"
+            where = escape(ex["field"] or "the template's own text")
+            parts.append(f"<div class='pair'><div>line {ex['line']}, token {ex['token']}, {where}"
                          f"<pre>{_marked(ex['this'])}</pre></div><div>line {ex['other_line']}"
                          f"<pre>{_marked(ex['other'])}</pre></div></div>")
         if c.kind != "no-sharing":

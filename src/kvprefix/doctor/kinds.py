@@ -7,11 +7,13 @@ KINDS: dict[str, tuple[str, str]] = {
     "volatile-prefix": ("content that changes per request (a timestamp, date, uuid, request id, counter, name) "
                         "sits before content every request shares",
                         "move the volatile span after the stable content (the end of the prompt)"),
-    "reordered": ("the same items in another order: tools, or the JSON keys of a tool schema or a message",
-                  "send tools and JSON keys in one fixed order"),
+    "reordered": ("the same items in another order: tools, the JSON keys of a tool schema or a message, few-shot "
+                  "examples, retrieved documents",
+                  "send tools, JSON keys, few-shot examples and documents in one fixed order"),
     "template-drift": ("the same messages rendered differently: whitespace normalised, a reasoning block dropped "
-                       "from the history",
-                       "send the history exactly as it was first sent (pin one rendering)"),
+                       "from the history, the template's default system prompt in some requests and not others",
+                       "send the history exactly as it was first sent, and one system prompt per conversation "
+                       "(pin one rendering)"),
     "short-prefix": ("the shared part is shorter than one block, and only full blocks are cached",
                      "a smaller --block-size, or a longer shared prefix"),
     "eviction": ("cached, then evicted before it was used again", "more KV capacity"),

@@ -39,6 +39,7 @@ class LogEntry:
     source_block_size: int | None = None
     prompt_tokens: int = 0
     miss_reason: str | None = None
+    model: str = ""  # the model (or adapter) the request named
 
 
 def log_format(path: str | Path) -> str:
@@ -71,12 +72,12 @@ def _body_entries(path, line: int, row: dict[str, Any]) -> Iterator[LogEntry]:
     ts = row.get("timestamp")
     if ts is not None and (isinstance(ts, bool) or not isinstance(ts, (int, float)) or ts < 0):
         raise bad(f"field 'timestamp' must be a number of milliseconds >= 0, got {ts!r}")
-    for key in ("tenant", "cache_salt", "replica"):
+    for key in ("tenant", "cache_salt", "replica", "model"):
         if row.get(key) is not None and not isinstance(row[key], str):
             raise bad(f"field {key!r} must be a string, got {row[key]!r}")
     common = dict(line=line, timestamp=None if ts is None else ts / 1000.0,
                   namespace=namespace_salt(row.get("tenant"), row.get("cache_salt")),
-                  replica=row.get("replica") or "", prefill_s=None)
+                  replica=row.get("replica") or "", prefill_s=None, model=row.get("model") or "")
     if "messages" in row:
         if not isinstance(row["messages"], list) or not row["messages"]:
             raise bad("'messages' must be a non-empty list")
@@ -116,5 +117,5 @@ def _record_entry(path, line: int, rec: RequestRecord) -> LogEntry:
         line=line, timestamp=float(rec.timestamp), namespace=rec.namespace, replica=rec.replica, prefill_s=ttft,
         text=rec.prompt, message_spans=rec.message_spans, add_special_tokens=rec.endpoint != "chat",
         block_hashes=rec.block_hashes, source_block_size=rec.block_size, prompt_tokens=rec.prompt_tokens,
-        miss_reason=rec.miss_reason,
+        miss_reason=rec.miss_reason, model=rec.model,
     )

@@ -29,8 +29,9 @@ def format_report(d: Diagnosis) -> str:
         if ex.get("detail"):
             out.append(f"   {ex['detail']}")
         if ex.get("this") is not None:
-            out.append(f"   line {ex['line']:>6} at token {ex['token']} ({ex['field']}): {ex['this']}")
-            out.append(f"   line {ex['other_line']:>6} at token {ex['token']} ({ex['field']}): {ex['other']}")
+            where = ex["field"] or "the template's own text"
+            out.append(f"   line {ex['line']:>6} at token {ex['token']} ({where}): {ex['this']}")
+            out.append(f"   line {ex['other_line']:>6} at token {ex['token']} ({where}): {ex['other']}")
         if c.kind != "no-sharing":
             out.append(f"   fix: {c.fix}")
     return "\n".join(out)

@@ -49,14 +49,17 @@ class LLM:
         use_tqdm: bool = False,
         add_generation_prompt: bool = True,
         cache_salt: str | None = None,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"} dicts, OpenAI-style: text parts and the developer role
-        too) or a list of them, rendered with the model's chat template exactly as the server renders them."""
+        """One conversation (a list of {"role", "content"} dicts, OpenAI-style: text parts, the developer role, tool
+        calls and tool results too) or a list of them, rendered with the model's chat template exactly as the
+        server renders them. ``tools`` (OpenAI's tool definitions) are rendered as the server renders them; as in
+        vLLM's ``LLM.chat``, the output is not parsed for calls."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.llm_engine.tokenizer
         prompts: list[PromptType] = []
         for conversation in conversations:
-            rendered = render_chat(tokenizer, conversation, add_generation_prompt=add_generation_prompt)
+            rendered = render_chat(tokenizer, conversation, add_generation_prompt=add_generation_prompt, tools=tools)
             prompts.append({"prompt": rendered.text, "prompt_token_ids": rendered.token_ids})
         return self._run(prompts, sampling_params, use_tqdm, cache_salt)
 

@@ -195,7 +195,7 @@ class LLMEngine:
 
         grammar = grammar_for(params.structured_outputs)
         if self.sampler.grammar_masks is None:
-            self.sampler.grammar_masks = GrammarMasks(self.tokenizer.hf, self.model_config.vocab_size)
+            self.sampler.grammar_masks = GrammarMasks(self.tokenizer, self.model_config.vocab_size)
         return grammar
 
     def _check_prompt(self, request_id: str, ids: list[int]) -> None:

@@ -11,11 +11,10 @@ import json
 from collections.abc import Sequence
 
 import llguidance
-import llguidance.hf
-import llguidance.torch
 import torch
 
 from kvprefix.engine.sampling_params import StructuredOutputsParams
+from kvprefix.prompts.tokenizer import Tokenizer
 
 MAX_SPEC_CHARS = 65536  # a schema (as JSON text) or a grammar
 MAX_REGEX_CHARS = 4096
@@ -60,11 +59,39 @@ def _bounded(name: str, text: str, limit: int) -> None:
         raise ValueError(f"{name}: at most {limit} characters, got {len(text)}")
 
 
+class _SpmVocabView:
+    """What llguidance.TokenizerWrapper reads of a vocabulary: each token's bytes, the special ids, and a
+    tokenizing of text that continues a run of text (no BOS, no leading space of its own)."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        from kvprefix.prompts.gguf_spm import CONTROL, UNKNOWN
+
+        self._spm = spm = tokenizer.spm
+        self.eos_token_id = spm.special.eos
+        self.bos_token_id = spm.special.bos
+        self.tokens = [spm.piece(i, special=True) for i in range(len(spm.tokens))]
+        self.special_token_ids = [i for i, kind in enumerate(spm.types) if kind in (CONTROL, UNKNOWN)]
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return self._spm.encode_continuation(text)
+
+
 class GrammarMasks:
     """The vocabulary as llguidance sees it (built once per engine), matchers over it, and the masking step."""
 
-    def __init__(self, hf_tokenizer, vocab_size: int):
-        self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size)
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int):
+        # Imported at the first structured request, not with the server: llguidance.torch loads torch.compile's
+        # stack (dynamo, inductor), which is most of a server's start-up time.
+        import llguidance.hf
+        import llguidance.torch
+
+        if tokenizer.hf is not None:
+            self.tokenizer = llguidance.hf.from_tokenizer(tokenizer.hf, n_vocab=vocab_size)
+        else:  # a GGUF SentencePiece vocabulary: llguidance gets its tokens' bytes and its tokenizing
+            view = _SpmVocabView(tokenizer)
+            self.tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(view), n_vocab=vocab_size)
 
     def matcher(self, grammar: str) -> llguidance.LLMatcher:
         return llguidance.LLMatcher(self.tokenizer, grammar)

@@ -22,6 +22,7 @@ from torch import nn
 
 from kvprefix.cache.identity import QUANTIZATION_METHODS
 from kvprefix.model.gguf_loader import _LAYER_NAMES, unpermute_rows
+from kvprefix.prompts.gguf_file import GGUFFile, open_gguf
 
 GROUP_SIZE = 32  # int4 group along the input dimension; also the block size of GGUF's Q4_0/Q4_1/Q8_0
 _COMPUTE = torch.bfloat16
@@ -139,7 +140,7 @@ def _nbytes(*tensors: torch.Tensor | None) -> int:
 # ---- GGUF blocks -------------------------------------------------------------------------------------------------
 
 
-def pack_gguf_tensor(file: str | gguf.GGUFReader, name: str, rows: torch.Tensor | None = None,
+def pack_gguf_tensor(file: str | GGUFFile, name: str, rows: torch.Tensor | None = None,
                      bias: torch.Tensor | None = None) -> Int4Linear | Int8Linear:
     """The linear layer for GGUF tensor ``name`` of ``file`` (a path, or a reader to reuse), from its raw blocks.
 
@@ -149,8 +150,8 @@ def pack_gguf_tensor(file: str | gguf.GGUFReader, name: str, rows: torch.Tensor 
     per-channel int8 (``Int8Linear.from_float``). ``rows`` reorders the output channels (the loader's undoing of
     llama.cpp's q/k row permutation): blocks run along the input dimension, so a row order is lossless.
     """
-    reader = gguf.GGUFReader(file) if isinstance(file, str) else file
-    tensor = next((t for t in reader.tensors if t.name == name), None)
+    reader = open_gguf(file) if isinstance(file, str) else file
+    tensor = reader.tensors.get(name)
     if tensor is None:
         raise ValueError(f"GGUF file has no tensor {name!r}")
     out_features, in_features = int(tensor.shape[1]), int(tensor.shape[0])  # GGUF lists dims innermost first
@@ -204,9 +205,9 @@ def quantize_model(model: nn.Module, method: str | None, gguf_path: str | None =
         return model
     check_quantization(method, gguf_path, next(model.parameters()).device)
     config = model.config
-    reader = gguf.GGUFReader(gguf_path) if method == "gguf" else None
+    reader = open_gguf(gguf_path) if method == "gguf" else None  # the file the loader parsed already
     # llama.cpp permutes q/k rows only in "llama" files (Qwen's keep the NeoX rotation): as the loader undoes it.
-    llama_rows = reader is not None and reader.fields["general.architecture"].contents() == "llama"
+    llama_rows = reader is not None and reader.architecture == "llama"
     permuted_heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads} if llama_rows else {}
     for i, layer in enumerate(model.model.layers):
         for gguf_name, hf_name in _PROJECTIONS.items():
@@ -221,8 +222,7 @@ def quantize_model(model: nn.Module, method: str | None, gguf_path: str | None =
                 new = _from_float(method, linear)
             setattr(parent, attr, new)
     if method == "gguf":
-        names = {t.name for t in reader.tensors}
-        head = "output.weight" if "output.weight" in names else "token_embd.weight"  # tied: the embedding
+        head = "output.weight" if "output.weight" in reader.tensors else "token_embd.weight"  # tied: the embedding
         model.lm_head = pack_gguf_tensor(reader, head)
     else:
         model.lm_head = _from_float(method, model.lm_head)

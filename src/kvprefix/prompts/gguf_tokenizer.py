@@ -65,11 +65,9 @@ def gguf_tokenizer(gguf: GGUFFile) -> Any:
     from transformers import PreTrainedTokenizerFast
 
     kind = gguf.require("tokenizer.ggml.model")
-    if kind != "gpt2":
-        spm = " (SentencePiece)" if kind == "llama" else ""
-        raise ValueError(
-            f"{gguf.path}: tokenizer.ggml.model {kind!r}{spm} is not supported; accepted: 'gpt2' (byte-level BPE)"
-        )
+    if kind != "gpt2":  # "llama" (SentencePiece) vocabularies are kvprefix.prompts.gguf_spm's
+        raise ValueError(f"{gguf.path}: tokenizer.ggml.model {kind!r} is not supported; accepted: 'gpt2' "
+                         "(byte-level BPE), 'llama' (SentencePiece)")
     pre = gguf.get("tokenizer.ggml.pre")
     if pre not in PRE_TOKENIZERS:
         raise ValueError(

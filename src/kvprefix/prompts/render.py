@@ -6,12 +6,15 @@ same block hashes) wherever it is rendered.
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvprefix.prompts.tokenizer import Tokenizer
+from kvprefix.prompts.tools import ToolFormatError, fallback_messages, template_messages, template_renders_tools
 
 # OpenAI's newer name for "system"; checkpoint templates know only the latter.
 _ROLE_ALIASES = {"developer": "system"}
@@ -37,15 +40,24 @@ class RenderedPrompt:
     message_spans: tuple[tuple[int, int] | None, ...] = ()
 
 
-def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
-    """Chat messages as templates expect them: role (developer -> system) and content as one string (text parts
-    joined, None -> ""). Other fields (name, refusal, annotations) carry nothing a template renders."""
+def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Chat messages as templates expect them: role (developer -> system), content as one string (text parts
+    joined, None -> ""), and an assistant's ``tool_calls`` and a tool result's ``tool_call_id`` where given. Other
+    fields (name, refusal, annotations) carry nothing a template renders."""
     out = []
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
             raise PromptError(f"messages[{i}] must be an object with a string 'role'", "messages")
         role = message["role"]
-        out.append({"role": _ROLE_ALIASES.get(role, role), "content": _content_text(message.get("content"), i)})
+        m: dict[str, Any] = {"role": _ROLE_ALIASES.get(role, role), "content": _content_text(message.get("content"), i)}
+        calls = message.get("tool_calls")
+        if calls:
+            if not isinstance(calls, list):
+                raise PromptError(f"messages[{i}].tool_calls must be a list", "messages")
+            m["tool_calls"] = calls
+        if role == "tool" and isinstance(message.get("tool_call_id"), str):
+            m["tool_call_id"] = message["tool_call_id"]
+        out.append(m)
     return out
 
 
@@ -105,30 +117,59 @@ def render_chat(
         raise PromptError("'continue_final_message' and 'add_generation_prompt' cannot both be true; set "
                           "'add_generation_prompt': false to continue the last message", "continue_final_message")
     extra = _template_kwargs(template_kwargs)
+    rendered, where, template_tools = _for_template(tokenizer, normalized, tools)
     try:
-        if tools is not None:  # "tools" is reserved: chat_template_kwargs cannot have set it
-            extra["tools"] = list(tools)
-        text = tokenizer.apply_chat_template(normalized, add_generation_prompt=add_generation_prompt, tokenize=False,
+        if template_tools is not None:  # "tools" is reserved: chat_template_kwargs cannot have set it
+            extra["tools"] = template_tools
+        text = tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt, tokenize=False,
                                              continue_final_message=continue_final_message, **extra)
     except Exception as exc:  # a template can raise anything (jinja2 errors for unexpected roles, ValueError)
         raise PromptError(f"cannot render 'messages' with the model's chat template: {exc}", "messages") from None
     _check_length(tokenizer, text, max_tokens, "messages")
-    return _chat_prompt(tokenizer, text, normalized)
+    return _chat_prompt(tokenizer, text, rendered, where, normalized)
 
 
-def _needs_literal_spans(tokenizer: Tokenizer, normalized: list[dict[str, str]]) -> bool:
-    specials = tokenizer.special_tokens
-    return any(special in m["content"] for m in normalized for special in specials)
+_Where = list[tuple[int, int]] | None
 
 
-def _chat_prompt(tokenizer: Tokenizer, text: str, normalized: list[dict[str, str]],
-                 token_ids: list[int] | None = None) -> RenderedPrompt:
-    """``token_ids``: the whole text tokenized as one, already (only where no content looks special)."""
-    spans = _message_spans(text, normalized)
-    if _needs_literal_spans(tokenizer, normalized):
+def _for_template(tokenizer: Tokenizer, normalized: list[dict[str, Any]], tools: Sequence[Any] | None
+                  ) -> tuple[list[dict[str, Any]], _Where, list[Any] | None]:
+    """(the messages the template gets, where each message's content is among them (None: one to one, as is),
+    the tools the template gets). A template that renders tools gets them as they are; for any other, tools,
+    past calls and tool results are written into the messages (kvprefix.prompts.tools: SmolLM2's format)."""
+    try:
+        if template_renders_tools(getattr(tokenizer, "chat_template", None)):
+            return template_messages(normalized), None, None if tools is None else list(tools)
+        rendered, where = fallback_messages(normalized, tools)
+    except ToolFormatError as exc:
+        raise PromptError(str(exc), exc.param) from None
+    return rendered, where, None
+
+
+def _needs_literal_spans(tokenizer: Tokenizer, rendered: list[dict[str, Any]]) -> bool:
+    pattern = _any_of(tokenizer.special_tokens)
+    return pattern is not None and any(pattern.search(m["content"]) for m in rendered)
+
+
+@functools.lru_cache(maxsize=16)
+def _any_of(spellings: tuple[str, ...]) -> re.Pattern[str] | None:
+    """One pass over a text for any of the spellings (a scan per spelling cost more than rendering the prompt)."""
+    return re.compile("|".join(map(re.escape, spellings))) if spellings else None
+
+
+def _chat_prompt(tokenizer: Tokenizer, text: str, rendered: list[dict[str, Any]], where: _Where,
+                 normalized: list[dict[str, Any]], token_ids: list[int] | None = None) -> RenderedPrompt:
+    """``token_ids``: the whole text tokenized as one, already (only where no content looks special). Every
+    content the template got (tool definitions and calls too) is tokenized as text."""
+    spans = _message_spans(text, rendered)
+    if _needs_literal_spans(tokenizer, rendered):
         token_ids = _encode_with_literal_spans(tokenizer, text, spans)
     elif token_ids is None:  # the usual case: nothing in the content looks special, so the text tokenizes as one
         token_ids = tokenizer.encode(text, add_special_tokens=False)
+    if where is not None:  # the span of each request message's own content within what the template got
+        spans = tuple(None if spans[j] is None or not m["content"] else
+                      (spans[j][0] + offset, spans[j][0] + offset + len(m["content"]))
+                      for m, (j, offset) in zip(normalized, where, strict=True))
     return RenderedPrompt(token_ids, text, spans)
 
 
@@ -154,18 +195,16 @@ def _template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
 
 def _encode_with_literal_spans(tokenizer: Tokenizer, text: str, spans) -> list[int]:
     """The template's own text with its special tokens, each message's content as plain text."""
-    ids: list[int] = []
+    parts: list[tuple[str, bool]] = []  # (text, whether special tokens in it are parsed)
     cursor = 0
     for span in spans:
         if span is None:
             continue
         start, end = span
-        ids += tokenizer.encode(text[cursor:start], add_special_tokens=False) if start > cursor else []
-        ids += tokenizer.encode_literal(text[start:end])
+        parts += [(text[cursor:start], True), (text[start:end], False)]
         cursor = end
-    if cursor < len(text):
-        ids += tokenizer.encode(text[cursor:], add_special_tokens=False)
-    return ids
+    parts.append((text[cursor:], True))
+    return tokenizer.encode_parts(parts)
 
 
 def _check_length(tokenizer: Tokenizer, text: str, max_tokens: int | None, param: str) -> None:
@@ -175,7 +214,7 @@ def _check_length(tokenizer: Tokenizer, text: str, max_tokens: int | None, param
             f"characters, more than {max_tokens} tokens can hold", param, code="context_length_exceeded")
 
 
-def _message_spans(text: str, messages: list[dict[str, str]]) -> tuple[tuple[int, int] | None, ...]:
+def _message_spans(text: str, messages: list[dict[str, Any]]) -> tuple[tuple[int, int] | None, ...]:
     """Finds each message's content in order; templates render messages in order, so a forward search suffices."""
     spans: list[tuple[int, int] | None] = []
     cursor = 0
@@ -248,7 +287,7 @@ def render_bodies(tokenizer: Tokenizer, bodies: Sequence[Mapping[str, Any]]) -> 
     cannot be rendered raises a PromptError; render the bodies one by one to learn which."""
     out: list[list[RenderedPrompt] | None] = [None] * len(bodies)
     groups: dict[tuple[str | int, bool], list[int]] = {}
-    chats: dict[int, tuple[list[dict[str, str]], Any]] = {}
+    chats: dict[int, tuple[list[dict[str, Any]], Any]] = {}
     for i, body in enumerate(bodies):
         messages, tools = body.get("messages"), body.get("tools")
         if not isinstance(messages, list) or not (tools is None or isinstance(tools, list)) or any(
@@ -261,21 +300,23 @@ def render_bodies(tokenizer: Tokenizer, bodies: Sequence[Mapping[str, Any]]) -> 
         chats[i] = (normalized, tools)
         groups.setdefault((_tools_key(tools), body.get("add_generation_prompt") is not False), []).append(i)
     texts: dict[int, str] = {}
+    prepared = {i: _for_template(tokenizer, normalized, tools) for i, (normalized, tools) in chats.items()}
     for (_, add_generation_prompt), members in groups.items():
-        tools = chats[members[0]][1]
-        extra = {} if tools is None else {"tools": list(tools)}
+        template_tools = prepared[members[0]][2]
+        extra = {} if template_tools is None else {"tools": template_tools}
         try:
-            batch = tokenizer.apply_chat_template([chats[i][0] for i in members], tokenize=False,
+            batch = tokenizer.apply_chat_template([prepared[i][0] for i in members], tokenize=False,
                                                   add_generation_prompt=add_generation_prompt, **extra)
         except Exception as exc:  # as render_chat: a template can raise anything
             raise PromptError(f"cannot render 'messages' with the model's chat template: {exc}", "messages") from None
         texts.update(zip(members, batch, strict=True))
-    plain = [i for i in chats if not _needs_literal_spans(tokenizer, chats[i][0])]
+    plain = [i for i in chats if not _needs_literal_spans(tokenizer, prepared[i][0])]
     encode_batch = getattr(tokenizer, "encode_batch", None)
     ids = {} if encode_batch is None else dict(
         zip(plain, encode_batch([texts[i] for i in plain], add_special_tokens=False), strict=True))
     for i, (normalized, _) in chats.items():
-        out[i] = [_chat_prompt(tokenizer, texts[i], normalized, ids.get(i))]
+        rendered, where, _ = prepared[i]
+        out[i] = [_chat_prompt(tokenizer, texts[i], rendered, where, normalized, ids.get(i))]
     return out  # type: ignore[return-value]
 
 

@@ -4,8 +4,10 @@ those pieces are memoized (least recently used dropped past ``capacity``).
 
 ``SegmentCachedTokenizer`` wraps a ``kvprefix.prompts.Tokenizer`` and stands in for it everywhere (the renderer
 stays the one renderer; only ``encode`` is memoized). The router and the doctor use it. It is exact only where the
-tokenizer works that way: one with a normalizer or added tokens that strip is never memoized, and the first
-encodings are checked against the plain tokenizer, any disagreement turning the memo off for good.
+tokenizer works that way (``Tokenizer.tokenizes_between_added_tokens``: not with a normalizer over the whole text or
+added tokens that strip; yes for GGUF SentencePiece vocabularies, whose every run of text gets its own leading
+space), and the first encodings are checked against the plain tokenizer, any disagreement turning the memo off for
+good.
 """
 
 from __future__ import annotations
@@ -23,19 +25,13 @@ class SegmentCachedTokenizer:
     def __init__(self, tokenizer: Tokenizer, capacity: int = 1 << 16):
         self.inner = tokenizer
         self.capacity = capacity
-        added = {t.content: i for i, t in tokenizer.hf.added_tokens_decoder.items()}
+        added = tokenizer.added_tokens
         self._added_ids = added
         pattern = "|".join(re.escape(t) for t in sorted(added, key=len, reverse=True))
         self._split = re.compile(f"({pattern})") if pattern else None
         self._memo: OrderedDict[str, list[int]] = OrderedDict()
         self._checks_left = _CHECKED
-        self.enabled = self._split is not None and self._splits_on_added_tokens()
-
-    def _splits_on_added_tokens(self) -> bool:
-        """Whether the tokenizer can split like this at all: no normalizer, no added token that strips."""
-        hf = self.inner.hf
-        return hf.backend_tokenizer.normalizer is None and not any(
-            t.lstrip or t.rstrip or t.single_word for t in hf.added_tokens_decoder.values())
+        self.enabled = self._split is not None and tokenizer.tokenizes_between_added_tokens
 
     def __getattr__(self, name: str) -> Any:  # everything but encode is the plain tokenizer's
         return getattr(self.inner, name)
@@ -57,18 +53,18 @@ class SegmentCachedTokenizer:
         if add_special_tokens or not self.enabled or self._checks_left:  # checked one by one until trusted
             return [self.encode(t, add_special_tokens=add_special_tokens) for t in texts]
         memo, added = self._memo, self._added_ids
-        new = list(dict.fromkeys(p for t in texts for p in self._split.split(t)
-                                 if p and p not in added and p not in memo))
+        split = [self._split.split(t) for t in texts]  # once per text: the split costs about as much as the lookups
+        new = list(dict.fromkeys(p for pieces in split for p in pieces if p and p not in added and p not in memo))
         for piece, ids in zip(new, self.inner.encode_batch(new, add_special_tokens=False), strict=True):
             memo[piece] = ids
         while len(memo) > self.capacity:
             memo.popitem(last=False)
-        return [self._encode_pieces(t) for t in texts]
+        return [self._encode_pieces(t, pieces) for t, pieces in zip(texts, split, strict=True)]
 
-    def _encode_pieces(self, text: str) -> list[int]:
+    def _encode_pieces(self, text: str, pieces: list[str] | None = None) -> list[int]:
         out: list[int] = []
         memo, added = self._memo, self._added_ids
-        for piece in self._split.split(text):
+        for piece in self._split.split(text) if pieces is None else pieces:
             if not piece:
                 continue
             special = added.get(piece)

@@ -1,5 +1,6 @@
 """Tokenizer: a checkpoint's tokenizer and chat template, via transformers (which needs no torch for this); for a
-.gguf file, the tokenizer rebuilt from its metadata (kvprefix.prompts.gguf_tokenizer)."""
+.gguf file, the tokenizer rebuilt from its metadata (kvprefix.prompts.gguf_tokenizer), or for a SentencePiece
+vocabulary in one, kvprefix's own llama.cpp-exact tokenizing (SpmTokenizer over kvprefix.prompts.gguf_spm)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,12 @@ from kvprefix.prompts.gguf_file import is_gguf, open_gguf
 
 
 class Tokenizer:
+    def __new__(cls, path: str = "") -> Tokenizer:  # the default: unpickling calls __new__ without arguments
+        # A GGUF SentencePiece vocabulary is tokenized by kvprefix's own code, not by a Hugging Face tokenizer.
+        if cls is Tokenizer and is_gguf(path) and open_gguf(path).get("tokenizer.ggml.model") == "llama":
+            cls = SpmTokenizer
+        return super().__new__(cls)
+
     def __init__(self, path: str) -> None:
         if is_gguf(path):
             from kvprefix.prompts.gguf_tokenizer import gguf_eos_token_ids, gguf_tokenizer
@@ -50,10 +57,28 @@ class Tokenizer:
         """Tokenizes ``text`` as plain text: a special token's spelling in it ("<|im_start|>") stays text."""
         return self.hf(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
+    def encode_parts(self, parts: list[tuple[str, bool]]) -> list[int]:
+        """One text in parts, each (text, whether special tokens written in it are parsed), without BOS/EOS. A fast
+        tokenizer cannot tokenize across a change of rule, so each part is tokenized on its own."""
+        return [i for text, parse in parts if text
+                for i in (self.encode(text, add_special_tokens=False) if parse else self.encode_literal(text))]
+
     @functools.cached_property
     def special_tokens(self) -> tuple[str, ...]:
         """The spellings of the special (control) tokens, which text typed by users must never turn into."""
         return tuple(t.content for t in self.hf.added_tokens_decoder.values() if t.special)
+
+    @functools.cached_property
+    def added_tokens(self) -> dict[str, int]:
+        """Spelling -> id of every token that ``encode`` splits out of the text before tokenizing the rest."""
+        return {t.content: i for i, t in self.hf.added_tokens_decoder.items()}
+
+    @functools.cached_property
+    def tokenizes_between_added_tokens(self) -> bool:
+        """Whether the text between two added tokens tokenizes on its own, whatever surrounds it (no normalizer
+        over the whole text, no added token that strips the spaces beside it)."""
+        return self.hf.backend_tokenizer.normalizer is None and not any(
+            t.lstrip or t.rstrip or t.single_word for t in self.hf.added_tokens_decoder.values())
 
     @functools.cached_property
     def max_chars_per_token(self) -> int:
@@ -96,3 +121,88 @@ def _eos_token_ids(path: str, tokenizer_eos: int | None) -> frozenset[int]:
                 value = json.load(f).get("eos_token_id")
             ids.update(value if isinstance(value, list) else [] if value is None else [value])
     return frozenset(ids)
+
+
+class SpmTokenizer(Tokenizer):
+    """A GGUF file's SentencePiece vocabulary (kvprefix.prompts.gguf_spm) behind the same methods; ``hf`` is None.
+    The chat template is rendered by transformers' own template renderer, with the same variables."""
+
+    def __init__(self, path: str) -> None:
+        from kvprefix.prompts.gguf_spm import SpmVocab
+        from kvprefix.prompts.gguf_tokenizer import gguf_eos_token_ids
+
+        gguf = open_gguf(path)
+        self.hf = None
+        self.name_or_path = path
+        self.spm = SpmVocab(gguf)
+        eos = self.spm.special.eos  # llama.cpp's default id when the file names none
+        self.eos_token_ids = gguf_eos_token_ids(gguf) | (frozenset() if eos is None else {eos})
+        self.bos_token_id = self.spm.special.bos
+        self.vocab_size = len(self.spm.tokens)
+        self._template = gguf.get("tokenizer.chat_template")
+
+    @property
+    def chat_template(self) -> str | None:
+        return None if self._template is None else str(self._template)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.spm.encode(text, add_special=add_special_tokens)
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        return [self.spm.encode(t, add_special=add_special_tokens) for t in texts]
+
+    def encode_literal(self, text: str) -> list[int]:
+        return self.spm.encode(text, add_special=False, parse_special=False)
+
+    def encode_parts(self, parts: list[tuple[str, bool]]) -> list[int]:
+        """Tokenized as one text (llama.cpp's rules run on across the parts), specials parsed where a part says."""
+        return self.spm.encode_parts(parts)
+
+    @functools.cached_property
+    def special_tokens(self) -> tuple[str, ...]:
+        from kvprefix.prompts.gguf_spm import CONTROL, UNKNOWN
+
+        return tuple(t for t, kind in zip(self.spm.tokens, self.spm.types, strict=True) if kind in (CONTROL, UNKNOWN))
+
+    @functools.cached_property
+    def added_tokens(self) -> dict[str, int]:
+        from kvprefix.prompts.gguf_spm import CONTROL, UNKNOWN, USER_DEFINED
+
+        kinds = (CONTROL, UNKNOWN, USER_DEFINED)
+        return {t: i for i, (t, kind) in enumerate(zip(self.spm.tokens, self.spm.types, strict=True)) if kind in kinds}
+
+    # Every run of text between split-out tokens gets its own leading space (llama.cpp's rule), so a run tokenizes
+    # the same alone as in context.
+    tokenizes_between_added_tokens = True
+
+    @functools.cached_property
+    def max_chars_per_token(self) -> int:
+        return max((len(t) for t in self.spm.tokens), default=1)
+
+    def token_strings(self, token_ids: list[int]) -> list[str]:
+        return [self.spm.tokens[i] for i in token_ids]
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.spm.decode(token_ids, special=not skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]], add_generation_prompt: bool = True,
+        tokenize: bool = True, **kwargs: Any
+    ) -> list[int] | str | list[str]:
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        if not self._template:
+            raise ValueError(f"the tokenizer of {self.name_or_path!r} has no chat template; use a plain prompt")
+        batched = bool(messages) and isinstance(messages[0], (list, tuple))
+        conversations = messages if batched else [messages]
+        tokens = self.spm.tokens
+        names = {"bos_token": self.spm.special.bos, "eos_token": self.spm.special.eos,
+                 "unk_token": self.spm.special.unk}
+        variables = {name: tokens[i] for name, i in names.items() if i is not None}
+        texts, _ = render_jinja_template(
+            conversations=[[{k: v for k, v in m.items() if v is not None} for m in c] for c in conversations],
+            tools=kwargs.pop("tools", None), documents=kwargs.pop("documents", None), chat_template=self._template,
+            add_generation_prompt=add_generation_prompt, **{**variables, **kwargs})
+        if batched:
+            return texts
+        return self.encode(texts[0], add_special_tokens=False) if tokenize else texts[0]

@@ -15,7 +15,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvprefix.cache import BlockHash, BlockHasher, context_for_checkpoint
+from kvprefix.cache import BlockHash, BlockHasher, BlockHashMemo, context_for_checkpoint
 from kvprefix.cache.event_wire import Hello
 from kvprefix.cache.identity import kv_labels
 from kvprefix.prompts import PromptError, SegmentCachedTokenizer, Tokenizer, render_body
@@ -30,6 +30,9 @@ class RouteRequest:
     num_blocks: int = 0  # prompt blocks, the partial tail included (0: not hashed)
     # replica id -> its exact cached prefix in blocks, where the caller follows the event streams (the Ray ingress)
     replica_cached: Mapping[str, int] | None = None
+    # (reason, credited blocks, replicas that refused it first), written by the Ray request router, which runs in
+    # the ingress's process: the ingress's metrics read it once the request is routed
+    decision: tuple[str, int, tuple[str, ...]] | None = None
 
 
 def route_request(body: bytes, headers: Mapping[str, str], tenant: str | None,
@@ -51,6 +54,8 @@ class RequestHasher:
     def __init__(self, tokenizer: Tokenizer, hasher: BlockHasher):
         self.tokenizer = tokenizer
         self.hasher = hasher
+        # Most of a prompt is a prefix the router hashed before (docs/router.md, the relay): hashed once.
+        self.memo = BlockHashMemo(hasher.block_size, hasher.algo)
 
     @classmethod
     def for_replica(cls, model: str, hello: Hello) -> RequestHasher:
@@ -79,4 +84,4 @@ class RequestHasher:
         if not prompts:
             return [], 0
         ids = prompts[0].token_ids
-        return hasher.hash_blocks(ids), -(-len(ids) // hasher.block_size)
+        return self.memo.hash_blocks(hasher, ids), -(-len(ids) // hasher.block_size)

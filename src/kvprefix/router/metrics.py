@@ -2,13 +2,32 @@
 
 from __future__ import annotations
 
+import re
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-from kvprefix.router.fleet import FleetView
+from kvprefix.router.fleet import FleetView, Replica
 
 P = "kvprefix:router_"
 # Why a replica was chosen: a retry after another failed, a cached prefix there, a session key, or neither.
 REASONS = ("retry", "cached_prefix", "session", "no_prefix")
+_CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+TAIL_BYTES = 4096  # usage comes last in a body or stream: enough of the end to find it
+
+
+def decision_reason(retried: bool, credited_blocks: int, session_policy: bool, session: object) -> str:
+    """Why the replica was chosen (``REASONS``)."""
+    if retried:
+        return "retry"
+    if credited_blocks:
+        return "cached_prefix"
+    return "session" if session_policy and session is not None else "no_prefix"
+
+
+def reported_cached_tokens(tail: bytes) -> int | None:
+    """``cached_tokens`` of an answer, from its last ``TAIL_BYTES`` (a body or a stream's final usage)."""
+    found = _CACHED_TOKENS.findall(tail)
+    return int(found[-1]) if found else None
 
 
 class RouterMetrics:
@@ -26,25 +45,31 @@ class RouterMetrics:
                                "streams)", ["replica"], registry=r)
         self.unroutable = Counter(P + "unroutable", "Requests refused with 503: no replica could take them",
                                   registry=r)
-        in_flight = Gauge(P + "requests_in_flight", "Requests in flight through the router", ["replica"], registry=r)
-        queued = Gauge(P + "queued_prefill_blocks", "Prompt blocks routed to the replica, not credited as cached, "
-                       "whose first token is not out yet", ["replica"], registry=r)
-        healthy = Gauge(P + "replica_healthy", "1 while the replica passes health checks", ["replica"], registry=r)
-        blocks = Gauge(P + "kv_events_blocks", "Blocks the replica caches, as its event stream says (-1: not "
-                       "synced)", ["replica"], registry=r)
+        self._in_flight = Gauge(P + "requests_in_flight", "Requests in flight through the router", ["replica"],
+                                registry=r)
+        self._queued = Gauge(P + "queued_prefill_blocks", "Prompt blocks routed to the replica, not credited as "
+                             "cached, whose first token is not out yet", ["replica"], registry=r)
+        self._healthy = Gauge(P + "replica_healthy", "1 while the replica passes health checks", ["replica"],
+                              registry=r)
+        self._blocks = Gauge(P + "kv_events_blocks", "Blocks the replica caches, as its event stream says (-1: not "
+                             "synced)", ["replica"], registry=r)
         imbalance = Gauge(P + "load_imbalance", "Busiest replica's requests in flight / the mean", registry=r)
         imbalance.set_function(view.imbalance)
         for rep in view.replicas:
-            name = rep.name
-            in_flight.labels(name).set_function(lambda rep=rep: rep.in_flight)
-            queued.labels(name).set_function(lambda rep=rep: rep.outstanding.queued_prefill_blocks)
-            healthy.labels(name).set_function(lambda rep=rep: float(rep.healthy))
-            blocks.labels(name).set_function(
-                lambda rep=rep: len(rep.mirror.index) if rep.mirror is not None and rep.mirror.ready else -1)
-            for reason in REASONS:
-                self.requests.labels(name, reason)
-            for c in (self.predicted_cached, self.reported_cached, self.retries, self.resyncs):
-                c.labels(name)
+            self.add_replica(rep)
+
+    def add_replica(self, rep: Replica) -> None:
+        """Every series of a replica, from zero (the Ray ingress learns its replicas as they answer)."""
+        name = rep.name
+        self._in_flight.labels(name).set_function(lambda: rep.in_flight)
+        self._queued.labels(name).set_function(lambda: rep.outstanding.queued_prefill_blocks)
+        self._healthy.labels(name).set_function(lambda: float(rep.healthy))
+        self._blocks.labels(name).set_function(
+            lambda: len(rep.mirror.index) if rep.mirror is not None and rep.mirror.ready else -1)
+        for reason in REASONS:
+            self.requests.labels(name, reason)
+        for c in (self.predicted_cached, self.reported_cached, self.retries, self.resyncs):
+            c.labels(name)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

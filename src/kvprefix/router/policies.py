@@ -197,7 +197,9 @@ class RoutedIndex:
 
     def record(self, replica: int, block_hashes: Sequence[Hashable]) -> None:
         held = self._replicas.setdefault(replica, OrderedDict())
-        for h in block_hashes:
+        # Deepest block first, so a prefix's first blocks are the most recent and eviction eats it from its end:
+        # what stays is still a prefix (evicting the first block would lose the credit for all the others).
+        for h in reversed(block_hashes):
             held[h] = None
             held.move_to_end(h)
         while len(held) > self.capacity_blocks:

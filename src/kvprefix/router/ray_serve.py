@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
 
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -29,8 +29,9 @@ from kvprefix.cache.event_wire import loads
 from kvprefix.router.admin import fan_out_response, replica_result
 from kvprefix.router.app import HASHING_POLICIES
 from kvprefix.router.events import Lines, follow
-from kvprefix.router.fleet import Replica
+from kvprefix.router.fleet import FleetView, Replica
 from kvprefix.router.hashing import RouteRequest, route_request
+from kvprefix.router.metrics import TAIL_BYTES, RouterMetrics, decision_reason, reported_cached_tokens
 from kvprefix.router.pending import Outstanding, Routed
 from kvprefix.router.policies import make_policy
 from kvprefix.server.bodies import read_body
@@ -43,7 +44,6 @@ if TYPE_CHECKING:  # server.app loads the engine and torch: only the engine repl
 log = logging.getLogger("kvprefix.router.ray")
 
 REPLICA_HEADER = "x-kvprefix-replica"
-NO_ROUTE = RouteRequest([], None)
 
 
 class _SlotView:
@@ -87,14 +87,16 @@ class PolicyRequestRouter(RequestRouter):
     """Ray Serve request router that asks a kvprefix policy. Replicas keep a fixed position (the session ring and
     the routed-prefix index are keyed by it, Ray's replica ids change on every restart): the first replicas fill
     positions in replica-id order, a new one takes the first position a gone one left, forgotten by the index.
-    A call with ``slot=k`` goes to the replica at position k (the ingress follows each one's event stream, and
-    fans admin calls out to every one); a call with no ``route`` to any replica."""
+    A call with ``exclude=ids`` goes to a replica whose id is not among them (the ingress follows each replica's
+    event stream once, and fans admin calls out to every one; while Ray knows no other replica yet, any); a call
+    with no ``route`` to any replica."""
 
     def initialize_state(self, policy: str = "round-robin", seed: int = 0, load_cap: float = 1.25, **kwargs):
         self.policy = make_policy(policy, seed, load_cap)
         self.slots: list[ReplicaID | None] = []
         self.outstanding: dict[ReplicaID, Outstanding] = {}
-        self._chosen: dict[str, tuple[RouteRequest, int]] = {}  # request id -> (route, credited blocks)
+        # request id -> (route, credited blocks, replica chosen, replicas chosen before that refused it)
+        self._chosen: dict[str, tuple[RouteRequest, int, ReplicaID | None, tuple[str, ...]]] = {}
         self._routed: dict[str, Routed] = {}  # request id -> its share of the replica's load, until it completes
 
     def _place(self, replicas: Sequence[RunningReplica]) -> None:
@@ -116,16 +118,19 @@ class PolicyRequestRouter(RequestRouter):
         self._place(candidate_replicas)
         kwargs = pending_request.kwargs if pending_request is not None else {}
         by_id = {r.replica_id: r for r in candidate_replicas}
-        slot = kwargs.get("slot")
-        if slot is not None:  # that position's replica; before it has one, any (the ingress refuses a duplicate)
-            chosen = by_id.get(self.slots[slot]) if slot < len(self.slots) else None
-            return [[chosen]] if chosen is not None else [candidate_replicas]
+        exclude = kwargs.get("exclude")
+        if exclude is not None:  # a replica the caller has not reached yet; none: any (the ingress sees the repeat)
+            others = [r for r in candidate_replicas if r.replica_id.unique_id not in exclude]
+            return [others or candidate_replicas]
         route = kwargs.get("route")
         if route is None:  # not a client request (the block identity, a health probe): any replica
             return [candidate_replicas]
         view = _SlotView(self.slots, set(by_id), self.outstanding, route.replica_cached)
         chosen = by_id.get(self.slots[self.policy.choose(route, view)])
-        self._chosen[pending_request.metadata.internal_request_id] = route, self.policy.credited
+        request_id = pending_request.metadata.internal_request_id
+        earlier = self._chosen.get(request_id)  # asked again: the replica chosen before refused it (full)
+        refused = () if earlier is None else (*earlier[3], *([earlier[2].unique_id] if earlier[2] else []))
+        self._chosen[request_id] = route, self.policy.credited, chosen and chosen.replica_id, refused
         return [[chosen]] if chosen is not None else [candidate_replicas]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
@@ -133,7 +138,9 @@ class PolicyRequestRouter(RequestRouter):
         chosen = self._chosen.pop(request_id, None)
         if chosen is None:
             return
-        route, credited = chosen
+        route, credited, _, refused = chosen
+        route.decision = (decision_reason(bool(refused), credited, self.policy.name == "session", route.session),
+                          credited, refused)
         out = self.outstanding.setdefault(replica_id, Outstanding())
         # The router sees no first token: a request's prefill counts as queued until it completes.
         self._routed[request_id] = out.add(route.block_hashes, max(route.num_blocks - credited, 0))
@@ -204,9 +211,9 @@ class Engine:
         return self.engine.tokenizer, h.block_size, h.algo, h.context
 
     async def handle(self, method: str, path: str, query: bytes, headers: list[tuple[str, str]], body: bytes,
-                     route: RouteRequest | None, slot: int | None = None) -> AsyncIterator[Any]:
-        # ``route`` and ``slot`` are for the request router (it reads the call's kwargs); the replica has no use
-        # for them.
+                     route: RouteRequest | None, exclude: tuple[str, ...] | None = None) -> AsyncIterator[Any]:
+        # ``route`` and ``exclude`` are for the request router (it reads the call's kwargs); the replica has no
+        # use for them.
         async for item in _call_asgi(self.app, method, path, query, headers, body):
             if isinstance(item, tuple):
                 status, response_headers = item
@@ -238,37 +245,60 @@ class Ingress:
         self.hasher = None
         self.num_replicas = num_replicas
         self.admin_headers = [("authorization", f"Bearer {admin_key}")] if admin_key else []
+        self.block_size = 0  # tokens per block, once the block identity is known (for the predicted metric)
+        # The router's metrics (docs/router.md), by Ray replica id, each replica from the first time it answers or
+        # its event stream says hello; in flight = calls this ingress sent there whose answer has not ended.
+        self.replicas: dict[str, Replica] = {}
+        self.view = FleetView([])
+        self.metrics = RouterMetrics(self.view)
         self.followed: list[Replica] = []
-        self._claimed: dict[int, str] = {}  # slot -> the replica id its event stream comes from
+        self._claimed: dict[int, str] = {}  # follower -> the replica id its event stream comes from
         self._followers: list[asyncio.Task] = []
         if policy == "kv-events":
-            self.followed = [Replica(f"slot-{k}") for k in range(num_replicas)]
-            self._followers = [asyncio.create_task(follow(self._event_lines(k), rep, lambda _: None))
+            self.followed = [Replica(f"events-{k}") for k in range(num_replicas)]
+            self._followers = [asyncio.create_task(follow(self._event_lines(k), rep, self._resynced(k)))
                                for k, rep in enumerate(self.followed)]
 
-    def _event_lines(self, slot: int) -> Lines:
-        """The event stream of the replica at ``slot``, through the engine handle (Ray has no port of its own per
-        replica): the stream's lines, as ``follow`` reads them over HTTP from a `kvprefix serve`."""
+    def _resynced(self, follower: int):
+        def count(_: Replica) -> None:
+            replica_id = self._claimed.get(follower)
+            if replica_id is not None:
+                self.metrics.resyncs.labels(replica_id).inc()
+        return count
+
+    def _event_lines(self, follower: int) -> Lines:
+        """The event stream of a replica no other follower follows, through the engine handle (Ray has no port of
+        its own per replica): the stream's lines, as ``follow`` reads them over HTTP from a `kvprefix serve`.
+
+        Which replica is whatever Ray's router picks outside the others' (``exclude``), not a position: a stream
+        opened while Ray knew one replica could otherwise hold the other follower's replica for ever (and leave a
+        replica unfollowed, its credit never given). A follower that got a replica already followed (Ray knew no
+        other yet) gives it up and tries again."""
         async def lines(params: dict[str, str]) -> AsyncIterator[bytes]:
+            others = tuple(r for k, r in self._claimed.items() if k != follower)
             stream = self.engine.options(stream=True).handle.remote(
-                "GET", "/v1/kv_events", urlencode(params).encode(), self.admin_headers, b"", route=None, slot=slot)
+                "GET", "/v1/kv_events", urlencode(params).encode(), self.admin_headers, b"", route=None,
+                exclude=others)
             status, _ = await stream.__anext__()
             if status != 200:
                 raise ValueError(f"GET /v1/kv_events answered {status}")
-            pending, first = b"", True
+            pending, claimed = b"", False
             try:
                 async for chunk in stream:
                     *complete, pending = (pending + chunk).split(b"\n")
                     for line in complete:
-                        if first:  # the hello: a replica another slot already follows means this slot is not placed yet
-                            first = False
+                        if line and not claimed:  # the hello names the replica
                             replica_id = loads(line).replica_id
                             if replica_id in self._claimed.values():
-                                raise ValueError(f"slot {slot} has no replica of its own yet")
-                            self._claimed[slot] = replica_id
+                                raise ValueError(f"replica {replica_id} is followed already")
+                            self._claimed[follower], claimed = replica_id, True
+                            rep = self._replica(replica_id)
+                            rep.healthy, rep.mirror = True, self.followed[follower].mirror
                         yield line
             finally:
-                self._claimed.pop(slot, None)
+                if claimed:
+                    del self._claimed[follower]
+                    self.replicas[replica_id].healthy = False  # until it answers again (Ray replaces a dead one)
                 stream.cancel()  # the replica stops streaming to nobody
 
         return lines
@@ -293,16 +323,51 @@ class Ingress:
 
             tokenizer, block_size, algo, context = await self.engine.block_identity.remote()
             self.hasher = RequestHasher(tokenizer, BlockHasher(block_size, algo, context))
+            self.block_size = block_size
         return self.hasher
 
+    def _replica(self, replica_id: str) -> Replica:
+        rep = self.replicas.get(replica_id)
+        if rep is None:
+            rep = self.replicas[replica_id] = Replica(replica_id)
+            self.view.replicas.append(rep)
+            self.metrics.add_replica(rep)
+        return rep
+
     async def _send(self, raw, route: RouteRequest | None, body: bytes):
+        """Relays the call through the handle (its router picks the replica) and counts it in the metrics: a
+        client request (``route``) by the router's decision, every answer's in-flight time and cached tokens."""
         headers = [(k, raw.headers[k]) for k in FORWARD_HEADERS if k in raw.headers]
         stream = self.engine.options(stream=True).handle.remote(raw.method, raw.url.path, raw.url.query.encode(),
                                                                 headers, body, route=route)
         status, response_headers = await stream.__anext__()
+        rep = self._replica(dict(response_headers).get(REPLICA_HEADER, "unknown"))
+        rep.healthy = True
+        if route is not None and route.decision is not None:
+            reason, credited, refused = route.decision
+            self.metrics.requests.labels(rep.name, reason).inc()
+            self.metrics.predicted_cached.labels(rep.name).inc(credited * self.block_size)
+            for other in refused:
+                self.metrics.retries.labels(self._replica(other).name).inc()
         drop = {"content-length", "transfer-encoding"}
-        return StreamingResponse(stream, status_code=status,
-                                  headers={k: v for k, v in response_headers if k.lower() not in drop})
+        return StreamingResponse(self._counted(stream, rep), status_code=status,
+                                 headers={k: v for k, v in response_headers if k.lower() not in drop})
+
+    async def _counted(self, stream, rep: Replica) -> AsyncIterator[bytes]:
+        """The answer's chunks, in flight until its end; its ``cached_tokens`` into the reported metric."""
+        routed, tail, ended = rep.outstanding.add((), 0), b"", False
+        try:
+            async for chunk in stream:
+                tail = (tail + chunk)[-TAIL_BYTES:]
+                yield chunk
+            ended = True
+            reported = reported_cached_tokens(tail)
+            if reported is not None:
+                self.metrics.reported_cached.labels(rep.name).inc(reported)
+        finally:
+            routed.finish()
+            if not ended:
+                stream.cancel()  # the client left mid-answer: the replica stops
 
     @_app.post("/v1/completions")
     @_app.post("/v1/chat/completions")
@@ -318,7 +383,13 @@ class Ingress:
     @_app.get("/v1/models")
     @_app.get("/v1/models/{model_id:path}")
     async def relay(self, raw: Request):
-        return await self._send(raw, NO_ROUTE, b"")
+        return await self._send(raw, RouteRequest([], None), b"")  # its own: the router writes its decision
+
+    @_app.get("/metrics")
+    async def metrics_endpoint(self, raw: Request):
+        """The router's metrics, as `kvprefix route` serves them (admin rule); replicas named by Ray replica id."""
+        self.auth.check_admin(raw.headers.get("authorization"))
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @_app.get("/health")
     async def health(self, raw: Request):
@@ -331,19 +402,25 @@ class Ingress:
         self.auth.check_admin(raw.headers.get("authorization"))
         headers = [(k, raw.headers[k]) for k in FORWARD_HEADERS if k in raw.headers] or self.admin_headers
 
-        async def one(slot: int) -> dict:
+        reached: list[str] = []
+
+        async def one() -> dict:
             try:
                 stream = self.engine.options(stream=True).handle.remote(
-                    "POST", raw.url.path, raw.url.query.encode(), headers, b"", route=None, slot=slot)
-                status, _ = await stream.__anext__()
+                    "POST", raw.url.path, raw.url.query.encode(), headers, b"", route=None, exclude=tuple(reached))
+                status, response_headers = await stream.__anext__()
                 text = b"".join([chunk async for chunk in stream])
             except Exception as exc:  # the replica died under the call
-                return {"replica": f"slot-{slot}", "status": None, "error": str(exc) or type(exc).__name__}
-            return replica_result(f"slot-{slot}", status, text)
+                return {"replica": None, "status": None, "error": str(exc) or type(exc).__name__}
+            replica = dict(response_headers).get(REPLICA_HEADER, "")
+            if replica in reached:  # Ray knows fewer replicas than the deployment should have
+                return {"replica": replica, "status": None, "error": "reached twice: a replica is not running"}
+            reached.append(replica)
+            return replica_result(replica, status, text)
 
-        # One after another: two slot-pinned calls pending at once hung in Ray's request router (it may hand a
-        # chosen replica to another pending request), seen with Ray 2.60 on the test's local cluster.
-        return fan_out_response([await one(k) for k in range(self.num_replicas)])
+        # One after another, each to a replica not reached yet (two pinned calls pending at once hung in Ray
+        # 2.60's request router on the test's local cluster).
+        return fan_out_response([await one() for _ in range(self.num_replicas)])
 
 
 def build_app(engine_args: dict[str, Any], num_replicas: int, policy: str, seed: int = 0, load_cap: float = 1.25,

@@ -13,11 +13,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 
 from kvprefix.router.fleet import FleetView, Replica
 from kvprefix.router.hashing import RouteRequest
-from kvprefix.router.metrics import RouterMetrics
+from kvprefix.router.metrics import REASONS, TAIL_BYTES, RouterMetrics, decision_reason, reported_cached_tokens
 from kvprefix.router.pending import Routed
 from kvprefix.router.policies import RoutingPolicy
 from kvprefix.router.upstream import Pool, ReplicaDown
@@ -29,8 +28,6 @@ FORWARD_HEADERS = frozenset({b"authorization", b"content-type", b"accept"})
 DROP_RESPONSE_HEADERS = frozenset({b"transfer-encoding", b"connection", b"keep-alive", b"date",
                                    b"server"})
 REPLICA_HEADER = b"x-kvprefix-replica"
-_CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
-_TAIL_BYTES = 4096  # usage comes last in a body or stream: enough of the end to find it
 
 
 class Relay:
@@ -43,8 +40,7 @@ class Relay:
         names = [rep.name for rep in view.replicas]
         # prometheus children looked up once: labels() per request costs more than the rest of the bookkeeping
         self._requests = {(i, reason): metrics.requests.labels(name, reason)
-                          for i, name in enumerate(names) for reason in ("retry", "cached_prefix", "session",
-                                                                         "no_prefix")}
+                          for i, name in enumerate(names) for reason in REASONS}
         self._retries = [metrics.retries.labels(name) for name in names]
         self._predicted = [metrics.predicted_cached.labels(name) for name in names]
         self._reported = [metrics.reported_cached.labels(name) for name in names]
@@ -85,8 +81,7 @@ class Relay:
                 self._retries[i].inc()
                 view, attempt = again, attempt + 1
                 continue
-            reason = ("retry" if attempt else "cached_prefix" if credited else
-                      "session" if route.session is not None and self.policy.name == "session" else "no_prefix")
+            reason = decision_reason(attempt > 0, credited, self.policy.name == "session", route.session)
             self._requests[i, reason].inc()
             if credited:
                 self._predicted[i].inc(credited * self.block_size)
@@ -117,7 +112,7 @@ class Relay:
             await send({"type": "http.response.start", "status": upstream.status, "headers": headers})
             try:
                 async for chunk in upstream.chunks():
-                    tail = (tail + chunk)[-_TAIL_BYTES:]
+                    tail = (tail + chunk)[-TAIL_BYTES:]
                     if events < first_token_event:
                         events += chunk.count(b"data:")
                     if events >= first_token_event:
@@ -127,9 +122,9 @@ class Relay:
                 if not client_gone:
                     log.warning("answer from %s cut off: %s", rep.url, exc)
             routed.finish()
-            found = _CACHED_TOKENS.findall(tail)
-            if found:
-                self._reported[i].inc(int(found[-1]))
+            reported = reported_cached_tokens(tail)
+            if reported is not None:
+                self._reported[i].inc(reported)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             routed.finish()

@@ -21,6 +21,9 @@ MAX_CONTENT_PARTS = 256  # content parts in one message
 MAX_TOKEN_ID = 2**31 - 1  # token ids in a prompt or in stop_token_ids; real vocabularies are far smaller
 MAX_PROMPT_LOGPROBS = 20  # vLLM's default max_logprobs
 MAX_DETOKENIZE = 2**20  # token ids in one /detokenize body (a long context's worth, and then some)
+MAX_TOOLS = 128  # functions in one request, as in the OpenAI API
+MAX_TOOL_CALLS = 128  # past calls in one assistant message
+TOOL_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for function names
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]], Field(min_length=1)]
 
@@ -218,15 +221,30 @@ _UNSUPPORTED_PARTS = {"image_url": "images are", "input_image": "images are", "i
                       "input_audio": "audio is", "file": "files are", "video_url": "videos are"}
 
 
+class FunctionCall(_Body):
+    name: str = Field(max_length=MAX_ID_LEN)
+    arguments: str  # JSON text, as the model wrote it (kvprefix.prompts.tools checks that it parses)
+
+
+class ToolCall(_Body):
+    """A call the assistant made, carried back into the next turn."""
+
+    id: str | None = Field(None, max_length=MAX_ID_LEN)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | Annotated[list[TextPart], Field(min_length=1, max_length=MAX_CONTENT_PARTS)] | None = None
     name: str | None = None
-    # What the openai client's message.model_dump() carries back into the next turn; tool calls and audio are
-    # refused in check_supported(), refusal and annotations are metadata with nothing to render.
+    # What the openai client's message.model_dump() carries back into the next turn: tool calls render (the
+    # template's way, or kvprefix.prompts.tools'), audio is refused in check_supported(), refusal and annotations
+    # are metadata with nothing to render.
     refusal: str | None = None
     annotations: list[Any] | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOL_CALLS)] | None = None
+    tool_call_id: str | None = Field(None, max_length=MAX_ID_LEN)  # a tool result: the call it answers
     function_call: Any = None
     audio: Any = None
 
@@ -244,6 +262,27 @@ class ChatMessage(_Body):
         return content
 
 
+class FunctionDefinition(_Body):
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments; none: an object of any fields
+    strict: bool | None = None  # the arguments always match under tool_choice required or named (docs/server.md)
+
+
+class ToolDefinition(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class _ChatTemplateFields(_Body):
     """How the messages are rendered (vLLM's names; kvprefix.prompts.render_chat checks the kwargs)."""
 
@@ -251,6 +290,7 @@ class _ChatTemplateFields(_Body):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: Annotated[list[ToolDefinition], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
 
 
 class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
@@ -258,9 +298,8 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     functions: list[Any] | None = None
     function_call: Any = None
     add_special_tokens: Any = None
@@ -331,11 +370,8 @@ def check_supported(req: CompletionRequest | ChatCompletionRequest) -> None:
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "'top_logprobs' requires 'logprobs': true", param="top_logprobs")
         unsupported |= {
-            "tools": bool(req.tools),
-            "tool_choice": req.tool_choice not in (None, "none"),
             "functions": bool(req.functions),
             "function_call": req.function_call not in (None, "none"),
-            "messages[].tool_calls": any(m.tool_calls for m in req.messages),
             "messages[].function_call": any(m.function_call is not None for m in req.messages),
             "messages[].audio": any(m.audio is not None for m in req.messages),
         }
@@ -343,6 +379,9 @@ def check_supported(req: CompletionRequest | ChatCompletionRequest) -> None:
         if bad:
             if name == "stream_options":
                 raise APIError(400, "'stream_options' is only allowed when 'stream' is true", param=name)
+            if name in ("functions", "function_call"):
+                raise APIError(400, f"'{name}' (OpenAI's deprecated form) is not supported; send 'tools' and "
+                               "'tool_choice'", param=name)
             raise APIError(400, f"'{name}' is not supported by this server", param=name)
 
 

@@ -35,6 +35,8 @@ from kvprefix.server.protocol import (
 )
 from kvprefix.server.request_ids import MAX_REQUEST_ID_LEN, request_id_of, valid_request_id
 from kvprefix.server.tenancy import Caller, pseudonym, validate_client_salt
+from kvprefix.server.tool_parser import ToolCallParser, parse_tool_calls
+from kvprefix.server.tools import ToolPlan, plan_tools
 
 
 @dataclass(frozen=True)
@@ -115,9 +117,12 @@ class Serving:
         return out
 
     async def _chat_prompt(self, req: ChatCompletionRequest | TokenizeChatRequest) -> RenderedPrompt:
-        messages = [m.model_dump(include={"role", "content"}) for m in req.messages]
+        messages = [m.model_dump(include={"role", "content", "tool_calls", "tool_call_id"}, exclude_none=True)
+                    for m in req.messages]
+        # As sent (exclude_unset): a template that prints the tools as JSON prints what the router renders too.
+        tools = None if req.tools is None else [t.model_dump(exclude_unset=True) for t in req.tools]
         limit = self._char_limit(req) if isinstance(req, ChatCompletionRequest) else self.info.max_model_len
-        return await self._render(render_chat, messages, req.add_generation_prompt, limit,
+        return await self._render(render_chat, messages, req.add_generation_prompt, limit, tools=tools,
                                   continue_final_message=req.continue_final_message,
                                   template_kwargs=req.chat_template_kwargs)
 
@@ -176,8 +181,10 @@ class Serving:
     async def chat(self, req: ChatCompletionRequest, caller: Caller, raw: Request):
         self._check_model(req.model)
         check_supported(req)
+        tools = await asyncio.to_thread(plan_tools, req)  # compiles a required/named grammar: off the loop
         prompt = await self._chat_prompt(req)
-        return await self._serve(req, caller, raw, [prompt], req.max_new_tokens(), "messages", chat=True)
+        return await self._serve(req, caller, raw, [prompt], req.max_new_tokens(), "messages", chat=True,
+                                 tools=tools)
 
     async def tokenize(self, req: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:
         """vLLM's /tokenize: the token ids a completions or chat request with these fields would run."""
@@ -203,7 +210,7 @@ class Serving:
         return {"prompt": text}
 
     async def _serve(self, req, caller: Caller, raw: Request, prompts, requested_max: int | None, param: str,
-                     chat: bool):
+                     chat: bool, tools: ToolPlan | None = None):
         validate_client_salt(caller.client_salt)
         prompts = self._truncated(req, prompts)
         if not all(p.token_ids for p in prompts):
@@ -213,7 +220,12 @@ class Serving:
             raise bad_request(f"'min_tokens' ({req.min_tokens}) is more than the {max_tokens} tokens this request may "
                               "generate", param="min_tokens")
         structured, field_name = req.structured()
-        if structured is not None:  # compiled here first, so that a bad one is a 400 before any stream starts
+        if tools is not None and structured is not None:
+            raise bad_request(f"'{field_name}' cannot be combined with tools unless 'tool_choice' is \"none\": both "
+                              "would decide the same output", param=field_name)
+        if tools is not None and tools.structured is not None:  # required or named: compiled in plan_tools
+            structured = tools.structured
+        elif structured is not None:  # compiled here first, so that a bad one is a 400 before any stream starts
             try:
                 await asyncio.to_thread(grammar_for, structured)
             except ValueError as exc:
@@ -224,7 +236,7 @@ class Serving:
         now, wall = time.monotonic(), time.time()
         jobs = [_Job(i, f"{engine_rid}-{i}", p, now, wall, req.n, sent_text=[0] * req.n, sent_tokens=[0] * req.n)
                 for i, p in enumerate(prompts)]
-        ctx = _Context(self, req, caller, rid, jobs, params, chat)
+        ctx = _Context(self, req, caller, rid, jobs, params, chat, tools)
         # Admission happens before the response starts, so overload is a plain 503 even for streams.
         ticket = await self.admission.acquire(len(jobs), caller.tenant)
         if req.stream:
@@ -245,8 +257,11 @@ def _sse(obj: dict) -> str:
 class _Context:
     """One HTTP request in flight: its jobs, and how their outputs turn into response bodies or SSE chunks."""
 
-    def __init__(self, serving: Serving, req, caller: Caller, rid: str, jobs: list[_Job], params, chat: bool):
+    def __init__(self, serving: Serving, req, caller: Caller, rid: str, jobs: list[_Job], params, chat: bool,
+                 tools: ToolPlan | None = None):
         self.serving = serving
+        self.tools = tools  # None: the output is plain content
+        self.parsers: dict[int, ToolCallParser] = {}  # streaming, per choice: its tool-call parser
         self.req = req
         self.caller = caller
         self.rid = rid
@@ -410,7 +425,7 @@ class _Context:
                 c = {"index": self._choice_index(job, o.index), "logprobs": self._logprobs(o, 0, 0),
                      "finish_reason": o.finish_reason}
                 if self.chat:
-                    c["message"] = {"role": "assistant", "content": o.text}
+                    c["message"] = self._message(o, c)
                 else:
                     c["text"] = o.text
                     if self.req.prompt_logprobs is not None:
@@ -428,6 +443,15 @@ class _Context:
         if self.chat and self.req.return_token_ids:
             body["prompt_token_ids"] = self.jobs[0].prompt.token_ids
         return body
+
+    def _message(self, o: CompletionOutput, choice: dict) -> dict:
+        if self.tools is None:
+            return {"role": "assistant", "content": o.text}
+        content, calls = parse_tool_calls(o.text, self.tools.names, self.tools.max_calls)
+        if not calls:
+            return {"role": "assistant", "content": content or ""}
+        choice["finish_reason"] = _finish_reason(o.finish_reason, calls=True)
+        return {"role": "assistant", "content": content, "tool_calls": calls}
 
     def _prompt_logprobs(self, job: _Job) -> list[dict | None]:
         """vLLM's shape: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}}."""
@@ -506,14 +530,19 @@ class _Context:
         new_tokens = len(o.token_ids) > sent_tokens
         job.sent_text[o.index], job.sent_tokens[o.index] = len(o.text), len(o.token_ids)
         wants_tokens = self.num_logprobs is not None or self.req.return_token_ids
-        if not delta and o.finish_reason is None and not (new_tokens and wants_tokens):
+        index, finish_reason = self._choice_index(job, o.index), o.finish_reason
+        if self.chat:
+            message = {"content": delta} if delta else {}
+            if self.tools is not None:
+                message, finish_reason = self._tool_delta(index, delta, o.finish_reason)
+        if not (message if self.chat else delta) and o.finish_reason is None and not (new_tokens and wants_tokens):
             return None
         logprobs = self._logprobs(o, sent_tokens, sent) if new_tokens else None
         if o.finish_reason is not None:
             job.sent_finish.add(o.index)
-        c = {"index": self._choice_index(job, o.index), "logprobs": logprobs, "finish_reason": o.finish_reason}
+        c = {"index": index, "logprobs": logprobs, "finish_reason": finish_reason}
         if self.chat:
-            c["delta"] = {"content": delta} if delta else {}
+            c["delta"] = message
         else:
             c["text"] = delta
         if self.req.return_token_ids:
@@ -521,6 +550,22 @@ class _Context:
             if not self.chat and sent_tokens == 0:
                 c["prompt_token_ids"] = job.prompt.token_ids
         return c
+
+    def _tool_delta(self, index: int, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """The delta of a choice whose calls are parsed: content and OpenAI tool-call deltas."""
+        parser = self.parsers.setdefault(index, self.tools.parser())
+        parsed = parser.feed(text)
+        if finish_reason is not None:
+            parsed.extend(parser.finish())
+        message: dict = {"content": parsed.content} if parsed.content else {}
+        if parsed.tool_calls:
+            message["tool_calls"] = [d.to_dict() for d in parsed.tool_calls]
+        return message, _finish_reason(finish_reason, calls=parser.num_calls > 0)
+
+
+def _finish_reason(reason: str | None, calls: bool) -> str | None:
+    """OpenAI's "tool_calls" for a choice that ended on its own with calls; a cut one stays "length"."""
+    return "tool_calls" if calls and reason == "stop" else reason
 
 
 def _phases(out: RequestOutput | None) -> tuple[float | None, ...]:
