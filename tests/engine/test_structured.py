@@ -48,3 +48,30 @@ def test_bad_specs_are_value_errors(llm):
                         (dict(json={"type": "nope"}), "json"), (dict(choice=[""]), "choice")):
         with pytest.raises(ValueError, match=match):
             llm.generate(PROMPT, SamplingParams(structured_outputs=StructuredOutputsParams(**spec)))
+
+
+def test_masking_equals_llguidance_reference(default_model_dir):
+    """Our bitmask unpacking against llguidance's own (its numpy kernel), row by row through a grammar's states,
+    in a batch with an unconstrained row and logits one token wider than the grammar's vocabulary."""
+    import llguidance.numpy
+    import numpy as np
+    import torch
+
+    from kvprefix.engine.structured import GrammarMasks, grammar_for
+    from kvprefix.prompts.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(default_model_dir)
+    masks = GrammarMasks(tokenizer, tokenizer.vocab_size)
+    matcher = masks.matcher(grammar_for(StructuredOutputsParams(regex=r"(ab|c)[0-9]{2,4}")))
+    text = tokenizer.encode("ab123", add_special_tokens=False)
+    generator = torch.Generator().manual_seed(3)
+    for token in text:
+        logits = torch.randn(2, tokenizer.vocab_size + 1, generator=generator)
+        ours = masks.apply(logits.clone(), [None, matcher])
+        bitmask = llguidance.numpy.allocate_token_bitmask(1, tokenizer.vocab_size)
+        llguidance.numpy.fill_next_token_bitmask(matcher, bitmask, 0)
+        reference = logits[1:].numpy().copy()
+        llguidance.numpy.apply_token_bitmask_inplace(reference, bitmask)
+        assert torch.equal(ours[0], logits[0]) and np.array_equal(ours[1:].numpy(), reference)
+        assert 0 < int(torch.isfinite(ours[1]).sum()) < tokenizer.vocab_size  # the grammar cut, and left some
+        assert matcher.consume_token(token)

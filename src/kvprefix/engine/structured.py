@@ -78,14 +78,14 @@ class _SpmVocabView:
         return self._spm.encode_continuation(text)
 
 
+_BIT_INDEX = torch.arange(32, dtype=torch.int32)
+
+
 class GrammarMasks:
     """The vocabulary as llguidance sees it (built once per engine), matchers over it, and the masking step."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int):
-        # Imported at the first structured request, not with the server: llguidance.torch loads torch.compile's
-        # stack (dynamo, inductor), which is most of a server's start-up time.
-        import llguidance.hf
-        import llguidance.torch
+        import llguidance.hf  # transformers' side of llguidance: loaded with the first structured request
 
         if tokenizer.hf is not None:
             self.tokenizer = llguidance.hf.from_tokenizer(tokenizer.hf, n_vocab=vocab_size)
@@ -97,11 +97,22 @@ class GrammarMasks:
         return llguidance.LLMatcher(self.tokenizer, grammar)
 
     def apply(self, logits: torch.Tensor, matchers: Sequence[llguidance.LLMatcher | None]) -> torch.Tensor:
-        """Sets to -inf, in place, each constrained row's logits of tokens its grammar does not allow now."""
-        bitmask = llguidance.torch.allocate_token_bitmask(len(matchers), self.tokenizer.vocab_size)
-        bitmask.fill_(-1)  # all allowed: rows without a grammar
-        for i, m in enumerate(matchers):
-            if m is not None:
-                llguidance.torch.fill_next_token_bitmask(m, bitmask, i)
-        llguidance.torch.apply_token_bitmask_inplace(logits, bitmask.to(logits.device))
+        """Sets to -inf, in place, each constrained row's logits of tokens its grammar does not allow now.
+
+        Our own unpacking of llguidance's bitmask (bit t of word t // 32 = token t allowed), not llguidance.torch's:
+        that one is a torch.compile kernel, whose import (dynamo, inductor) and first compile cost seconds on the
+        first structured request, and which needs a C++ compiler on a CPU machine."""
+        rows = [i for i, m in enumerate(matchers) if m is not None]
+        if not rows:
+            return logits
+        words = (self.tokenizer.vocab_size + 31) // 32
+        bitmask = torch.empty((len(rows), words), dtype=torch.int32)
+        for j, i in enumerate(rows):
+            matchers[i].unsafe_compute_mask_ptr(bitmask[j].data_ptr(), words * 4)
+        allowed = ((bitmask.unsqueeze(-1) >> _BIT_INDEX) & 1).reshape(len(rows), words * 32).bool()
+        vocab = logits.shape[-1]
+        if vocab > allowed.shape[1]:  # logits past the grammar's vocabulary: never allowed
+            allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+        index = torch.tensor(rows, device=logits.device)
+        logits[index] = logits[index].masked_fill(~allowed[:, :vocab].to(logits.device), float("-inf"))
         return logits
