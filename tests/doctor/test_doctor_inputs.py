@@ -153,3 +153,14 @@ def test_progress_off_a_terminal_is_a_line_now_and_then(capsys, tmp_path, tokeni
     assert lines[0] == "kvprefix doctor: log.jsonl: reading: line 256 of 600 (43%), 0 s"
     assert any(": fixing: line 512 of 600" in line for line in lines)
     assert loud.to_dict() == quiet.to_dict()
+
+
+def test_request_log_with_prompts_parting_outside_a_message(capsys, tmp_path, default_model_dir):
+    """Shuffled tools in a request log with prompts, of a template that does not render tools (so they are
+    written after the system prompt's own text, kvprefix.prompts.tools): the renderings part where no message
+    span is (the log has no bodies to name the tools from). The doctor still reports; it crashed."""
+    rows = logs.shuffled_tools()
+    log = write_request_log(tmp_path / "requests.jsonl", rows, default_model_dir, with_prompts=True)
+    code, out, _ = run(capsys, log, "--model", default_model_dir, "--json")
+    report = json.loads(out)
+    assert code == 0 and report["requests"] == len(rows) and report["hit_rate"] < 1

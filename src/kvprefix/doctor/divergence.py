@@ -188,6 +188,8 @@ def classify(new: Rendered, new_body: dict | None, new_line: int, old: Rendered,
         d = _template_head_drift(new, old, p, div)
         if d is not None:
             return d
+    if here_new is None or here_old is None or here_new[0] != here_old[0]:  # parted outside one field of both
+        return None
     name, start_new, end_new = here_new
     _, start_old, end_old = here_old
     a, b = old.text[start_old:end_old], new.text[start_new:end_new]
