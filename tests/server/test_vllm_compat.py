@@ -286,3 +286,18 @@ def test_structured_outputs_parse_and_vllm_fields(server: Server) -> None:
     two = server.post("/v1/completions", {"prompt": "x", "structured_outputs": {"choice": ["b"], "regex": "a"}})
     assert two.status_code == 400 and two.json()["error"]["param"] == "structured_outputs"
     server.wait_idle()
+
+
+@pytest.mark.parametrize("field, value", [("guided_choice", []), ("guided_regex", ""), ("guided_json", {}),
+                                          ("structured_outputs", {"choice": []})])
+def test_empty_structured_outputs_get_a_named_400(server: Server, field: str, value) -> None:
+    """An empty choice list, pattern or schema asks for no language: the request's 400, not a 500 (the fuzzer
+    found guided_choice: [])."""
+    for path, extra in (("/v1/completions", {"prompt": "0"}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+        r = server.post(path, {"model": M, "max_tokens": 8, field: value, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    empty = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {}}}})
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "response_format", empty.text
+    assert server.post("/v1/completions", {"model": M, "prompt": "0", "max_tokens": 1}).status_code == 200

@@ -151,24 +151,27 @@ class _SamplingFields(_Body):
         """The one structured-outputs request among response_format, structured_outputs and guided_*, and the
         field it came from."""
         found: list[tuple[StructuredOutputsParams, str]] = []
+
+        def add(field: str, **spec: Any) -> None:
+            try:  # an empty schema, choice list or pattern is no structured output: the request's 400
+                found.append((StructuredOutputsParams(**spec), field))
+            except ValueError as exc:
+                raise APIError(400, f"'{field}': {exc}", param=field) from None
+
         rf = self.response_format
         if rf is not None and rf.type == "json_object":
-            found.append((StructuredOutputsParams(json_object=True), "response_format"))
+            add("response_format", json_object=True)
         elif rf is not None and rf.type == "json_schema":
             if rf.json_schema is None:
                 raise APIError(400, "'response_format' of type json_schema needs 'json_schema'",
                                param="response_format.json_schema")
-            found.append((StructuredOutputsParams(json=rf.json_schema.schema_), "response_format"))
+            add("response_format", json=rf.json_schema.schema_)
         if self.structured_outputs is not None:
-            so = self.structured_outputs.model_dump(exclude_none=True, by_alias=True)
-            try:
-                found.append((StructuredOutputsParams(**so), "structured_outputs"))
-            except ValueError as exc:
-                raise APIError(400, f"'structured_outputs': {exc}", param="structured_outputs") from None
+            add("structured_outputs", **self.structured_outputs.model_dump(exclude_none=True, by_alias=True))
         for name in ("json", "regex", "choice", "grammar"):
             value = getattr(self, f"guided_{name}")
             if value is not None:
-                found.append((StructuredOutputsParams(**{name: value}), f"guided_{name}"))
+                add(f"guided_{name}", **{name: value})
         if len(found) > 1:
             raise APIError(400, f"give one structured output, not {', '.join(f for _, f in found)}",
                            param=found[1][1])
