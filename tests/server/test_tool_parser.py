@@ -28,6 +28,9 @@ CASES = [
     ('<tool_call>[{"name": "launch", "arguments": {}}]</tool_call>',
      '<tool_call>[{"name": "launch", "arguments": {}}]</tool_call>', []),
     ('<tool_call>[{"name": get_weather}]</tool_call>', '<tool_call>[{"name": get_weather}]</tool_call>', []),
+    # A block given back as text keeps the text after it as written (only a block of calls drops its whitespace).
+    ('<tool_call>[{"name": "launch", "arguments": {}}]</tool_call>\n\nNext',
+     '<tool_call>[{"name": "launch", "arguments": {}}]</tool_call>\n\nNext', []),
     ("Write <tool_ like this, or <tool_call", "Write <tool_ like this, or <tool_call", []),
     ("The weather in Paris is sunny.  ", "The weather in Paris is sunny.  ", []),
     # Cut off by max_tokens: a call whose arguments began keeps them as far as they go; a bare tag is text.

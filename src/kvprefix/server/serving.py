@@ -181,7 +181,9 @@ class Serving:
     async def chat(self, req: ChatCompletionRequest, caller: Caller, raw: Request):
         self._check_model(req.model)
         check_supported(req)
-        tools = await asyncio.to_thread(plan_tools, req)  # compiles a required/named grammar: off the loop
+        # Compiles a required/named grammar: off the loop; a request without tools needs no thread hop.
+        tools = None if req.tools is None and req.tool_choice in (None, "none") else await asyncio.to_thread(
+            plan_tools, req)
         prompt = await self._chat_prompt(req)
         return await self._serve(req, caller, raw, [prompt], req.max_new_tokens(), "messages", chat=True,
                                  tools=tools)

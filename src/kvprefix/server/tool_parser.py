@@ -117,8 +117,8 @@ class ToolCallParser:
                 self._scanned = max(0, len(buf) - len(TOOL_CALL_END) + 1)
                 return False
             self._scanned = 0
-            self._fallback(out, self._block + buf[:i], closed=True)
-            self._end_block(buf[i + len(TOOL_CALL_END):])
+            parsed = self._fallback(out, self._block + buf[:i], closed=True)
+            self._end_block(buf[i + len(TOOL_CALL_END):], after_calls=parsed)
             return True
         if state == "header":
             return self._header(out, buf)
@@ -216,20 +216,24 @@ class ToolCallParser:
         self._state, self._block, self._calls_in_block, self._after_block = "text", "", 0, False
         return True
 
-    def _end_block(self, rest: str) -> None:
-        self._state, self._buf, self._block, self._calls_in_block, self._after_block = "text", rest, "", 0, True
+    def _end_block(self, rest: str, after_calls: bool = True) -> None:
+        """After a block of calls the whitespace that follows is dropped; after one given back as text, kept."""
+        self._state, self._buf, self._block, self._calls_in_block = "text", rest, "", 0
+        self._after_block = after_calls
 
-    def _fallback(self, out: ParsedDelta, inner: str, closed: bool) -> None:
-        """A whole block that did not stream as calls: its calls if it parses as calls to known tools, else text."""
+    def _fallback(self, out: ParsedDelta, inner: str, closed: bool) -> bool:
+        """A whole block that did not stream as calls: its calls if it parses as calls to known tools, else text.
+        True when it gave calls."""
         calls = _whole_block_calls(inner, self.names)
         if calls is None:
             self._content(out, self._block_ws + TOOL_CALL_START + inner + (TOOL_CALL_END if closed else ""),
                           final=not closed)
-            return
+            return False
         for name, arguments in calls:
             if self.max_calls is None or self.num_calls < self.max_calls:
                 out.tool_calls.append(ToolCallDelta(self.num_calls, _call_id(), name, arguments))
                 self.num_calls += 1
+        return True
 
     def _content(self, out: ParsedDelta, text: str, block_follows: bool = False, final: bool = False) -> None:
         if block_follows:
