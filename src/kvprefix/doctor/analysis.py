@@ -239,21 +239,20 @@ class _Doctor:
                             f"the log says {e.prompt_tokens}: give --model the checkpoint the server ran")
                     text = self._variant("text")
                     text.add(self._hashes(rendered, space), e.prompt_tokens)
-                    self._one_namespace(i, e, rendered, text)
+                    self._one_namespace(i, space, rendered, text)
             else:
                 rendered = self._render(e, ahead)
                 n = len(rendered.token_ids)
                 base.add(self._hashes(rendered, space), n)
-                self._one_namespace(i, e, rendered, base)
+                self._one_namespace(i, space, rendered, base)
             if rendered is not None:
                 self._compare(i, e, rendered, base)
         if not self.lines:
             raise DoctorInputError(f"{self.path}: the log is empty")
 
-    def _one_namespace(self, i: int, e: LogEntry, rendered: Rendered, same: Variant) -> None:
+    def _one_namespace(self, i: int, space: tuple[str, str], rendered: Rendered, same: Variant) -> None:
         """The namespace fix: every request in the first request's namespace (requests already there are as in
-        ``same``)."""
-        space = self._space(e)
+        ``same``); ``space``: the request's, as _space gave it."""
         if self.shared_namespace is None:
             self.shared_namespace = space
         shared = self._variant("one namespace")
