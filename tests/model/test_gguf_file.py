@@ -61,3 +61,13 @@ def test_every_value_and_tensor_type_reads_like_gguf_reader(tmp_path) -> None:
 @pytest.mark.slow
 def test_the_default_model_reads_like_gguf_reader() -> None:
     assert_reads_like_gguf_reader(default_model_path())
+
+
+def test_a_corrupt_file_is_unmapped_when_it_raises(tmp_path) -> None:
+    """The error keeps the reader's frame (and its map) alive as long as the caller holds it: the map is closed first."""
+    path = tmp_path / "corrupt.gguf"
+    path.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + (10**9).to_bytes(8, "little") + b"\0" * 64)
+    with pytest.raises(ValueError, match="not a readable GGUF file") as held:
+        GGUFFile(str(path))
+    with open("/proc/self/maps") as maps:
+        assert str(path) not in maps.read(), held.traceback

@@ -99,6 +99,7 @@ class GGUFFile:
         try:
             self.fields, self.tensors = _read(buffer)
         except (ValueError, KeyError, struct.error, UnicodeDecodeError, OverflowError, MemoryError) as e:
+            _close_quietly(buffer)  # a corrupt file's map is not left to the garbage collector
             raise ValueError(f"{path}: not a readable GGUF file (truncated or corrupt?): {e}") from None
 
     @property
@@ -113,6 +114,13 @@ class GGUFFile:
         if value is _MISSING:
             raise ValueError(f"{self.path}: GGUF metadata lacks {key!r}")
         return value
+
+
+def _close_quietly(buffer: mmap.mmap) -> None:
+    try:
+        buffer.close()
+    except BufferError:  # a view made before the error still points into it: the collector closes it later
+        pass
 
 
 def _read(buffer: mmap.mmap) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
