@@ -75,3 +75,17 @@ def test_masking_equals_llguidance_reference(default_model_dir):
         assert torch.equal(ours[0], logits[0]) and np.array_equal(ours[1:].numpy(), reference)
         assert 0 < int(torch.isfinite(ours[1]).sum()) < tokenizer.vocab_size  # the grammar cut, and left some
         assert matcher.consume_token(token)
+
+
+def test_a_spec_is_compiled_once_for_the_server_check_and_the_engine(monkeypatch):
+    """The server compiles a request's grammar to answer a 400 early; the engine's add_request gets it back from the
+    spec instead of compiling it again (a spec equal to it but another object compiles on its own)."""
+    from kvprefix.engine import structured
+
+    compiled = []
+    real = structured._compile
+    monkeypatch.setattr(structured, "_compile", lambda spec: compiled.append(spec) or real(spec))
+    spec = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}})
+    first = structured.grammar_for(spec)
+    assert structured.grammar_for(spec) is first and compiled == [spec]
+    assert structured.grammar_for(StructuredOutputsParams(json=spec.json)) == first and len(compiled) == 2

@@ -25,7 +25,17 @@ _JSON_DEFAULTS = {"whitespace_flexible": False}
 
 
 def grammar_for(spec: StructuredOutputsParams) -> str:
-    """The llguidance grammar of ``spec``; ValueError (naming the field) when it is too large or does not compile."""
+    """The llguidance grammar of ``spec``; ValueError (naming the field) when it is too large or does not compile.
+
+    Kept on ``spec``: the server compiles it to answer a 400 before a stream starts, and the engine reuses it."""
+    grammar = spec.__dict__.get("_grammar")
+    if grammar is None:
+        grammar = _compile(spec)
+        object.__setattr__(spec, "_grammar", grammar)  # a frozen dataclass: a cache, not a field
+    return grammar
+
+
+def _compile(spec: StructuredOutputsParams) -> str:
     if spec.json is not None or spec.json_object:
         schema = spec.json if spec.json is not None else {"type": "object"}
         text = schema if isinstance(schema, str) else json.dumps(schema)
