@@ -23,20 +23,40 @@ import httpx
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 
-# A native build (-march=native) crashes in ggml's AMX path on this project's CPUs (Sapphire Rapids class, with
-# AMX-BF16/INT8): configure for an explicit instruction set instead, AMX off. The AVX512 extensions that the CPU has
-# (VNNI, BF16, VBMI) are on, so ggml uses its VNNI dot products; they run no AMX code. The wrong-looking greedy answer to the
-# bare check question comes with them, without them and with AVX512 off alike (docs/benchmarks.md, "CPU peer").
-CMAKE_OPTIONS = {
+# A native build (-march=native) crashes in ggml's AMX path on CPUs with AMX (Sapphire Rapids class): configure
+# for an explicit instruction set instead, AMX off, and each x86 extension ggml can use on exactly when this CPU
+# has it (a binary with AVX512 dies of SIGILL on an AVX2-only CPU such as AMD's Zen 3). The wrong-looking greedy
+# answer to the bare check question comes with and without the AVX512 extensions alike (docs/benchmarks.md).
+BASE_OPTIONS = {
     "CMAKE_BUILD_TYPE": "Release",
     "BUILD_SHARED_LIBS": "OFF",
     "GGML_NATIVE": "OFF",
-    "GGML_AVX": "ON", "GGML_AVX2": "ON", "GGML_AVX512": "ON", "GGML_FMA": "ON", "GGML_F16C": "ON",
-    "GGML_AVX512_VNNI": "ON", "GGML_AVX512_BF16": "ON", "GGML_AVX512_VBMI": "ON",
     "GGML_AMX_TILE": "OFF", "GGML_AMX_INT8": "OFF", "GGML_AMX_BF16": "OFF",
     "LLAMA_BUILD_TESTS": "OFF", "LLAMA_BUILD_EXAMPLES": "OFF", "LLAMA_BUILD_TOOLS": "ON",
     "LLAMA_BUILD_SERVER": "ON", "LLAMA_OPENSSL": "OFF",
 }
+# ggml's option -> the /proc/cpuinfo flag that says the CPU runs it.
+CPU_FEATURE_OPTIONS = {
+    "GGML_AVX": "avx", "GGML_AVX2": "avx2", "GGML_FMA": "fma", "GGML_F16C": "f16c", "GGML_BMI2": "bmi2",
+    "GGML_AVX512": "avx512f", "GGML_AVX512_VNNI": "avx512_vnni", "GGML_AVX512_BF16": "avx512_bf16",
+    "GGML_AVX512_VBMI": "avx512vbmi",
+}
+
+
+def cmake_options(cpu_flags: set[str]) -> dict[str, str]:
+    """BASE_OPTIONS plus every instruction-set option, on where ``cpu_flags`` has its feature."""
+    features = {opt: "ON" if flag in cpu_flags else "OFF" for opt, flag in CPU_FEATURE_OPTIONS.items()}
+    return {**BASE_OPTIONS, **features}
+
+
+def cpu_flags() -> set[str]:
+    """This machine's CPU feature flags (Linux); a one-line error elsewhere."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError as e:
+        raise PeerError(f"cannot read /proc/cpuinfo to pick llama.cpp's instruction sets: {e}") from None
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
 
 
 class PeerError(RuntimeError):
@@ -122,12 +142,14 @@ def _run_with_progress(cmd: list[str], log: Path, what: str) -> None:
 
 
 def build_server(version: str = LLAMA_CPP_PYTHON_VERSION, jobs: int = 2) -> Path:
-    """Path of a llama-server binary built with CMAKE_OPTIONS, building it (a long step on 2 cores) if needed."""
+    """Path of a llama-server binary built with cmake_options() for this CPU, building it (a long step on 2 cores)
+    if it is missing or was built with other options."""
     cache = cache_dir(version)
     build = cache / "build"
     binary = build / "bin" / "llama-server"
     stamp_file = build / "kvprefix-options.txt"
-    stamp = _options_stamp(CMAKE_OPTIONS)
+    options = cmake_options(cpu_flags())
+    stamp = _options_stamp(options)
     if binary.is_file() and stamp_file.is_file() and stamp_file.read_text() == stamp:
         return binary
     cmake, generator = _check_toolchain()
@@ -135,8 +157,8 @@ def build_server(version: str = LLAMA_CPP_PYTHON_VERSION, jobs: int = 2) -> Path
     log = cache / "build.log"
     print(f"[peer] building llama-server from {src} into {build} (log: {log}); this takes a while on 2 cores",
           file=sys.stderr)
-    options = [f"-D{k}={v}" for k, v in CMAKE_OPTIONS.items()]
-    _run_with_progress([cmake, "-S", str(src), "-B", str(build), *generator, *options], log, "configure")
+    defines = [f"-D{k}={v}" for k, v in options.items()]
+    _run_with_progress([cmake, "-S", str(src), "-B", str(build), *generator, *defines], log, "configure")
     _run_with_progress([cmake, "--build", str(build), "--target", "llama-server", "-j", str(jobs)], log, "build")
     if not binary.is_file():
         raise PeerError(f"the build finished without {binary} (log: {log})")
