@@ -36,9 +36,13 @@ def default_dtype(device: torch.device) -> torch.dtype:
     on other CPUs, which would emulate bfloat16."""
     if device.type == "cuda":
         return torch.bfloat16
+    return torch.bfloat16 if device.type == "cpu" and native_bfloat16_cpu() else torch.float32
+
+
+def native_bfloat16_cpu() -> bool:
+    """Whether this CPU runs bfloat16 matmuls natively (AVX512-BF16 or AMX); elsewhere PyTorch emulates them."""
     checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # torch.cpu's own probes (private names)
-    native = any(getattr(torch.cpu, name, lambda: False)() for name in checks)
-    return torch.bfloat16 if device.type == "cpu" and native else torch.float32
+    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
 
 
 def resolve_model_path(model: str) -> str:

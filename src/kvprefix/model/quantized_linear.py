@@ -24,19 +24,25 @@ from torch import nn
 
 from kvprefix.cache.identity import QUANTIZATION_METHODS
 from kvprefix.model.gguf_loader import _LAYER_NAMES, unpermute_rows
+from kvprefix.model.loader import native_bfloat16_cpu
 from kvprefix.prompts.gguf_file import GGUFFile, open_gguf
 
 GROUP_SIZE = 32  # int4 group along the input dimension; also the block size of GGUF's Q4_0/Q4_1/Q8_0
-_COMPUTE = torch.bfloat16
+_COMPUTE = torch.bfloat16  # the ops' activations
+# Prefill-sized inputs take a dequantized weight and a dense matmul instead (the ops are matrix-vector kernels whose
+# time grows with the rows): in bfloat16 where this CPU's bfloat16 matmuls are native, in float32 where they are
+# emulated (AVX2 CPUs such as AMD's Zen 3: there a 256-row 1536x576 int4 projection took 60 ms dequantized in
+# bfloat16, 15 in float32, 13 through the op): `python benchmarks/bench_quantized_rows.py`.
+_DENSE = torch.bfloat16 if native_bfloat16_cpu() else torch.float32
 _N_ALIGN = 16  # the int4 packing needs a multiple of 16 output channels: pad with zero rows
 
 
 class Int8Linear(nn.Module):
     """y = x @ (q * scale[:, None]).T + bias, with q int8 [out, in] and scale bfloat16 [out]."""
 
-    # The quantized ops are matrix-vector kernels whose time grows with the rows: at a 512-token prefill of a
-    # 1536x576 projection they took ~50 ms where dequantizing (int8 3 ms, int4 15 ms) and a bfloat16 matmul (5 ms)
-    # take far less. Above this many rows a layer dequantizes; the crossovers sit near 40 (int8) and 150 (int4).
+    # Above this many rows a layer dequantizes. With native bfloat16, at a 512-token prefill of a 1536x576
+    # projection the ops took ~50 ms where dequantizing (int8 3 ms, int4 15 ms) and a bfloat16 matmul (5 ms) take far
+    # less: crossovers near 40 (int8) and 150 (int4); on an AVX2 CPU with the float32 path, near 32-64 and 100-200.
     dense_above_rows = 32
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -56,15 +62,16 @@ class Int8Linear(nn.Module):
         return cls(q.to(torch.int8), scales, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = _start(x, self.in_features)
+        flat = _rows(x, self.in_features)
         if flat.shape[0] > self.dense_above_rows:
-            out = flat @ self.dequantize().t()
+            out = _as(flat, _DENSE) @ self.dequantize().t()
         else:
-            out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales)
+            out = torch.ops.aten._weight_int8pack_mm(_as(flat, _COMPUTE), self.qweight, self.scales)
         return _finish(out, self.bias, x, self.out_features)
 
     def dequantize(self) -> torch.Tensor:
-        return self.qweight.to(_COMPUTE) * self.scales[:, None]  # q fits bfloat16 exactly: one rounding
+        """The weight [out, in] in the dense path's dtype (q fits bfloat16 exactly: one rounding there)."""
+        return self.qweight.to(_DENSE) * self.scales[:, None].to(_DENSE)
 
     def nbytes(self) -> int:
         return _nbytes(self.qweight, self.scales, self.bias)
@@ -108,30 +115,34 @@ class Int4Linear(nn.Module):
         return cls(q.reshape(n, k), scales, zeros, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = _start(x, self.in_features)
+        flat = _rows(x, self.in_features)
         if flat.shape[0] > self.dense_above_rows:
-            out = flat @ self.dequantize().t()
+            out = _as(flat, _DENSE) @ self.dequantize().t()
         else:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.qweight, GROUP_SIZE, self.scales_and_zeros)
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(_as(flat, _COMPUTE), self.qweight, GROUP_SIZE,
+                                                             self.scales_and_zeros)
         return _finish(out, self.bias, x, self.out_features)
 
     def dequantize(self) -> torch.Tensor:
-        """The weight [out (padded to 16), in] in bfloat16, computed in float32 as the op does."""
+        """The weight [out (padded to 16), in] in the dense path's dtype, computed in float32 as the op does."""
         q = torch.stack([self.nibbles & 0x0F, self.nibbles >> 4], -1).reshape(self.nibbles.shape[0], -1).float()
         scales, zeros = self.scales_and_zeros.float().permute(2, 1, 0)  # each [out, in // 32]
         groups = (q - 8).reshape(q.shape[0], -1, GROUP_SIZE) * scales[..., None] + zeros[..., None]
-        return groups.reshape(q.shape).to(_COMPUTE)
+        return groups.reshape(q.shape).to(_DENSE)
 
     def nbytes(self) -> int:
         return _nbytes(self.qweight, self.scales_and_zeros, self.bias)
 
 
-# _start and _finish skip the reshapes and casts that are no-ops (the usual case: 2-D bfloat16 activations): a
-# decode step runs ~120 of these layers, and each skipped call saves a few microseconds of dispatch.
-def _start(x: torch.Tensor, in_features: int) -> torch.Tensor:
-    """x as the [rows, in] bfloat16 matrix the ops take."""
-    flat = x if x.dim() == 2 else x.reshape(-1, in_features)
-    return flat if flat.dtype == _COMPUTE else flat.to(_COMPUTE)
+# _rows, _as and _finish skip the reshapes and casts that are no-ops (the usual case: 2-D activations in the
+# dtype wanted): a decode step runs ~120 of these layers, and each skipped call saves a few microseconds of dispatch.
+def _rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
+    """x as a [rows, in] matrix."""
+    return x if x.dim() == 2 else x.reshape(-1, in_features)
+
+
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def _finish(out: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor, out_features: int) -> torch.Tensor:
