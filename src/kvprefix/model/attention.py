@@ -117,6 +117,7 @@ class _BatchPlan:
     decode_blocks: torch.Tensor | None  # int64 [D * max_blocks]: their block tables, flattened for index_select
     decode_seq_lens: torch.Tensor | None  # int64 [D]
     _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    _decode_context: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @classmethod
     def build(cls, meta: AttentionMetadata, block_size: int) -> _BatchPlan:
@@ -153,6 +154,18 @@ class _BatchPlan:
             mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, -torch.inf)
             self._decode_masks[window] = mask[:, None, None, :]
         return self._decode_masks[window]
+
+    def decode_context(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gather target [D * max_blocks, block_size, 2 * kv_heads, head_dim], keys, values [D, kv_heads,
+        max_blocks * block_size, head_dim]): views of one buffer, built once per step; every layer gathers its
+        decodes' blocks into the same target, then reads keys and values through the same views."""
+        if cache.dtype not in self._decode_context:
+            num, (both_heads, head_dim) = self.decode_tokens.numel(), cache.shape[2:]
+            target = _gather_target(cache, self.decode_blocks.numel())
+            context = target.view(num, -1, both_heads, head_dim).transpose(1, 2)
+            heads = both_heads // 2
+            self._decode_context[cache.dtype] = target, context[:, :heads], context[:, heads:]
+        return self._decode_context[cache.dtype]
 
 
 def allocate_kv_cache(
@@ -236,14 +249,12 @@ def _prefill(q, k, v, cache, p: _Prefill, scale: float, window: int | None) -> t
 
 def _decode(q, cache, plan: _BatchPlan, scale: float, window: int | None) -> torch.Tensor:
     """q: [D, q_heads, head_dim], the decodes' queries in plan order."""
-    both_heads, head_dim = cache.shape[2:]
-    kv_heads = both_heads // 2
-    num = plan.decode_tokens.numel()
+    target, keys, values = plan.decode_context(cache)
+    torch.index_select(cache, 0, plan.decode_blocks, out=target)
+    num, kv_heads, num_keys, head_dim = keys.shape
     # GQA folded: each KV head's query heads are its query rows, [D, kv_heads, group, dim], so K/V are not repeated.
     query = q.view(num, kv_heads, -1, head_dim)
-    context = _gather(cache, plan.decode_blocks).view(num, -1, both_heads, head_dim).transpose(1, 2)
-    keys, values = context[:, :kv_heads], context[:, kv_heads:]
-    mask = plan.decode_mask(window, keys.shape[2], q.dtype)
+    mask = plan.decode_mask(window, num_keys, q.dtype)
     out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)
     return out.view(num, -1, head_dim)
 
@@ -251,16 +262,23 @@ def _decode(q, cache, plan: _BatchPlan, scale: float, window: int | None) -> tor
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """cache[block_ids]: [len(block_ids), block_size, 2 * kv_heads, head_dim], valid until the next gather.
 
-    index_select copies whole blocks (advanced indexing goes element by element, ~3x slower). On CPU the copy goes
-    into a buffer reused across layers and steps: a fresh allocation above glibc's mmap threshold (32 MB) is
-    page-faulted in on every use, which cost 10x the copy itself (64 decodes x 1k tokens, float32: 20 ms vs 2 ms).
+    index_select copies whole blocks (advanced indexing goes element by element, ~3x slower)."""
+    return torch.index_select(cache, 0, block_ids, out=_gather_target(cache, block_ids.numel()))
+
+
+def _gather_target(cache: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """An uninitialized [num_blocks, block_size, 2 * kv_heads, head_dim] tensor to gather blocks of ``cache`` into.
+
+    On CPU a view of a buffer reused across layers and steps: a fresh allocation above glibc's mmap threshold
+    (32 MB) is page-faulted in on every use, which cost 10x the copy itself (64 decodes x 1k tokens, float32: 20 ms
+    vs 2 ms). CUDA's caching allocator reuses memory already.
     """
+    shape = (num_blocks, *cache.shape[1:])
     if cache.device.type != "cpu":
-        return cache.index_select(0, block_ids)
-    shape = (block_ids.numel(), *cache.shape[1:])
+        return torch.empty(shape, dtype=cache.dtype, device=cache.device)
     size = math.prod(shape)
     buffers = _scratch.__dict__.setdefault("buffers", {})
     buf = buffers.get(cache.dtype)
     if buf is None or buf.numel() < size:
         buf = buffers[cache.dtype] = torch.empty(size, dtype=cache.dtype)
-    return torch.index_select(cache, 0, block_ids, out=buf[:size].view(shape))
+    return buf[:size].view(shape)
