@@ -37,8 +37,8 @@ VARIANTS = {
     "int8": ("bfloat16", "int8"),
     "int4": ("bfloat16", "int4"),
     "gguf": ("bfloat16", "gguf"),  # the file's own Q4_1 blocks as int4; its Q8_0 embedding as an int8 lm_head
-    "int4, float32 activations": ("float32", "int4"),
-    "gguf, float32 activations": ("float32", "gguf"),
+    "int4 (float32 activations)": ("float32", "int4"),
+    "gguf (float32 activations)": ("float32", "gguf"),
 }
 PROMPT_TOKENS, OUTPUT_TOKENS, BATCH, PREFILL_TOKENS = 32, 64, 8, 512
 MODEL_PARTS = ("forward", "projections", "lm_head", "cpu forward", "cpu projections", "cpu lm_head", "cpu step")
