@@ -256,18 +256,31 @@ def main() -> None:
     trees = {"this": None} if args.against is None else {"this": None, "against": args.against}
     workers = {(n, t): Worker(n, t, args.threads, args.prefill_tokens, src) for n in names for t, src in trees.items()}
     rounds, loads = defaultdict(list), []
+
+    def summaries() -> dict:
+        return {key: dict(weights=key[0], tree=key[1], **summarize(rounds[key], w.bytes_per_token, bandwidth))
+                for key, w in workers.items()}
+
+    def write(results: dict, rounds_done: int) -> None:  # after every round: a long run's rounds so far survive
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(dict(bandwidth_bytes_per_s=bandwidth, threads=args.threads,
+                                                  prompt_tokens=PROMPT_TOKENS, output_tokens=OUTPUT_TOKENS,
+                                                  prefill_tokens=args.prefill_tokens, against=args.against,
+                                                  rounds_done=rounds_done, load_averages=loads,
+                                                  results=list(results.values())), indent=2))
+
     try:
         for r in range(args.rounds):
             order = list(workers) if r % 2 == 0 else list(workers)[::-1]
             for key in order:
                 rounds[key].append(workers[key].round(seed=r))
             loads.append(os.getloadavg()[0])
+            write(summaries(), r + 1)
             print(f"round {r + 1}/{args.rounds} done (load average {loads[-1]:.1f})", flush=True)
     finally:
         for w in workers.values():
             w.close()
-    results = {key: dict(weights=key[0], tree=key[1], **summarize(rounds[key], w.bytes_per_token, bandwidth))
-               for key, w in workers.items()}
+    results = summaries()
     print(f"\n{'weights':27} {'tree':7} {'MB/token':>8} {'ms/token':>8} {'of bw':>6} {'cpu ms/step':>11}"
           f" {'8-req tok/s':>11} {'8-req cpu ms/step':>17} {'prefill s':>9}"
           f" {'cpu: proj':>9} {'other fwd':>9} {'lm_head':>7} {'non-model':>9}")
@@ -289,12 +302,6 @@ def main() -> None:
                              f"{statistics.median(ratios):.3f} ({min(ratios):.3f} - {max(ratios):.3f})")
             print(f"  {n:27} " + ", ".join(parts))
     print(f"\nload average during the rounds: {min(loads):.1f} - {max(loads):.1f}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(dict(bandwidth_bytes_per_s=bandwidth, threads=args.threads,
-                                              prompt_tokens=PROMPT_TOKENS, output_tokens=OUTPUT_TOKENS,
-                                              prefill_tokens=args.prefill_tokens,
-                                              against=args.against, load_averages=loads,
-                                              results=list(results.values())), indent=2))
 
 
 if __name__ == "__main__":
