@@ -95,3 +95,26 @@ def test_metadata_contract_shapes(model) -> None:
     hidden = model(torch.tensor(prompt(8, 3)), torch.arange(3), meta, kv)
     assert hidden.shape == (3, model.config.hidden_size)
     assert model.compute_logits(hidden[meta.logits_indices]).shape == (1, model.config.vocab_size)
+
+
+def test_one_cache_tensor_holds_the_projections_k_and_v(model) -> None:
+    """K and V of a layer are the two halves of one tensor (one write, one gather per layer); what lands in them is
+    the layer's v projection and its k projection rotated as the reference does (x cos + rotate_half(x) sin)."""
+    tokens = prompt(10, 5)
+    kv = fresh_cache(model, 8)
+    run_batch(model, kv, BLOCK, [Chunk(tokens, 0, 5, [3, 6])])
+    k_cache, v_cache = kv[0]
+    assert k_cache.data_ptr() == kv[0].kv.data_ptr() and v_cache.data_ptr() > k_cache.data_ptr()
+    assert k_cache.shape == v_cache.shape == (8, BLOCK, model.config.num_key_value_heads, model.config.head_dim)
+    layer, config = model.model.layers[0], model.config
+    with torch.inference_mode():
+        qkv = layer.self_attn.qkv_proj(layer.input_layernorm(model.model.embed_tokens(torch.tensor(tokens))))
+    kv_size, dim = config.num_key_value_heads * config.head_dim, config.head_dim
+    k = qkv[:, -2 * kv_size : -kv_size].view(5, -1, dim)
+    v = qkv[:, -kv_size:].view(5, -1, dim)
+    angles = torch.arange(5).float()[:, None, None] * model.model.rotary_emb._inv_freq
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    rotated = k * cos + torch.cat([-k[..., dim // 2 :], k[..., : dim // 2]], -1) * sin
+    slots = [3 * BLOCK + i for i in range(BLOCK)] + [6 * BLOCK]
+    assert torch.equal(v_cache.flatten(0, 1)[slots], v)
+    assert (k_cache.flatten(0, 1)[slots] - rotated).abs().max().item() <= 1e-6

@@ -1,7 +1,8 @@
 """Paged attention over a block-structured KV cache (portable PyTorch path, CPU and CUDA).
 
-The cache holds, per layer, K and V tensors of shape [num_blocks, block_size, num_kv_heads, head_dim]. A sequence's
-context lives in the blocks of its block table; token j of the sequence is at slot
+The cache holds, per layer, K and V of shape [num_blocks, block_size, num_kv_heads, head_dim], as the two halves of
+one [num_blocks, block_size, 2 * num_kv_heads, head_dim] tensor (``LayerKV``): one op writes a step's K and V, one
+gathers them. A sequence's context lives in the blocks of its block table; token j of the sequence is at slot
 block_table[j // block_size] * block_size + j % block_size.
 """
 
@@ -19,7 +20,22 @@ import torch.nn.functional as F
 from kvprefix.cache import cdiv
 from kvprefix.model.config import ModelConfig
 
-KVCache = list[tuple[torch.Tensor, torch.Tensor]]
+
+class LayerKV(tuple):
+    """One layer's (K, V), each [num_blocks, block_size, kv_heads, head_dim]: views of ``kv``, the tensor
+    [num_blocks, block_size, 2 * kv_heads, head_dim] that holds K then V heads per slot, the order of the qkv
+    projection's output, so a step's new K and V are one slice of it and one ``index_copy_`` writes both."""
+
+    kv: torch.Tensor
+
+    def __new__(cls, kv: torch.Tensor) -> LayerKV:
+        heads = kv.shape[2] // 2
+        pair = super().__new__(cls, (kv[:, :, :heads], kv[:, :, heads:]))
+        pair.kv = kv
+        return pair
+
+
+KVCache = list[LayerKV]
 
 _scratch = threading.local()  # gather buffers, per thread (each engine runs its forwards on one thread)
 
@@ -101,6 +117,7 @@ class _BatchPlan:
     decode_blocks: torch.Tensor | None  # int64 [D * max_blocks]: their block tables, flattened for index_select
     decode_seq_lens: torch.Tensor | None  # int64 [D]
     _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    _decode_context: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @classmethod
     def build(cls, meta: AttentionMetadata, block_size: int) -> _BatchPlan:
@@ -138,20 +155,29 @@ class _BatchPlan:
             self._decode_masks[window] = mask[:, None, None, :]
         return self._decode_masks[window]
 
+    def decode_context(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gather target [D * max_blocks, block_size, 2 * kv_heads, head_dim], keys, values [D, kv_heads,
+        max_blocks * block_size, head_dim]): views of one buffer, built once per step; every layer gathers its
+        decodes' blocks into the same target, then reads keys and values through the same views."""
+        if cache.dtype not in self._decode_context:
+            num, (both_heads, head_dim) = self.decode_tokens.numel(), cache.shape[2:]
+            target = _gather_target(cache, self.decode_blocks.numel())
+            context = target.view(num, -1, both_heads, head_dim).transpose(1, 2)
+            heads = both_heads // 2
+            self._decode_context[cache.dtype] = target, context[:, :heads], context[:, heads:]
+        return self._decode_context[cache.dtype]
+
 
 def allocate_kv_cache(
     config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: str | torch.device
 ) -> KVCache:
-    """Per layer (K, V), each [num_blocks, block_size, num_kv_heads, head_dim], zero-filled.
+    """Per layer (K, V), each [num_blocks, block_size, num_kv_heads, head_dim] (``LayerKV``), zero-filled.
 
     Zeros, not empty: padded positions of a batched decode are masked, but NaN garbage there would still leak
     through the softmax-weighted sum.
     """
-    shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-    return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        for _ in range(config.num_hidden_layers)
-    ]
+    shape = (num_blocks, block_size, 2 * config.num_key_value_heads, config.head_dim)
+    return [LayerKV(torch.zeros(shape, dtype=dtype, device=device)) for _ in range(config.num_hidden_layers)]
 
 
 def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -162,45 +188,45 @@ def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.
 
 def paged_attention(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    kv: torch.Tensor,
+    kv_cache: LayerKV,
     meta: AttentionMetadata,
     scale: float,
     window: int | None = None,
 ) -> torch.Tensor:
-    """q: [T, q_heads, head_dim]; k, v: [T, kv_heads, head_dim] for the new tokens. Returns [T, q_heads, head_dim].
+    """q: [T, q_heads, head_dim]; kv: [T, 2 * kv_heads, head_dim], the new tokens' K heads then V heads (as
+    ``LayerKV`` holds them). Returns [T, q_heads, head_dim].
 
     Writes the new K/V into the cache by slot first, so each sequence then reads its whole context from its blocks.
     """
-    k_cache, v_cache = kv_cache
-    block_size, kv_heads, head_dim = k_cache.shape[1:]
-    # index_copy_ copies whole rows (index_put_ goes element by element); k and v may be strided views.
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    cache = kv_cache.kv
+    block_size, kv_heads, head_dim = cache.shape[1], cache.shape[2] // 2, cache.shape[3]
+    # index_copy_ copies whole rows (index_put_ goes element by element); kv may be a strided view.
+    cache.view(-1, 2 * kv_heads, head_dim).index_copy_(0, meta.slot_mapping, kv)
     plan = meta.plan(block_size)
     # A batch of one prefill, or of decodes only (one token each, in batch order), needs no scatter into `out`.
     if not plan.prefills:
-        return _decode(q, k_cache, v_cache, plan, scale, window)  # q: the decodes' queries, in order
+        return _decode(q, cache, plan, scale, window)  # q: the decodes' queries, in order
+    k, v = kv[:, :kv_heads], kv[:, kv_heads:]
     if len(plan.prefills) == 1 and plan.decode_tokens is None:
-        return _prefill(q, k, v, k_cache, v_cache, plan.prefills[0], scale, window)
+        return _prefill(q, k, v, cache, plan.prefills[0], scale, window)
     out = torch.empty_like(q)
     for p in plan.prefills:
-        out[p.start : p.end] = _prefill(q, k, v, k_cache, v_cache, p, scale, window)
+        out[p.start : p.end] = _prefill(q, k, v, cache, p, scale, window)
     if plan.decode_tokens is not None:
-        out[plan.decode_tokens] = _decode(q[plan.decode_tokens], k_cache, v_cache, plan, scale, window)
+        out[plan.decode_tokens] = _decode(q[plan.decode_tokens], cache, plan, scale, window)
     return out
 
 
-def _prefill(q, k, v, k_cache, v_cache, p: _Prefill, scale: float, window: int | None) -> torch.Tensor:
+def _prefill(q, k, v, cache, p: _Prefill, scale: float, window: int | None) -> torch.Tensor:
     num_new = p.end - p.start
     query = q[p.start : p.end]  # [new, heads, dim]
     if num_new == p.seq_len:
         # Nothing cached before this chunk: its own fresh K/V are the whole context (same values as the cache).
         keys, values = k[p.start : p.end], v[p.start : p.end]
     else:
-        keys = _gather(k_cache, p.block_ids, "k").flatten(0, 1)[: p.seq_len]
-        values = _gather(v_cache, p.block_ids, "v").flatten(0, 1)[: p.seq_len]
+        context = _gather(cache, p.block_ids).flatten(0, 1)[: p.seq_len]
+        keys, values = context[:, : k.shape[1]], context[:, k.shape[1] :]
     if num_new == p.seq_len and window is None:
         # A leading batch dim of 1: 4-D inputs take PyTorch's fused CPU attention kernel, 3-D ones the much slower
         # math fallback (6x on a 1k-token prefill).
@@ -221,32 +247,38 @@ def _prefill(q, k, v, k_cache, v_cache, p: _Prefill, scale: float, window: int |
     return out.view(kv_heads, group, num_new, head_dim).permute(2, 0, 1, 3).reshape(num_new, -1, head_dim)
 
 
-def _decode(q, k_cache, v_cache, plan: _BatchPlan, scale: float, window: int | None) -> torch.Tensor:
+def _decode(q, cache, plan: _BatchPlan, scale: float, window: int | None) -> torch.Tensor:
     """q: [D, q_heads, head_dim], the decodes' queries in plan order."""
-    kv_heads, head_dim = k_cache.shape[2:]
-    num = plan.decode_tokens.numel()
+    target, keys, values = plan.decode_context(cache)
+    torch.index_select(cache, 0, plan.decode_blocks, out=target)
+    num, kv_heads, num_keys, head_dim = keys.shape
     # GQA folded: each KV head's query heads are its query rows, [D, kv_heads, group, dim], so K/V are not repeated.
     query = q.view(num, kv_heads, -1, head_dim)
-    keys = _gather(k_cache, plan.decode_blocks, "k").view(num, -1, kv_heads, head_dim).transpose(1, 2)
-    values = _gather(v_cache, plan.decode_blocks, "v").view(num, -1, kv_heads, head_dim).transpose(1, 2)
-    mask = plan.decode_mask(window, keys.shape[2], q.dtype)
+    mask = plan.decode_mask(window, num_keys, q.dtype)
     out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)
     return out.view(num, -1, head_dim)
 
 
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor, name: str) -> torch.Tensor:
-    """cache[block_ids]: [len(block_ids), block_size, kv_heads, head_dim], valid until the next gather of `name`.
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """cache[block_ids]: [len(block_ids), block_size, 2 * kv_heads, head_dim], valid until the next gather.
 
-    index_select copies whole blocks (advanced indexing goes element by element, ~3x slower). On CPU the copy goes
-    into a buffer reused across layers and steps: a fresh allocation above glibc's mmap threshold (32 MB) is
-    page-faulted in on every use, which cost 10x the copy itself (64 decodes x 1k tokens, float32: 20 ms vs 2 ms).
+    index_select copies whole blocks (advanced indexing goes element by element, ~3x slower)."""
+    return torch.index_select(cache, 0, block_ids, out=_gather_target(cache, block_ids.numel()))
+
+
+def _gather_target(cache: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """An uninitialized [num_blocks, block_size, 2 * kv_heads, head_dim] tensor to gather blocks of ``cache`` into.
+
+    On CPU a view of a buffer reused across layers and steps: a fresh allocation above glibc's mmap threshold
+    (32 MB) is page-faulted in on every use, which cost 10x the copy itself (64 decodes x 1k tokens, float32: 20 ms
+    vs 2 ms). CUDA's caching allocator reuses memory already.
     """
+    shape = (num_blocks, *cache.shape[1:])
     if cache.device.type != "cpu":
-        return cache.index_select(0, block_ids)
-    shape = (block_ids.numel(), *cache.shape[1:])
+        return torch.empty(shape, dtype=cache.dtype, device=cache.device)
     size = math.prod(shape)
     buffers = _scratch.__dict__.setdefault("buffers", {})
-    buf = buffers.get((name, cache.dtype))
+    buf = buffers.get(cache.dtype)
     if buf is None or buf.numel() < size:
-        buf = buffers[(name, cache.dtype)] = torch.empty(size, dtype=cache.dtype)
-    return torch.index_select(cache, 0, block_ids, out=buf[:size].view(shape))
+        buf = buffers[cache.dtype] = torch.empty(size, dtype=cache.dtype)
+    return buf[:size].view(shape)

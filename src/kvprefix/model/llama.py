@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvprefix.model.attention import AttentionMetadata, KVCache, paged_attention
+from kvprefix.model.attention import AttentionMetadata, KVCache, LayerKV, paged_attention
 from kvprefix.model.config import ModelConfig
 from kvprefix.model.rope import RotaryEmbedding, apply_rotary_
 
@@ -46,7 +46,6 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.window = config.sliding_windows[layer]
         hidden, q_size, kv_size = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_size, self.kv_size = q_size, kv_size
         parts = {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}
         self.qkv_proj = MergedLinear(hidden, parts, bias=config.qkv_bias, dtype=dtype)
         self.o_proj = nn.Linear(q_size, hidden, bias=config.o_bias, dtype=dtype)
@@ -61,19 +60,20 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         meta: AttentionMetadata,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: LayerKV,
     ) -> torch.Tensor:
         tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        # q, k and v stay views of the one output: q and k are normed and rotated in place, as one tensor of heads.
-        qk = qkv[:, : self.q_size + self.kv_size].view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
+        # q, k and v stay views of the one output: q and k are normed and rotated in place, as one tensor of heads,
+        # and k and v go to the cache together, as one tensor of heads (the cache's layout).
+        heads = qkv.view(tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qk, q, kv = heads[:, : self.num_heads + self.num_kv_heads], heads[:, : self.num_heads], heads[:, self.num_heads :]
         if self.qk_norm:
+            k = qk[:, self.num_heads :]
             q.copy_(self.q_norm(q))
             k.copy_(self.k_norm(k))
         apply_rotary_(qk, cos, sin)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.window)
+        out = paged_attention(q, kv, kv_cache, meta, self.scale, self.window)
         return self.o_proj(out.reshape(tokens, -1))
 
 

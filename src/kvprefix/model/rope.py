@@ -44,21 +44,20 @@ class RotaryEmbedding(torch.nn.Module):
         self._inv_freq = inverse_frequencies(config)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [T, 1, head_dim // 2] for int64 positions [T], computed once per forward for all
-        layers (the reference's [T, head_dim] repeats them for the two halves)."""
+        """cos and signed sin of shape [T, 1, head_dim] for int64 positions [T], computed once per forward for all
+        layers: cos repeated for the two halves, sin negated on the first (``apply_rotary_``'s factors)."""
         if self._inv_freq.device != positions.device:
             self._inv_freq = self._inv_freq.to(positions.device)
         freqs = positions.float()[:, None, None] * self._inv_freq
-        return freqs.cos().to(dtype), freqs.sin().to(dtype)
+        cos, sin = freqs.cos(), freqs.sin()
+        return torch.cat([cos, cos], -1).to(dtype), torch.cat([-sin, sin], -1).to(dtype)
 
 
-def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Rotates x [T, heads, head_dim] (q and k heads together, a view into the projection's output) in place:
     the halves (x1, x2) become (x1 cos - x2 sin, x2 cos + x1 sin), the reference's ``x * cos + rotate_half(x) *
-    sin`` in four half-size ops and one copy instead of five full-size ops and two new tensors."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    x1_before = x1.clone()
-    x1.mul_(cos).addcmul_(x2, sin, value=-1)
-    x2.mul_(cos).addcmul_(x1_before, sin)
-    return x
+    sin`` as ``x * cos + swap_halves(x) * signed_sin``: one copy and two in-place ops (a decode step is bound by
+    the number of small ops), with the rounding of the two-halves form it replaced (negating sin is exact)."""
+    tokens, heads, dim = x.shape
+    swapped = x.view(tokens, heads, 2, dim // 2).flip(2).view(tokens, heads, dim)
+    return x.mul_(cos).addcmul_(swapped, signed_sin)
