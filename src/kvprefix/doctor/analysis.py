@@ -271,10 +271,11 @@ class _Doctor:
     def _compare(self, i: int, e: LogEntry, rendered: Rendered, base: Variant) -> None:
         """Finds the earlier request this one shares most with, and why it stops sharing there: the request that
         first had this one's last block that was seen before, else the closest of the last few."""
-        chain = self.tree.chain(base.leaves[i])
-        known = next((node for node in reversed(chain) if self.tree.first_request[node] != i), None)
+        known, first, parent = base.leaves[i], self.tree.first_request, self.tree.parent
+        while known >= 0 and first[known] == i:  # the blocks this request was the first to have
+            known = parent[known]
         owner = None
-        if known is not None:  # the latest request that parted at this block, else the first that had it
+        if known >= 0:  # the latest request that parted at this block, else the first that had it
             owner = self.recent.get(self.parted_at.get(known, -1)) or self.recent.get(self.tree.first_request[known])
             self.parted_at[known] = i
         candidates = [owner] if owner is not None else list(self.ring)
