@@ -1,5 +1,6 @@
 """Replays a variant of the log through the planner (``kvprefix.sim.replay``: the real KV cache manager), in log
-order, on one replica or on the replicas the log names, and removes the hits the log's timing rules out."""
+order, on one replica or on the replicas the log names, and removes the hits the log's timing rules out. At
+unbounded capacity the planner's result is computed without its pool (``unbounded_replay``, tested equal)."""
 
 from __future__ import annotations
 
