@@ -8,7 +8,10 @@ only, and with prompts), rendered and hashed as `kvprefix serve` does. Each log 
 `kvprefix doctor LOG --json` in a fresh process pinned to one CPU (``taskset -c 0`` where available).
 
     python benchmarks/bench_doctor.py [--sizes 25000,100000] [--formats bodies,request-log,request-log-prompts]
-        [--model DIR] [--out results/bench_doctor.json]
+        [--model DIR] [--logs DIR] [--no-pin] [--out results/bench_doctor.json]
+
+``--logs DIR`` keeps the logs there and uses the ones already there (writing 100,000 requests as a request log
+takes minutes), so two versions of the doctor can be timed on the same files.
 """
 
 from __future__ import annotations
@@ -76,12 +79,13 @@ def write_request_log(bodies: Path, path: Path, model: str, with_prompts: bool) 
     writer.close()
 
 
-def run_doctor(log: Path, model: str | None) -> dict:
-    """`kvprefix doctor LOG --json` in a fresh process on one CPU: seconds, CPU seconds, peak memory."""
+def run_doctor(log: Path, model: str | None, pin: bool = True) -> dict:
+    """`kvprefix doctor LOG --json` in a fresh process on one CPU (``pin``: CPU 0 only; else one thread each for
+    the tokenizer and BLAS, wherever the OS runs it): seconds, CPU seconds, peak memory."""
     cmd = [sys.executable, "-m", "kvprefix.cli", "doctor", str(log), "--json", "--no-progress"]
     if model:
         cmd += ["--model", model]
-    if shutil.which("taskset"):
+    if pin and shutil.which("taskset"):
         cmd = ["taskset", "-c", "0", *cmd]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
@@ -102,6 +106,9 @@ def main() -> None:
     parser.add_argument("--sizes", default="25000,100000")
     parser.add_argument("--model", help="checkpoint to render with (default: kvprefix's default model)")
     parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated, of {', '.join(FORMATS)}")
+    parser.add_argument("--no-pin", action="store_true",
+                        help="do not pin the doctor to CPU 0 (a machine whose CPUs someone else assigns)")
+    parser.add_argument("--logs", help="directory to keep the logs in and reuse them from (default: a temporary one)")
     parser.add_argument("--out", default="results/bench_doctor.json")
     args = parser.parse_args()
     model = args.model
@@ -111,16 +118,20 @@ def main() -> None:
         model = default_model_path()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
+        logs = Path(args.logs or tmp)
+        logs.mkdir(parents=True, exist_ok=True)
         for n in (int(s) for s in args.sizes.split(",")):
-            bodies = Path(tmp) / f"bodies_{n}.jsonl"
-            write_log(bodies, n)
+            bodies = logs / f"bodies_{n}.jsonl"
+            if not bodies.exists():
+                write_log(bodies, n)
             for fmt in args.formats.split(","):
                 log = bodies
                 if fmt != "bodies":
-                    log = Path(tmp) / f"{fmt}_{n}.jsonl"
-                    write_request_log(bodies, log, model, with_prompts=fmt.endswith("prompts"))
+                    log = logs / f"{fmt}_{n}.jsonl"
+                    if not log.exists():
+                        write_request_log(bodies, log, model, with_prompts=fmt.endswith("prompts"))
                 result = {"format": fmt, "requests": n, "log_mb": log.stat().st_size / 2**20,
-                          **run_doctor(log, model if fmt != "request-log" else None)}
+                          **run_doctor(log, model if fmt != "request-log" else None, not args.no_pin)}
                 rows.append(result)
                 print(f"{fmt:>20} {n:>8} requests  {result['log_mb']:7.1f} MB  {result['wall_s']:6.1f} s wall  "
                       f"{result['cpu_s']:6.1f} s cpu  peak RSS {result['peak_rss_mb']:7.0f} MB  "

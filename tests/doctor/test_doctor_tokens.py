@@ -76,3 +76,58 @@ def test_a_batch_with_a_bad_body_raises_and_the_doctor_names_its_line(capsys, tm
         render_bodies(Tokenizer(str(tokenizer_dir)), rows)
     assert main(["doctor", str(path), "--model", str(tokenizer_dir), "--json", "--no-progress"]) != 0
     assert "bad.jsonl:291:" in capsys.readouterr().err
+
+
+# ASCII text where the pre-tokenizers' rules matter: runs of spaces, newlines and tabs before words, contractions,
+# digit runs, punctuation runs, JSON, a trailing space.
+ASCII_TEXTS = [
+    "system\nNow: 2026-12-01T00:00:59Z. You are terse.", "  two spaces,   three\n\n\nthree newlines\r\n done ",
+    "it's they'll I'M we'VE 'd", "1234567 12 3.14159 007", "!!!?? ... --> <tools>[{\"a\": 1}]</tools>",
+    "\ttab\t\tthen\n \n\t x", "trailing newline\n", " ", "\n\n", "a\n b\n\n c", "x" * 300 + " y",
+]
+
+
+def _tokenizer_with(tmp_path, pre_tokenizer) -> Tokenizer:
+    """The test tokenizer's vocabulary and merges behind another pre-tokenizer, as a checkpoint directory."""
+    from kvprefix.model.builtin_tokenizer import build_tokenizer
+
+    tok = build_tokenizer(1024)
+    tok.backend_tokenizer.pre_tokenizer = pre_tokenizer
+    tok.save_pretrained(str(tmp_path))
+    return Tokenizer(str(tmp_path))
+
+
+def _gguf_pre_tokenizer(name: str):
+    """The pre-tokenizer kvprefix.prompts.gguf_tokenizer builds for a GGUF file's ``tokenizer.ggml.pre``."""
+    from tokenizers import Regex, pre_tokenizers
+
+    from kvprefix.prompts.gguf_tokenizer import PRE_TOKENIZERS
+
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r), behavior="isolated")
+                                    for r in PRE_TOKENIZERS[name].regexes]
+                                   + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+@pytest.mark.parametrize("pre", ["byte-level", "smollm", "llama-bpe", "qwen2", "gpt-2"])
+def test_word_memo_tokenizes_ascii_text_as_the_tokenizer(tmp_path, tokenizer_dir, pre):
+    from kvprefix.prompts.word_memo import WordMemo
+
+    plain = Tokenizer(str(tokenizer_dir)) if pre == "byte-level" else _tokenizer_with(tmp_path, _gguf_pre_tokenizer(pre))
+    words = WordMemo.of(plain)
+    assert words is not None
+    texts = ASCII_TEXTS + ["ünïcode stays with the tokenizer", "a control\x0bcharacter"]
+    for _ in range(2):  # new words, then words from the memo
+        got = words.encode_batch(texts)
+        assert got[: len(ASCII_TEXTS)] == [plain.encode(t, add_special_tokens=False) for t in ASCII_TEXTS]
+        assert got[len(ASCII_TEXTS):] == [None, None]
+    assert words.enabled
+
+
+def test_word_memo_only_for_pre_tokenizers_it_can_replay(tmp_path):
+    from tokenizers import pre_tokenizers
+
+    from kvprefix.prompts.word_memo import WordMemo
+
+    for k, pre in enumerate([pre_tokenizers.ByteLevel(add_prefix_space=True), pre_tokenizers.Whitespace(),
+                             pre_tokenizers.Metaspace()]):
+        assert WordMemo.of(_tokenizer_with(tmp_path / str(k), pre)) is None

@@ -1,5 +1,6 @@
 """Replays a variant of the log through the planner (``kvprefix.sim.replay``: the real KV cache manager), in log
-order, on one replica or on the replicas the log names, and removes the hits the log's timing rules out."""
+order, on one replica or on the replicas the log names, and removes the hits the log's timing rules out. At
+unbounded capacity the planner's result is computed without its pool (``unbounded_replay``, tested equal)."""
 
 from __future__ import annotations
 
@@ -55,14 +56,12 @@ class Replayer:
         return cached
 
     def _replay(self, variant: Variant, setting: Setting) -> array:
-        bs = variant.block_size
         cached = array("q", bytes(8 * len(variant)))
         for members in self.groups if setting.per_replica else [self.order]:
-            capacity = setting.capacity_blocks or _distinct_blocks(variant, members) + variant.max_blocks + 1
-            trace = Trace(variant.name, bs, TraceView(variant, members))  # type: ignore[arg-type]
-            rec = replay(trace, ReplayConfig(capacity_blocks=capacity, mode="order"))
-            for i, blocks in zip(members, rec.cached_blocks, strict=True):
-                cached[i] = blocks * bs
+            if setting.capacity_blocks is None:
+                unbounded_replay(variant, members, cached)
+            else:
+                planner_replay(variant, members, setting.capacity_blocks, cached)
         return cached
 
 
@@ -71,36 +70,60 @@ def _content_key(variant: Variant) -> tuple:
     return variant.block_size, variant.leaves.tobytes(), variant.tokens.tobytes()
 
 
-def _distinct_blocks(variant: Variant, members: Sequence[int]) -> int:
-    """The distinct full blocks of some requests: a pool of that many (plus one request's) never evicts."""
-    seen = bytearray(len(variant.tree))
-    parent = variant.tree.parent
-    n = 0
+def planner_replay(variant: Variant, members: Sequence[int], capacity_blocks: int, cached: array) -> None:
+    """Sets ``cached[i]``, for each request of ``members`` replayed in that order through the planner (one pool of
+    ``capacity_blocks``), to the tokens its cache served."""
+    bs = variant.block_size
+    trace = Trace(variant.name, bs, TraceView(variant, members))  # type: ignore[arg-type]
+    rec = replay(trace, ReplayConfig(capacity_blocks=capacity_blocks, mode="order"))
+    for i, blocks in zip(members, rec.cached_blocks, strict=True):
+        cached[i] = blocks * bs
+
+
+def unbounded_replay(variant: Variant, members: Sequence[int], cached: array) -> None:
+    """``planner_replay`` with a pool that never evicts, without building the pool: in order mode every block of
+    every earlier request stays cached, so a request hits the blocks of its chain seen before (those are a prefix
+    of the chain: a block is seen with all its parents), short of its last token (whose logits must be computed:
+    the cache manager's rule). One step per request and per block new to these requests."""
+    bs, tokens, leaves, parent = variant.block_size, variant.tokens, variant.leaves, variant.tree.parent
+    seen = bytearray(len(parent))
     for i in members:
-        node = variant.leaves[i]
+        node, new = leaves[i], 0
         while node >= 0 and not seen[node]:
             seen[node] = 1
-            n += 1
+            new += 1
             node = parent[node]
-    return n
+        n = tokens[i]
+        cached[i] = min(n // bs - new, (n - 1) // bs) * bs  # a chain has n // bs blocks
 
 
 def _drop_in_flight_hits(variant: Variant, order: Sequence[int], cached: array, timing: Timing) -> None:
     """A block is ready when the first request that computed it finished its prefill; a request arriving before
-    that recomputes it (and everything after it), whatever the replay found in the pool."""
-    bs, tree = variant.block_size, variant.tree
-    ready: dict[int, float] = {}
+    that recomputes it (and everything after it), whatever the replay found in the pool.
+
+    Along a chain the ready times never decrease (a request computes its blocks from its last ready one on, all
+    done at once, no earlier than it arrived), so the ready hits are a prefix of the replay's and only the blocks
+    after it are visited: one walk from the request's last block up to its last ready hit, one back up while it
+    finds a block to make ready sooner. A prefill logged as shorter than nothing counts as nothing: a block ready
+    before its request arrived is ready for every later request either way."""
+    bs, leaves, tokens, parent = variant.block_size, variant.leaves, variant.tokens, variant.tree.parent
+    ready: dict[int, float] = {}  # every block of every request so far
     for i in order:
         t = timing.arrival[i]
-        chain = tree.chain(variant.leaves[i])
-        hit = cached[i] // bs
-        for b in range(hit):
-            if ready.get(chain[b], t) > t:
-                hit = b
-                break
+        full, hit = tokens[i] // bs, cached[i] // bs
+        node = leaves[i]
+        for _ in range(full - hit):
+            node = parent[node]
+        while hit and ready[node] > t:  # node: the chain's block ``hit - 1``, cached so computed before
+            hit -= 1
+            node = parent[node]
         cached[i] = hit * bs
         logged = timing.prefill_s[i] if timing.prefill_s is not None else None
-        done = t + (logged if logged is not None else (variant.tokens[i] - hit * bs) / PREFILL_TOKENS_PER_S)
-        for node in chain[hit:]:
-            if node not in ready or ready[node] > done:
-                ready[node] = done
+        done = t + max(0.0, logged if logged is not None else (tokens[i] - hit * bs) / PREFILL_TOKENS_PER_S)
+        node = leaves[i]
+        for _ in range(full - hit):
+            was = ready.get(node)
+            if was is not None and was <= done:  # so are all blocks before it
+                break
+            ready[node] = done
+            node = parent[node]

@@ -7,7 +7,8 @@ stays the one renderer; only ``encode`` is memoized). The router and the doctor 
 tokenizer works that way (``Tokenizer.tokenizes_between_added_tokens``: not with a normalizer over the whole text or
 added tokens that strip; yes for GGUF SentencePiece vocabularies, whose every run of text gets its own leading
 space), and the first encodings are checked against the plain tokenizer, any disagreement turning the memo off for
-good.
+good. A piece not in the memo is tokenized word by word where the tokenizer allows it
+(``kvprefix.prompts.word_memo``): a new piece is usually old words with a new timestamp among them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections import OrderedDict
 from typing import Any
 
 from kvprefix.prompts.tokenizer import Tokenizer
+from kvprefix.prompts.word_memo import WordMemo
 
 _CHECKED = 64  # encodings compared with the plain tokenizer before the memo is trusted
 
@@ -32,6 +34,7 @@ class SegmentCachedTokenizer:
         self._memo: OrderedDict[str, list[int]] = OrderedDict()
         self._checks_left = _CHECKED
         self.enabled = self._split is not None and tokenizer.tokenizes_between_added_tokens
+        self._words = WordMemo.of(tokenizer) if self.enabled else None  # new pieces, word by word where it can
 
     def __getattr__(self, name: str) -> Any:  # everything but encode is the plain tokenizer's
         return getattr(self.inner, name)
@@ -55,7 +58,7 @@ class SegmentCachedTokenizer:
         memo, added = self._memo, self._added_ids
         split = [self._split.split(t) for t in texts]  # once per text: the split costs about as much as the lookups
         new = list(dict.fromkeys(p for pieces in split for p in pieces if p and p not in added and p not in memo))
-        for piece, ids in zip(new, self.inner.encode_batch(new, add_special_tokens=False), strict=True):
+        for piece, ids in zip(new, self._encode_new(new), strict=True):
             memo[piece] = ids
         while len(memo) > self.capacity:
             memo.popitem(last=False)
@@ -73,10 +76,19 @@ class SegmentCachedTokenizer:
                 continue
             ids = memo.get(piece)
             if ids is None:
-                ids = memo[piece] = self.inner.encode(piece, add_special_tokens=False)
+                ids = memo[piece] = self._encode_new([piece])[0]
                 if len(memo) > self.capacity:
                     memo.popitem(last=False)
             else:
                 memo.move_to_end(piece)
             out += ids
         return out
+
+    def _encode_new(self, pieces: list[str]) -> list[list[int]]:
+        """Pieces the memo does not hold: word by word (``WordMemo``) where it can, the rest in one call."""
+        out = [None] * len(pieces) if self._words is None else self._words.encode_batch(pieces)
+        rest = [k for k, ids in enumerate(out) if ids is None]
+        for k, ids in zip(rest, self.inner.encode_batch([pieces[k] for k in rest], add_special_tokens=False),
+                          strict=True):
+            out[k] = ids
+        return out  # type: ignore[return-value]
