@@ -164,3 +164,20 @@ def test_request_log_with_prompts_parting_outside_a_message(capsys, tmp_path, de
     code, out, _ = run(capsys, log, "--model", default_model_dir, "--json")
     report = json.loads(out)
     assert code == 0 and report["requests"] == len(rows) and report["hit_rate"] < 1
+
+
+def test_the_doctor_on_the_default_model_never_imports_torch(tmp_path):
+    """`kvprefix doctor LOG` with no --model renders with the built-in model's tokenizer: loading torch (seconds) for
+    it would be waste. In a fresh interpreter, since this one has torch loaded."""
+    import subprocess
+    import sys
+
+    log = tmp_path / "bodies.jsonl"
+    body = {"model": "m", "messages": [{"role": "system", "content": "You help. " * 40}, {"role": "user", "content": "Hi"}]}
+    log.write_text("\n".join(json.dumps(body) for _ in range(3)) + "\n")
+    code = ("import sys; from kvprefix.cli import main; code = main(['doctor', sys.argv[1], '--json', '--no-progress']); "
+            "print('torch' in sys.modules, file=sys.stderr); sys.exit(code)")
+    done = subprocess.run([sys.executable, "-c", code, str(log)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["requests"] == 3
+    assert done.stderr.strip().splitlines()[-1] == "False"
