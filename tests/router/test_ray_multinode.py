@@ -86,23 +86,49 @@ def wait_for(what: str, ready, procs: list[subprocess.Popen], logs: list[Path], 
     return result
 
 
+def started(what: str, start, ready, procs: list[subprocess.Popen], logs: list[Path], attempts: int = 3):
+    """Starts a node with ``start()`` (a process and its log) until ``ready()``: again, twice at most, when
+    `ray start` gave up by itself (Ray waits a fixed 30 s for a new raylet to register, which this loaded machine
+    can miss); the process that came up is added to ``procs``."""
+    for attempt in range(attempts):
+        proc, log = start()
+        procs.append(proc)
+        logs.append(log)
+        try:
+            return wait_for(what, ready, procs, logs)
+        except RuntimeError:
+            if proc.poll() is None or attempt == attempts - 1:  # timed out, or still failing: not a lost race
+                raise
+            procs.pop()
+            logs.pop()
+
+
 @pytest.fixture
 def two_node_cluster(tmp_path: Path) -> Iterator[RayCluster]:
     """A head and a worker node on this machine, each its own raylet with one CPU; Ray's session files in a short
     temporary directory (its socket paths are limited to ~107 characters)."""
     temp_dir = tempfile.mkdtemp(prefix="kvprefix-ray-")
     env = node_env()
-    port, dashboard_port = free_port(), free_port()
-    address, dashboard = f"127.0.0.1:{port}", f"http://127.0.0.1:{dashboard_port}"
-    logs = [tmp_path / "ray-head.log", tmp_path / "ray-worker.log"]
-    procs = [ray_start(logs[0], env, "--head", "--port", str(port), "--temp-dir", temp_dir,
-                       "--include-dashboard", "true", "--dashboard-port", str(dashboard_port),
-                       "--ray-client-server-port", str(free_port()))]
+    procs: list[subprocess.Popen] = []
+    logs: list[Path] = []
+    head: dict[str, str] = {}
+
+    def start_head() -> tuple[subprocess.Popen, Path]:
+        port, dashboard_port = free_port(), free_port()
+        head.update(address=f"127.0.0.1:{port}", dashboard=f"http://127.0.0.1:{dashboard_port}")
+        log = tmp_path / f"ray-head-{port}.log"
+        return ray_start(log, env, "--head", "--port", str(port), "--temp-dir", temp_dir, "--include-dashboard",
+                         "true", "--dashboard-port", str(dashboard_port),
+                         "--ray-client-server-port", str(free_port())), log
+
+    def start_worker() -> tuple[subprocess.Popen, Path]:
+        log = tmp_path / f"ray-worker-{free_port()}.log"
+        return ray_start(log, env, "--address", head["address"]), log
+
     try:
-        wait_for("ray head", lambda: alive_nodes(dashboard), procs, logs[:1])
-        procs.append(ray_start(logs[1], env, "--address", address))
-        wait_for("second node", lambda: len(alive_nodes(dashboard)) == 2, procs, logs)
-        yield RayCluster(address, dashboard, env)
+        started("ray head", start_head, lambda: alive_nodes(head["dashboard"]), procs, logs)
+        started("second node", start_worker, lambda: len(alive_nodes(head["dashboard"])) == 2, procs, logs)
+        yield RayCluster(head["address"], head["dashboard"], env)
     finally:
         for proc in reversed(procs):  # the worker node first, then the head
             stop(proc)

@@ -36,7 +36,14 @@ def serve_port(default_model_dir: str) -> Iterator[int]:
     from ray import serve
 
     port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    for attempt in range(3):  # Ray waits a fixed 30 s for the new raylet to register: a loaded machine can miss it
+        try:
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+            break
+        except Exception as exc:
+            ray.shutdown()
+            if "timed out during startup" not in str(exc) or attempt == 2:
+                raise
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         yield port
