@@ -41,6 +41,9 @@ def node_env() -> dict[str, str]:
     env = os.environ.copy()
     env["PYTHONPATH"] = os.pathsep.join([str(SRC), *filter(None, [env.get("PYTHONPATH")])])
     env["RAY_USAGE_STATS_ENABLED"] = "0"
+    # Token auth off (the nodes listen on 127.0.0.1 only): Ray 2.60 turns it on by itself once ~/.ray/auth_token
+    # exists (a local ray.init writes one), and with it this test's head kept missing Ray's 30 s start deadline
+    env["RAY_AUTH_MODE"] = "disabled"
     return env
 
 
@@ -104,11 +107,12 @@ def started(what: str, start, ready, procs: list[subprocess.Popen], logs: list[P
 
 
 @pytest.fixture
-def two_node_cluster(tmp_path: Path) -> Iterator[RayCluster]:
+def two_node_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[RayCluster]:
     """A head and a worker node on this machine, each its own raylet with one CPU; Ray's session files in a short
     temporary directory (its socket paths are limited to ~107 characters)."""
     temp_dir = tempfile.mkdtemp(prefix="kvprefix-ray-")
     env = node_env()
+    monkeypatch.setenv("RAY_AUTH_MODE", env["RAY_AUTH_MODE"])  # the state API's client here, as the nodes
     procs: list[subprocess.Popen] = []
     logs: list[Path] = []
     head: dict[str, str] = {}
