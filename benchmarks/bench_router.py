@@ -11,7 +11,11 @@ prefix policy can start) and `kvprefix route` in front of it, each a process pin
 latency = p50 through the router - p50 direct, sequential requests; routed requests/s = completions per second
 through the router with 32 concurrent clients (the router runs on one core).
 
+Live part (``--live``): 4 real `kvprefix serve` replicas of the built-in model behind one real `kvprefix route` per
+policy, open-loop shared-prefix chat at rates relative to round robin's estimated capacity (docs/benchmarks.md).
+
     python benchmarks/bench_router.py [--skip-planner] [--skip-proxy] [--out results/bench_router.json]
+    taskset -c 0 python benchmarks/bench_router.py --skip-planner --skip-proxy --live   # --rates 0.8x,1.25x
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import contextlib
 import itertools
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -281,10 +286,13 @@ def proxy(model: str, seconds: float = 5.0, concurrency: int = 32, rounds: int =
 
 
 LIVE_POLICIES = ("round-robin", "prefix", "kv-events")
-# Eight system prompts of about 300 tokens (built-in tokenizer), distinct from their first block on; a replica's
-# pool (--live-blocks) holds about three, the four pools together all of them.
-LIVE_PROMPTS = [f"Policy {k}: you are assistant number {k}. " + f"Rule {k} says: answer briefly. " * 13
-                for k in range(8)]
+# Five system prompts of about 1,000 tokens (the built-in model's tokenizer), distinct from their first block on,
+# asked with skew (prompt k about 1/(k+1) of the time): a replica's pool (--live-blocks) holds two or three, the
+# four pools together all of them, so round robin keeps evicting what the prefix policies keep.
+LIVE_PROMPTS = [f"Policy {k}: you are assistant number {k}. " + f"Rule {k} says: answer briefly and cite the rule. " * 80
+                for k in range(5)]
+LIVE_BLOCKS = 160  # per replica, 16-token blocks: about 2.5 of the prompts
+LIVE_MAX_TOKENS = 2  # TTFT is what is measured; decode past the first token is load, not signal
 
 
 def _live_traffic(n: int, seed: int) -> list[list[dict]]:
@@ -299,23 +307,26 @@ def _live_traffic(n: int, seed: int) -> list[list[dict]]:
             for i in range(n)]
 
 
-async def _open_loop(url: str, model_id: str, traffic: list[list[dict]], rate: float, seed: int) -> dict:
+async def _open_loop(url: str, model_id: str, traffic: list[list[dict]], rate: float, seed: int,
+                     label: str) -> dict:
     """Poisson arrivals at ``rate``; streamed chats, TTFT to the first content chunk; the hit rate from the
-    replicas' own ``cached_tokens``."""
+    replicas' own ``cached_tokens``; achieved = requests / (first sent to last answered): below the offered rate
+    when the replicas cannot keep up. Prints progress every quarter of the requests."""
     import random
 
     import openai
 
     rng = random.Random(seed)
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=1800)
     ttft: list[float] = []
     prompt = cached = 0
+    started = time.perf_counter()
 
     async def one(messages: list[dict]) -> None:
         nonlocal prompt, cached
         start = time.perf_counter()
         first = None
-        stream = await client.chat.completions.create(model=model_id, messages=messages, max_tokens=8,
+        stream = await client.chat.completions.create(model=model_id, messages=messages, max_tokens=LIVE_MAX_TOKENS,
                                                       stream=True, stream_options={"include_usage": True},
                                                       extra_body={"ignore_eos": True})
         async for chunk in stream:
@@ -325,6 +336,8 @@ async def _open_loop(url: str, model_id: str, traffic: list[list[dict]], rate: f
                 prompt += chunk.usage.prompt_tokens
                 cached += chunk.usage.prompt_tokens_details.cached_tokens
         ttft.append(first if first is not None else time.perf_counter() - start)
+        if len(ttft) % max(len(traffic) // 4, 1) == 0:
+            print(f"  {label}: {len(ttft)}/{len(traffic)} answered, {time.perf_counter() - started:.0f} s", flush=True)
 
     tasks = []
     async with client:
@@ -332,29 +345,53 @@ async def _open_loop(url: str, model_id: str, traffic: list[list[dict]], rate: f
             tasks.append(asyncio.create_task(one(messages)))
             await asyncio.sleep(rng.expovariate(rate))
         await asyncio.gather(*tasks)
+    elapsed = time.perf_counter() - started
     ttft.sort()
     return {"ttft_p50_ms": 1000 * statistics.median(ttft), "ttft_p99_ms": 1000 * ttft[int(0.99 * (len(ttft) - 1))],
-            "hit_rate": cached / prompt if prompt else 0.0}
+            "hit_rate": cached / prompt if prompt else 0.0, "achieved_rps": len(traffic) / elapsed,
+            "seconds": elapsed}
 
 
-def _shared_pool_bound(replica_url: str, model: str, traffic: list[list[dict]], blocks: int, replicas: int) -> float:
-    """The planner's replay of the same requests (the same hashes) on one pool of all replicas' blocks."""
-    from kvprefix.cache import cdiv
+def _live_hasher(replica_url: str, model: str):
+    """The replicas' request hasher (their block size, hash and root, from a replica's KV event hello)."""
     from kvprefix.cache.event_wire import loads
     from kvprefix.router.hashing import RequestHasher
-    from kvprefix.sim.trace import Trace, TraceRequest
 
     with httpx.stream("GET", replica_url + "/v1/kv_events", timeout=10) as r:
         hello = loads(next(r.iter_lines()))
-    hasher = RequestHasher.for_replica(model, hello)
+    return RequestHasher.for_replica(model, hello)
+
+
+def _replayed_hit_rate(hasher, traffic: list[list[dict]], blocks: int, replicas: int, routing: str) -> float:
+    """The planner's replay of the same requests (the same hashes), in order: ``routing`` over ``replicas`` pools
+    of ``blocks``; ``SHARED`` is one pool of all of them, the bound for any router."""
+    from kvprefix.cache import cdiv
+    from kvprefix.sim.trace import Trace, TraceRequest
+
+    block_size = hasher.hasher.block_size
     requests = []
     for messages in traffic:
         hashes, num_blocks = hasher.hash_prompt({"messages": messages}, None)
         length = len(hasher.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-        requests.append(TraceRequest(0.0, length, 8, hashes, cdiv(length, hello.block_size)))
-    trace = Trace("live", hello.block_size, requests)
-    cfg = ReplayConfig(blocks, replicas=replicas, routing=SHARED, mode="order")
+        requests.append(TraceRequest(0.0, length, LIVE_MAX_TOKENS, hashes, cdiv(length, block_size)))
+    trace = Trace("live", block_size, requests)
+    cfg = ReplayConfig(blocks, replicas=replicas, routing=routing, mode="order")
     return summarize(trace, cfg, replay(trace, cfg)).token_hit_rate
+
+
+def _request_seconds(url: str, model_id: str) -> tuple[float, float]:
+    """Seconds of one request whose system prompt is not cached, then of one that hits it, alone on the replicas
+    (one at a time, straight to one replica); the prompt is the live prompts' length, not one of them."""
+    prompt = "Calibration: " + LIVE_PROMPTS[0]
+    seconds = []
+    for question in ("What is rule 1?", "What is rule 2?"):
+        start = time.perf_counter()
+        httpx.post(url + "/v1/chat/completions", timeout=600, json={
+            "model": model_id, "max_tokens": LIVE_MAX_TOKENS, "ignore_eos": True,
+            "messages": [{"role": "system", "content": prompt}, {"role": "user", "content": question}]},
+        ).raise_for_status()
+        seconds.append(time.perf_counter() - start)
+    return seconds[0], seconds[1]
 
 
 def _requests_per_replica(url: str) -> list[float]:
@@ -368,10 +405,20 @@ def _requests_per_replica(url: str) -> list[float]:
     return list(counts.values())
 
 
-def live(model: str | None, rates: list[float], requests: int, replicas: int = 4, blocks: int = 72) -> list[dict]:
+def _live_rates(rates: list[str], rr_capacity: float) -> list[float]:
+    """``0.5x`` is half round robin's estimated capacity; a plain number is requests per second."""
+    return [float(r[:-1]) * rr_capacity if r.endswith("x") else float(r) for r in rates]
+
+
+def live(model: str | None, rates: list[str], requests: int, replicas: int = 4, blocks: int = LIVE_BLOCKS) -> list[dict]:
     """``replicas`` real `kvprefix serve` processes (``--model``, default: the built-in model) behind one real
     `kvprefix route` per policy; the same open-loop traffic through each, the replicas' caches reset between
-    runs. Imbalance: the busiest replica's share of the requests x N."""
+    runs. Imbalance: the busiest replica's share of the requests x N.
+
+    Round robin's capacity (requests/s the replicas can answer under round robin) is estimated from one cold and
+    one cached request alone and the planner's round-robin hit rate on the traffic: 1 / (hit seconds + miss share
+    x (cold - hit) seconds). On one core (the whole run under ``taskset -c 0``) that is where round robin
+    saturates; rates given as ``Nx`` are multiples of it."""
     tokenizer_dir = model
     if tokenizer_dir is None:
         from kvprefix.model import default_model_path
@@ -380,6 +427,12 @@ def live(model: str | None, rates: list[float], requests: int, replicas: int = 4
     procs: list[subprocess.Popen] = []
     urls = []
     rows = []
+    began = time.perf_counter()
+
+    def say(text: str) -> None:
+        print(f"[{time.perf_counter() - began:6.0f} s] {text}", flush=True)
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stopped run stops its replicas and routers too
     try:
         for _ in range(replicas):
             port = _free_port()
@@ -388,7 +441,8 @@ def live(model: str | None, rates: list[float], requests: int, replicas: int = 4
                                            "--max-num-seqs", "16", *(["--model", model] if model else [])]))
             urls.append(f"http://127.0.0.1:{port}")
         for url, proc in zip(urls, procs, strict=True):
-            wait_healthy(url, proc)
+            wait_healthy(url, proc, timeout_s=900)  # four engines loading on one core
+        say(f"{replicas} replicas up")
         model_id = httpx.get(urls[0] + "/v1/models", timeout=10).json()["data"][0]["id"]
         routers = {}
         for policy in LIVE_POLICIES:
@@ -398,25 +452,41 @@ def live(model: str | None, rates: list[float], requests: int, replicas: int = 4
                                      *[a for u in urls for a in ("--replica", u)]])
             procs.append(proc)
             routers[policy] = f"http://127.0.0.1:{port}"
-            wait_healthy(routers[policy], proc)
+            wait_healthy(routers[policy], proc, timeout_s=300)
         time.sleep(2)  # kv-events: every replica's stream synced
-        print(f"\n{'rate':>5} {'policy':12} {'TTFT p50 ms':>11} {'TTFT p99 ms':>11} {'hit rate':>8} {'/shared':>7} "
-              f"{'imbal':>6}")
-        for k, rate in enumerate(rates):
+        hasher = _live_hasher(urls[0], tokenizer_dir)
+        cold, hit = _request_seconds(urls[0], model_id)
+        rr_hit = _replayed_hit_rate(hasher, _live_traffic(requests, seed=0), blocks, replicas, "round-robin")
+        rr_capacity = 1 / (hit + (1 - rr_hit) * (cold - hit))
+        offered = _live_rates(rates, rr_capacity)
+        # every run lasts its arrivals; round robin's, past its capacity, as long as the work it was given
+        eta = sum((len(routers) - 1) * requests / r + requests / min(r, rr_capacity) for r in offered)
+        say(f"routers up; one request alone: {cold:.2f} s cold, {hit:.2f} s cached; planner round-robin hit rate "
+            f"{rr_hit:.3f}: round robin's capacity ~{rr_capacity:.3f} req/s; rates {[round(r, 3) for r in offered]}; "
+            f"about {eta / 60:.1f} min to go")
+        results = []
+        for k, rate in enumerate(offered):
             traffic = _live_traffic(requests, seed=k)
-            bound = _shared_pool_bound(urls[0], tokenizer_dir, traffic, blocks, replicas)
+            bound = _replayed_hit_rate(hasher, traffic, blocks, replicas, SHARED)
             for policy, url in routers.items():
                 # through the router: it reaches every replica, and `prefix` forgets where it routed
                 httpx.post(url + "/reset_prefix_cache", params={"wait": "true"}, timeout=60).raise_for_status()
                 before = _requests_per_replica(url)
-                result = asyncio.run(_open_loop(url, model_id, traffic, rate, seed=k))
+                say(f"rate {rate:.3f} req/s, {policy}: {requests} requests")
+                result = asyncio.run(_open_loop(url, model_id, traffic, rate, k, f"{rate:.3f} {policy}"))
                 counts = [a - b for a, b in zip(_requests_per_replica(url), before, strict=True)]
                 imbalance = max(counts) * len(counts) / sum(counts)
                 ratio = result["hit_rate"] / bound if bound else 1.0
-                print(f"{rate:5.1f} {policy:12} {result['ttft_p50_ms']:11.0f} {result['ttft_p99_ms']:11.0f} "
-                      f"{result['hit_rate']:8.3f} {ratio:7.2f} {imbalance:6.2f}")
+                results.append((rate, policy, result, ratio, imbalance))
+                say(f"rate {rate:.3f} req/s, {policy}: done in {result['seconds']:.0f} s")
                 rows.append({"rate": rate, "policy": policy, **result, "shared_pool_hit_rate": bound,
-                             "vs_shared": ratio, "imbalance": imbalance, "requests": requests})
+                             "vs_shared": ratio, "imbalance": imbalance, "requests": requests,
+                             "rr_capacity_rps": rr_capacity, "cold_s": cold, "cached_s": hit})
+        print(f"\n{'rate':>6} {'policy':12} {'TTFT p50 ms':>11} {'TTFT p99 ms':>11} {'achieved':>8} {'hit rate':>8} "
+              f"{'/shared':>7} {'imbal':>6}")
+        for rate, policy, result, ratio, imbalance in results:
+            print(f"{rate:6.3f} {policy:12} {result['ttft_p50_ms']:11.0f} {result['ttft_p99_ms']:11.0f} "
+                  f"{result['achieved_rps']:8.3f} {result['hit_rate']:8.3f} {ratio:7.2f} {imbalance:6.2f}")
     finally:
         for proc in procs:
             proc.terminate()
@@ -430,16 +500,23 @@ def main() -> None:
     parser.add_argument("--skip-planner", action="store_true")
     parser.add_argument("--skip-proxy", action="store_true")
     parser.add_argument("--live", action="store_true", help="also the live loopback run: real replicas, per policy")
-    parser.add_argument("--rates", default="1,2,4", help="live: request rates (req/s), comma-separated")
-    parser.add_argument("--requests", type=int, default=40, help="live: requests per rate and policy")
+    parser.add_argument("--rates", default="0.8x,1.25x",
+                        help="live: request rates, comma-separated: req/s, or Nx = N x round robin's estimated "
+                             "capacity (default 0.8x,1.25x)")
+    parser.add_argument("--requests", type=int, default=60, help="live: requests per rate and policy")
     parser.add_argument("--live-model", default=None,
                         help="live: the replicas' --model (default: the built-in model)")
+    parser.add_argument("--live-blocks", type=int, default=LIVE_BLOCKS, help="live: KV blocks per replica")
+    parser.add_argument("--cpus", default=None,
+                        help="run on these cores only, e.g. 0 or 0,1 (this process and every one it starts)")
     parser.add_argument("--model", default=None, help="tokenizer checkpoint (default: the built-in default model)")
     parser.add_argument("--seconds", type=float, default=5.0, help="proxy: seconds of closed-loop load per run")
     parser.add_argument("--null-backend", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--load", nargs=3, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default="results/bench_router.json")
     args = parser.parse_args()
+    if args.cpus is not None:  # the replicas and routers started later inherit it
+        os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
     if args.model is None:
         from kvprefix.model import default_model_path
 
@@ -452,7 +529,7 @@ def main() -> None:
         return
     out = {"planner": [] if args.skip_planner else planner(),
            "proxy": [] if args.skip_proxy else proxy(args.model, args.seconds),
-           "live": live(args.live_model, [float(r) for r in args.rates.split(",")], args.requests)
+           "live": live(args.live_model, args.rates.split(","), args.requests, blocks=args.live_blocks)
            if args.live else []}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))

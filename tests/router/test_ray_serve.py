@@ -1,10 +1,11 @@
 """A real local Ray cluster with two engine replicas behind the Ray Serve app: it answers through the custom request
 router, which makes the same choices as the standalone policy object replayed offline on the same sequence, for
-`prefix` (its routed index) and `kv-events` (fed by the replicas' event streams, followed through the handle);
-the admin calls reach every replica."""
+`prefix` (its routed index, forgotten after a cache reset through the ingress) and `kv-events` (fed by the
+replicas' event streams, followed through the handle); the admin calls reach every replica."""
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Iterator
 
@@ -35,7 +36,14 @@ def serve_port(default_model_dir: str) -> Iterator[int]:
     from ray import serve
 
     port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    for attempt in range(3):  # Ray waits a fixed 30 s for the new raylet to register: a loaded machine can miss it
+        try:
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+            break
+        except Exception as exc:
+            ray.shutdown()
+            if "timed out during startup" not in str(exc) or attempt == 2:
+                raise
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         yield port
@@ -83,24 +91,43 @@ def test_ray_serve_routes_like_the_standalone_prefix_policy(serve_port: int, def
     from kvprefix.router.ray_serve import _SlotView
     serve.run(app(default_model_dir, "prefix"), name="kvprefix", route_prefix="/")
     try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{serve_port}/v1", api_key="none", max_retries=0)
-        assert httpx.get(f"http://127.0.0.1:{serve_port}/health").status_code == 200  # anywhere, moves no rotation
+        base = f"http://127.0.0.1:{serve_port}"
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+        assert httpx.get(base + "/health").status_code == 200  # anywhere, moves no rotation
         traffic = shared_prefix_traffic(rounds=3)
         served, cached = zip(*(chat(client, m) for m in traffic), strict=True)
         chunks = list(client.chat.completions.create(model=MODEL, messages=traffic[0], max_tokens=3, stream=True))
         hasher = block_identity("kvprefix")
+
+        # A reset through the ingress empties every replica; the router's routed index must forget them too
+        before = router_metrics(base)
+        reset = httpx.post(base + "/reset_prefix_cache", params={"wait": "true"}, timeout=60)
+        assert reset.status_code == 200 and reset.json()["success"], reset.text
+        after_reset = chat(client, traffic[-1])
+        after = router_metrics(base)
     finally:
         serve.delete("kvprefix")
 
     policy, view = make_policy("prefix"), _SlotView(["a", "b"], {"a", "b"}, {})
     offline = []
-    for m in traffic:
+    for m in [*traffic, traffic[0]]:  # the streamed request last
         hashes, num_blocks = hasher.hash_prompt({"messages": m}, None)
         offline.append(policy.choose(RouteRequest(hashes, None, num_blocks), view))
-    assert same_choices(served, offline), (served, offline)
+    assert same_choices(served, offline[:-1]), (served, offline)
     first_round = len(traffic) // 3
     assert all(c > 0 for c in cached[first_round:]), cached  # every later question hits its system prompt
     assert any(c.choices and c.choices[0].delta.content for c in chunks)
+
+    # Had the index not forgotten, the last prompt would be credited at the replica it went to before
+    hashes, num_blocks = hasher.hash_prompt({"messages": traffic[-1]}, None)
+    stale = copy.deepcopy(policy)
+    stale.choose(RouteRequest(hashes, None, num_blocks), view)
+    assert stale.credited > 0
+    assert after_reset[1] == 0  # the replica's cache was emptied
+    def grew(name: str, reason: str | None = None) -> float:
+        return sum(by_replica(after, name, reason).values()) - sum(by_replica(before, name, reason).values())
+    assert grew("requests_total", "no_prefix") == 1 and grew("requests_total", "cached_prefix") == 0
+    assert grew("predicted_cached_tokens_total") == 0
 
 
 def replay_kv_events(hasher, traffic: list[list[dict]]) -> list[int]:

@@ -89,7 +89,8 @@ class PolicyRequestRouter(RequestRouter):
     positions in replica-id order, a new one takes the first position a gone one left, forgotten by the index.
     A call with ``exclude=ids`` goes to a replica whose id is not among them (the ingress follows each replica's
     event stream once, and fans admin calls out to every one; while Ray knows no other replica yet, any); a call
-    with no ``route`` to any replica."""
+    with no ``route`` to any replica. ``forget=ids``: replicas whose cache was reset through the ingress since its
+    last request; the routed-prefix index forgets them before this request is placed, as `kvprefix route` does."""
 
     def initialize_state(self, policy: str = "round-robin", seed: int = 0, load_cap: float = 1.25, **kwargs):
         self.policy = make_policy(policy, seed, load_cap)
@@ -99,9 +100,13 @@ class PolicyRequestRouter(RequestRouter):
         self._chosen: dict[str, tuple[RouteRequest, int, ReplicaID | None, tuple[str, ...]]] = {}
         self._routed: dict[str, Routed] = {}  # request id -> its share of the replica's load, until it completes
 
-    def _place(self, replicas: Sequence[RunningReplica]) -> None:
+    def _place(self, replicas: Sequence[RunningReplica], forget: Sequence[str] = ()) -> None:
         up = {r.replica_id for r in replicas}
         routed = getattr(self.policy, "routed", None)
+        if routed is not None:
+            for i, rid in enumerate(self.slots):
+                if rid is not None and rid.unique_id in forget:
+                    routed.forget(i)
         self.slots = [s if s in up else None for s in self.slots]
         for rid in sorted(up - set(self.slots), key=lambda r: r.unique_id):
             self.outstanding[rid] = Outstanding()
@@ -115,8 +120,8 @@ class PolicyRequestRouter(RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        self._place(candidate_replicas)
         kwargs = pending_request.kwargs if pending_request is not None else {}
+        self._place(candidate_replicas, kwargs.get("forget") or ())
         by_id = {r.replica_id: r for r in candidate_replicas}
         exclude = kwargs.get("exclude")
         if exclude is not None:  # a replica the caller has not reached yet; none: any (the ingress sees the repeat)
@@ -211,9 +216,10 @@ class Engine:
         return self.engine.tokenizer, h.block_size, h.algo, h.context
 
     async def handle(self, method: str, path: str, query: bytes, headers: list[tuple[str, str]], body: bytes,
-                     route: RouteRequest | None, exclude: tuple[str, ...] | None = None) -> AsyncIterator[Any]:
-        # ``route`` and ``exclude`` are for the request router (it reads the call's kwargs); the replica has no
-        # use for them.
+                     route: RouteRequest | None, exclude: tuple[str, ...] | None = None,
+                     forget: tuple[str, ...] = ()) -> AsyncIterator[Any]:
+        # ``route``, ``exclude`` and ``forget`` are for the request router (it reads the call's kwargs); the
+        # replica has no use for them.
         async for item in _call_asgi(self.app, method, path, query, headers, body):
             if isinstance(item, tuple):
                 status, response_headers = item
@@ -253,6 +259,7 @@ class Ingress:
         self.metrics = RouterMetrics(self.view)
         self.followed: list[Replica] = []
         self._claimed: dict[int, str] = {}  # follower -> the replica id its event stream comes from
+        self._reset: set[str] = set()  # replicas reset through the fan-out, for the router to forget (prefix)
         self._followers: list[asyncio.Task] = []
         if policy == "kv-events":
             self.followed = [Replica(f"events-{k}") for k in range(num_replicas)]
@@ -338,8 +345,9 @@ class Ingress:
         """Relays the call through the handle (its router picks the replica) and counts it in the metrics: a
         client request (``route``) by the router's decision, every answer's in-flight time and cached tokens."""
         headers = [(k, raw.headers[k]) for k in FORWARD_HEADERS if k in raw.headers]
+        forget, self._reset = tuple(self._reset), set()
         stream = self.engine.options(stream=True).handle.remote(raw.method, raw.url.path, raw.url.query.encode(),
-                                                                headers, body, route=route)
+                                                                headers, body, route=route, forget=forget)
         status, response_headers = await stream.__anext__()
         rep = self._replica(dict(response_headers).get(REPLICA_HEADER, "unknown"))
         rep.healthy = True
@@ -416,6 +424,8 @@ class Ingress:
             if replica in reached:  # Ray knows fewer replicas than the deployment should have
                 return {"replica": replica, "status": None, "error": "reached twice: a replica is not running"}
             reached.append(replica)
+            if status == 200:  # it holds nothing the router remembers sending (as `kvprefix route` forgets)
+                self._reset.add(replica)
             return replica_result(replica, status, text)
 
         # One after another, each to a replica not reached yet (two pinned calls pending at once hung in Ray
