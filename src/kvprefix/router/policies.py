@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 import math
 import random
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from typing import Protocol
 
@@ -198,10 +198,10 @@ class RoutedIndex:
     def record(self, replica: int, block_hashes: Sequence[Hashable]) -> None:
         held = self._replicas.setdefault(replica, OrderedDict())
         # Deepest block first, so a prefix's first blocks are the most recent and eviction eats it from its end:
-        # what stays is still a prefix (evicting the first block would lose the credit for all the others). Both
-        # passes loop in C (a request's every block is touched): the new blocks in, then each moved to the end.
-        held.update(dict.fromkeys(block_hashes))
-        deque(map(held.move_to_end, reversed(block_hashes)), maxlen=0)
+        # what stays is still a prefix (evicting the first block would lose the credit for all the others).
+        for h in reversed(block_hashes):
+            held[h] = None
+            held.move_to_end(h)
         while len(held) > self.capacity_blocks:
             held.popitem(last=False)
 
