@@ -16,6 +16,7 @@ policy, open-loop shared-prefix chat at rates relative to round robin's estimate
 
     python benchmarks/bench_router.py [--skip-planner] [--skip-proxy] [--out results/bench_router.json]
     taskset -c 0 python benchmarks/bench_router.py --skip-planner --skip-proxy --live   # --rates 0.8x,1.25x
+    python benchmarks/bench_router.py --skip-planner --baseline-src ../main-worktree --rounds 6   # A/B, interleaved
 """
 
 from __future__ import annotations
@@ -143,8 +144,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _pinned(core: int) -> list[str]:
-    return ["taskset", "-c", str(core)] if os.path.exists("/usr/bin/taskset") and (os.cpu_count() or 1) > 1 else []
+def _pinned(core: int | None) -> list[str]:
+    """taskset for ``core``; nothing for None (--no-pin: a machine whose cores someone else pins)."""
+    usable = core is not None and os.path.exists("/usr/bin/taskset") and (os.cpu_count() or 1) > 1
+    return ["taskset", "-c", str(core)] if usable else []
 
 
 # One system prompt, a new question each time (cycled): the shape a prefix router is for. Every request renders,
@@ -213,7 +216,7 @@ def load(port: int, concurrency: int, seconds: float) -> dict:
         loop.close()
 
 
-def _load_in(core: int, port: int, concurrency: int, seconds: float, model: str) -> dict:
+def _load_in(core: int | None, port: int, concurrency: int, seconds: float, model: str) -> dict:
     """The load generator in its own process, pinned to ``core``."""
     out = subprocess.run([*_pinned(core), sys.executable, __file__, "--model", model, "--load", str(port),
                           str(concurrency), str(seconds)], capture_output=True, text=True, check=True)
@@ -221,6 +224,7 @@ def _load_in(core: int, port: int, concurrency: int, seconds: float, model: str)
 
 
 PROXY_POLICIES = ("round-robin", "prefix", "kv-events")
+BASELINE = " (baseline)"  # the name suffix of --baseline-src's routers
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -230,32 +234,42 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def proxy(model: str, seconds: float = 5.0, concurrency: int = 32, rounds: int = 2) -> list[dict]:
+def proxy(model: str, seconds: float = 5.0, concurrency: int = 32, rounds: int = 2,
+          baseline_src: str | None = None, pin: bool = True) -> list[dict]:
     """Null backend on core 1, router on core 0, load generator on core 1 (with the backend: the router is the
     only process on its core). Sequential p50 (one connection) and closed-loop throughput, direct and routed,
-    interleaved over ``rounds``; medians reported."""
+    interleaved over ``rounds``; medians reported. ``baseline_src``: a source tree (its ``src``, e.g. a worktree of
+    main) whose routers run beside these, each policy's two measured one after the other in every round (which
+    goes first alternates), for a ratio that holds on a busy machine. ``pin=False``: no process pinned."""
+    router_core, other_core = (0, 1) if pin else (None, None)
     backend_port = _free_port()
-    backend = subprocess.Popen([*_pinned(1), sys.executable, __file__, "--null-backend", str(backend_port),
+    backend = subprocess.Popen([*_pinned(other_core), sys.executable, __file__, "--null-backend", str(backend_port),
                                 "--model", model])
     backend_url = f"http://127.0.0.1:{backend_port}"
+    trees = {"": None, **({BASELINE: str(Path(baseline_src).resolve() / "src")} if baseline_src else {})}
+    names = [p + suffix for p in PROXY_POLICIES for suffix in trees]
     routers: dict[str, tuple[subprocess.Popen, int]] = {}
-    samples: dict[str, list[dict]] = {"direct": [], **{p: [] for p in PROXY_POLICIES}}
+    samples: dict[str, list[dict]] = {"direct": [], **{name: [] for name in names}}
     try:
         wait_healthy(backend_url, backend)
         for policy in PROXY_POLICIES:
-            port = _free_port()
-            routers[policy] = (subprocess.Popen([*_pinned(0), sys.executable, "-m", "kvprefix.cli", "route",
-                                                 "--replica", backend_url, "--policy", policy, "--model", model,
-                                                 "--port", str(port), "--log-level", "warning"]), port)
+            for suffix, src in trees.items():
+                port = _free_port()
+                env = None if src is None else {**os.environ, "PYTHONPATH": src}
+                routers[policy + suffix] = (subprocess.Popen(
+                    [*_pinned(router_core), sys.executable, "-m", "kvprefix.cli", "route", "--replica", backend_url,
+                     "--policy", policy, "--model", model, "--port", str(port), "--log-level", "warning"], env=env),
+                    port)
         for proc, port in routers.values():
             wait_healthy(f"http://127.0.0.1:{port}", proc, timeout_s=300)  # loading the tokenizer, on a busy core
-            _load_in(1, port, 4, 3.0, model)  # warm: the tokenizer cache checks its first encodings (full encodes)
-        for _ in range(rounds):
-            for name, port in [("direct", backend_port), *((p, routers[p][1]) for p in PROXY_POLICIES)]:
+            _load_in(other_core, port, 4, 3.0, model)  # warm: the tokenizer cache checks its first encodings
+        for k in range(rounds):
+            order = [n for p in PROXY_POLICIES for n in [p + suffix for suffix in trees][:: -1 if k % 2 else 1]]
+            for name, port in [("direct", backend_port), *((n, routers[n][1]) for n in order)]:
                 pid = backend.pid if name == "direct" else routers[name][0].pid
-                seq = _load_in(1, port, 1, seconds / 2, model)
+                seq = _load_in(other_core, port, 1, seconds / 2, model)
                 cpu = _cpu_seconds(pid)
-                par = _load_in(1, port, concurrency, seconds, model)
+                par = _load_in(other_core, port, concurrency, seconds, model)
                 cpu_ms = 1000 * (_cpu_seconds(pid) - cpu) / par["requests"]
                 samples[name].append({"p50_ms": seq["p50_ms"], "requests_per_s": par["requests_per_s"],
                                       "cpu_ms_per_request": cpu_ms})
@@ -272,16 +286,25 @@ def proxy(model: str, seconds: float = 5.0, concurrency: int = 32, rounds: int =
     direct_p50, ceiling = med("direct", "p50_ms"), med("direct", "requests_per_s")
     print(f"\nload generator alone against the null backend: {ceiling:.0f} requests/s, p50 {direct_p50:.3f} ms")
     # router CPU per request: the one-core capacity (1000 / it) on a machine the router has to itself
-    print(f"{'policy':12} {'direct p50 ms':>13} {'routed p50 ms':>13} {'added ms':>9} {'routed req/s':>12} "
+    print(f"{'policy':23} {'direct p50 ms':>13} {'routed p50 ms':>13} {'added ms':>9} {'routed req/s':>12} "
           f"{'CPU ms/req':>10} {'req/CPU-s':>9}")
     rows = [{"policy": "direct", "p50_ms": direct_p50, "requests_per_s": ceiling}]
-    for policy in PROXY_POLICIES:
-        routed, rps, cpu = med(policy, "p50_ms"), med(policy, "requests_per_s"), med(policy, "cpu_ms_per_request")
-        print(f"{policy:12} {direct_p50:13.3f} {routed:13.3f} {routed - direct_p50:9.3f} {rps:12.0f} {cpu:10.3f} "
+    for name in names:
+        routed, rps, cpu = med(name, "p50_ms"), med(name, "requests_per_s"), med(name, "cpu_ms_per_request")
+        print(f"{name:23} {direct_p50:13.3f} {routed:13.3f} {routed - direct_p50:9.3f} {rps:12.0f} {cpu:10.3f} "
               f"{1000 / cpu:9.0f}")
-        rows.append({"policy": policy, "direct_p50_ms": direct_p50, "routed_p50_ms": routed,
+        rows.append({"policy": name, "direct_p50_ms": direct_p50, "routed_p50_ms": routed,
                      "added_p50_ms": routed - direct_p50, "routed_requests_per_s": rps, "cpu_ms_per_request": cpu,
                      "requests_per_cpu_second": 1000 / cpu, "load_average": os.getloadavg()[0]})
+    if baseline_src:
+        # per round, the baseline's CPU per request over this tree's (the two ran back to back): > 1 is faster here
+        for policy in PROXY_POLICIES:
+            ratios = [b["cpu_ms_per_request"] / a["cpu_ms_per_request"]
+                      for a, b in zip(samples[policy], samples[policy + BASELINE], strict=True)]
+            print(f"{policy}: baseline / this CPU per request, per round {' '.join(f'{r:.2f}' for r in ratios)}; "
+                  f"median {statistics.median(ratios):.2f}")
+            rows.append({"policy": policy, "cpu_ratio_baseline_over_this": statistics.median(ratios),
+                         "cpu_ratio_per_round": ratios})
     return rows
 
 
@@ -511,6 +534,10 @@ def main() -> None:
                         help="run on these cores only, e.g. 0 or 0,1 (this process and every one it starts)")
     parser.add_argument("--model", default=None, help="tokenizer checkpoint (default: the built-in default model)")
     parser.add_argument("--seconds", type=float, default=5.0, help="proxy: seconds of closed-loop load per run")
+    parser.add_argument("--rounds", type=int, default=2, help="proxy: interleaved rounds (medians over them)")
+    parser.add_argument("--no-pin", action="store_true", help="proxy: pin no process to a core")
+    parser.add_argument("--baseline-src", default=None, metavar="DIR",
+                        help="proxy: also the routers of this source tree (e.g. a worktree of main), interleaved")
     parser.add_argument("--null-backend", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--load", nargs=3, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default="results/bench_router.json")
@@ -528,7 +555,8 @@ def main() -> None:
         print(json.dumps(load(int(args.load[0]), int(args.load[1]), float(args.load[2]))))
         return
     out = {"planner": [] if args.skip_planner else planner(),
-           "proxy": [] if args.skip_proxy else proxy(args.model, args.seconds),
+           "proxy": [] if args.skip_proxy else proxy(args.model, args.seconds, rounds=args.rounds,
+                                                     baseline_src=args.baseline_src, pin=not args.no_pin),
            "live": live(args.live_model, args.rates.split(","), args.requests, blocks=args.live_blocks)
            if args.live else []}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -233,18 +233,25 @@ class BlockHasher:
                 out.append(prev)
             return out
         data = _token_bytes(tokens)
-        header, digest, step = self._token_header, self._digest, 4 * bs
         if not with_extras:
-            # Hot path: one concatenation and one digest per block.
-            for off in range(0, num_full * step, step):
-                prev = digest(prev + header + data[off : off + step])
-                out.append(prev)
-            return out
+            return self._chain(prev, data)
+        header, digest, step = self._token_header, self._digest, 4 * bs
         for i in range(num_full):
             keys = extras.keys_for_block(first_block_index + i, bs)
             # A block without extra keys hashes exactly as if the request had no extras at all.
             tail = _encode_extra_keys(keys) if keys else b""
             prev = digest(prev + header + data[i * step : (i + 1) * step] + tail)
+            out.append(prev)
+        return out
+
+
+    def _chain(self, prev: BlockHash, data: bytes) -> list[BlockHash]:
+        """The hot path (no extras, not CBOR): the chain after ``prev`` over ``data``, whole blocks of token bytes
+        (``_token_bytes``); one concatenation and one digest per block."""
+        header, digest, step = self._token_header, self._digest, 4 * self.block_size
+        out: list[BlockHash] = []
+        for off in range(0, len(data), step):
+            prev = digest(prev + header + data[off : off + step])
             out.append(prev)
         return out
 
@@ -255,10 +262,10 @@ class BlockHashMemo:
     of hashing it again, which is most of a router's work per request.
 
     Exact: a run's hashes depend only on its parent hash and its token bytes, and those (with the hasher's block
-    size and algorithm, fixed per memo) are the key; the hashes themselves come from ``hasher.hash_blocks``, the one
-    hash function. The full runs from the first block are memoized, the blocks after the last full run hashed
-    directly. Bounded: least recently used runs are dropped past ``capacity_runs``. One event loop (or thread) per
-    memo.
+    size and algorithm, fixed per memo) are the key; the hashes themselves come from the hasher's own chain
+    (``hash_blocks``' hot path, fed the bytes the keys are cut from, so a prompt's tokens are converted once). The
+    full runs from the first block are memoized, the blocks after the last full run hashed directly. Bounded: least
+    recently used runs are dropped past ``capacity_runs``. One event loop (or thread) per memo.
     """
 
     def __init__(self, block_size: int, algo: str, capacity_runs: int = 8192, run_blocks: int = 16):
@@ -284,15 +291,19 @@ class BlockHashMemo:
         num_runs = num_full // run
         if num_runs == 0:
             return hasher.hash_blocks(token_ids)
-        data = _token_bytes(_token_array(token_ids[: num_runs * run * bs]))
-        step, runs = 4 * bs * run, self._runs
+        # The token bytes of every full block, converted once: they key the runs and feed the digests of the blocks
+        # not in the memo (CBOR hashes lists of ints, so hash_blocks converts its slice again there).
+        data = _token_bytes(_token_array(token_ids[: num_full * bs]))
+        step, runs, cbor = 4 * bs * run, self._runs, hasher._cbor
         out: list[BlockHash] = []
         prev = hasher.root
         for k in range(num_runs):
             key = prev + data[k * step : (k + 1) * step]
             hashes = runs.get(key)
             if hashes is None:
-                hashes = runs[key] = hasher.hash_blocks(token_ids[k * run * bs : (k + 1) * run * bs], prev, k * run)
+                hashes = runs[key] = (
+                    hasher.hash_blocks(token_ids[k * run * bs : (k + 1) * run * bs], prev, k * run) if cbor
+                    else hasher._chain(prev, key[len(prev):]))
                 if len(runs) > self.capacity_runs:
                     runs.popitem(last=False)
             else:
@@ -300,5 +311,6 @@ class BlockHashMemo:
             out += hashes
             prev = hashes[-1]
         if num_full > num_runs * run:
-            out += hasher.hash_blocks(token_ids[num_runs * run * bs : num_full * bs], prev, num_runs * run)
+            out += (hasher.hash_blocks(token_ids[num_runs * run * bs : num_full * bs], prev, num_runs * run) if cbor
+                    else hasher._chain(prev, data[num_runs * step :]))
         return out

@@ -147,14 +147,23 @@ def _for_template(tokenizer: Tokenizer, normalized: list[dict[str, Any]], tools:
 
 
 def _needs_literal_spans(tokenizer: Tokenizer, rendered: list[dict[str, Any]]) -> bool:
-    pattern = _any_of(tokenizer.special_tokens)
-    return pattern is not None and any(pattern.search(m["content"]) for m in rendered)
+    found = _any_of(tokenizer.special_tokens)
+    if found is None:
+        return False
+    pattern, first = found
+    return any((first is None or any(c in m["content"] for c in first)) and pattern.search(m["content"])
+               for m in rendered)
 
 
 @functools.lru_cache(maxsize=16)
-def _any_of(spellings: tuple[str, ...]) -> re.Pattern[str] | None:
-    """One pass over a text for any of the spellings (a scan per spelling cost more than rendering the prompt)."""
-    return re.compile("|".join(map(re.escape, spellings))) if spellings else None
+def _any_of(spellings: tuple[str, ...]) -> tuple[re.Pattern[str], frozenset[str] | None] | None:
+    """One pass over a text for any of the spellings (a scan per spelling cost more than rendering the prompt), and
+    the spellings' first characters where they are few: a text without any of them holds no spelling, and testing
+    for a character is a far faster scan than the pattern's (a long system prompt on every request)."""
+    if not spellings:
+        return None
+    first = frozenset(s[:1] for s in spellings)
+    return re.compile("|".join(map(re.escape, spellings))), first if len(first) <= 4 and "" not in first else None
 
 
 def _chat_prompt(tokenizer: Tokenizer, text: str, rendered: list[dict[str, Any]], where: _Where,
@@ -220,13 +229,32 @@ def _message_spans(text: str, messages: list[dict[str, Any]]) -> tuple[tuple[int
     cursor = 0
     for message in messages:
         content = message["content"]
-        start = text.find(content, cursor) if content else -1
+        start = _find(text, content, cursor) if content else -1
         if start < 0:
             spans.append(None)
             continue
         cursor = start + len(content)
         spans.append((start, cursor))
     return tuple(spans)
+
+
+_HEAD = 64  # characters of a content searched for before the whole content is compared
+_HEAD_TRIES = 4
+
+
+def _find(text: str, content: str, start: int) -> int:
+    """``text.find(content, start)``, faster for a long content: CPython prepares a long needle before searching
+    (about as long as rendering a long system prompt), a short one not. So find the content's head and compare the
+    rest there; after a few heads that were not the content, the plain search (linear whatever the text)."""
+    if len(content) <= _HEAD:
+        return text.find(content, start)
+    head = content[:_HEAD]
+    for _ in range(_HEAD_TRIES):
+        start = text.find(head, start)
+        if start < 0 or text.startswith(content, start):
+            return start
+        start += 1
+    return text.find(content, start)
 
 
 def render_completion(

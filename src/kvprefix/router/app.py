@@ -117,7 +117,7 @@ def create_app(config: RouterConfig) -> BrowserGuard:
                 state["hasher"] = await load_hasher()
             if policy.name == "kv-events":
                 tasks += [asyncio.create_task(follow(http_lines(client(), rep.url, admin_headers), rep,
-                                                     lambda r: metrics.resyncs.labels(r.name).inc()))
+                                                     lambda r: metrics.series[r.name].resyncs.inc()))
                           for rep in replicas]
             yield
         finally:

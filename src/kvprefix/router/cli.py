@@ -57,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
     except ImportError:
         from uvicorn.protocols.http.h11_impl import H11Protocol as base
-    # uvloop when installed (loop="auto"); no access log: a line per request would cost more than the relay
+    # uvloop when installed (loop="auto"); no access log: a line per request would cost more than the relay; no
+    # X-Forwarded-* rewriting of the client's address and scheme, which the router never reads
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                http=timed_protocol(20.0, 60.0, base), timeout_keep_alive=5)
+                http=timed_protocol(20.0, 60.0, base), timeout_keep_alive=5, proxy_headers=False)
     return 0

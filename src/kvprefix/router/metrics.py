@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
@@ -30,6 +31,18 @@ def reported_cached_tokens(tail: bytes) -> int | None:
     return int(found[-1]) if found else None
 
 
+@dataclass(frozen=True)
+class ReplicaSeries:
+    """One replica's counters, looked up once: ``labels()`` on every request costs more than the rest of the
+    bookkeeping."""
+
+    requests: dict[str, Counter]  # by decision reason (REASONS)
+    predicted_cached: Counter
+    reported_cached: Counter
+    retries: Counter
+    resyncs: Counter
+
+
 class RouterMetrics:
     def __init__(self, view: FleetView):
         self.registry = r = CollectorRegistry()
@@ -55,10 +68,11 @@ class RouterMetrics:
                              "synced)", ["replica"], registry=r)
         imbalance = Gauge(P + "load_imbalance", "Busiest replica's requests in flight / the mean", registry=r)
         imbalance.set_function(view.imbalance)
+        self.series: dict[str, ReplicaSeries] = {}  # by replica name
         for rep in view.replicas:
             self.add_replica(rep)
 
-    def add_replica(self, rep: Replica) -> None:
+    def add_replica(self, rep: Replica) -> ReplicaSeries:
         """Every series of a replica, from zero (the Ray ingress learns its replicas as they answer)."""
         name = rep.name
         self._in_flight.labels(name).set_function(lambda: rep.in_flight)
@@ -66,10 +80,10 @@ class RouterMetrics:
         self._healthy.labels(name).set_function(lambda: float(rep.healthy))
         self._blocks.labels(name).set_function(
             lambda: len(rep.mirror.index) if rep.mirror is not None and rep.mirror.ready else -1)
-        for reason in REASONS:
-            self.requests.labels(name, reason)
-        for c in (self.predicted_cached, self.reported_cached, self.retries, self.resyncs):
-            c.labels(name)
+        series = self.series[name] = ReplicaSeries(
+            {reason: self.requests.labels(name, reason) for reason in REASONS}, self.predicted_cached.labels(name),
+            self.reported_cached.labels(name), self.retries.labels(name), self.resyncs.labels(name))
+        return series
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -270,7 +270,7 @@ class Ingress:
         def count(_: Replica) -> None:
             replica_id = self._claimed.get(follower)
             if replica_id is not None:
-                self.metrics.resyncs.labels(replica_id).inc()
+                self.metrics.series[replica_id].resyncs.inc()
         return count
 
     def _event_lines(self, follower: int) -> Lines:
@@ -353,10 +353,11 @@ class Ingress:
         rep.healthy = True
         if route is not None and route.decision is not None:
             reason, credited, refused = route.decision
-            self.metrics.requests.labels(rep.name, reason).inc()
-            self.metrics.predicted_cached.labels(rep.name).inc(credited * self.block_size)
+            series = self.metrics.series[rep.name]
+            series.requests[reason].inc()
+            series.predicted_cached.inc(credited * self.block_size)
             for other in refused:
-                self.metrics.retries.labels(self._replica(other).name).inc()
+                self.metrics.series[self._replica(other).name].retries.inc()
         drop = {"content-length", "transfer-encoding"}
         return StreamingResponse(self._counted(stream, rep), status_code=status,
                                  headers={k: v for k, v in response_headers if k.lower() not in drop})
@@ -371,7 +372,7 @@ class Ingress:
             ended = True
             reported = reported_cached_tokens(tail)
             if reported is not None:
-                self.metrics.reported_cached.labels(rep.name).inc(reported)
+                self.metrics.series[rep.name].reported_cached.inc(reported)
         finally:
             routed.finish()
             if not ended:

@@ -16,7 +16,7 @@ import logging
 
 from kvprefix.router.fleet import FleetView, Replica
 from kvprefix.router.hashing import RouteRequest
-from kvprefix.router.metrics import REASONS, TAIL_BYTES, RouterMetrics, decision_reason, reported_cached_tokens
+from kvprefix.router.metrics import TAIL_BYTES, RouterMetrics, decision_reason, reported_cached_tokens
 from kvprefix.router.pending import Routed
 from kvprefix.router.policies import RoutingPolicy
 from kvprefix.router.upstream import Pool, ReplicaDown
@@ -37,13 +37,7 @@ class Relay:
         self.pools = pools
         self.metrics = metrics
         self.block_size = 0  # tokens per block, once the hashing identity is known (for the predicted metric)
-        names = [rep.name for rep in view.replicas]
-        # prometheus children looked up once: labels() per request costs more than the rest of the bookkeeping
-        self._requests = {(i, reason): metrics.requests.labels(name, reason)
-                          for i, name in enumerate(names) for reason in REASONS}
-        self._retries = [metrics.retries.labels(name) for name in names]
-        self._predicted = [metrics.predicted_cached.labels(name) for name in names]
-        self._reported = [metrics.reported_cached.labels(name) for name in names]
+        self._series = [metrics.series[rep.name] for rep in view.replicas]
 
     async def __call__(self, scope, receive, send, route: RouteRequest, body: bytes) -> None:
         """Answers the request from a replica; APIError (503 no_replica) when none can take it."""
@@ -68,7 +62,7 @@ class Relay:
                 routed.finish()
                 log.warning("replica %s failed before answering: %s; retrying elsewhere", rep.url, exc)
                 rep.healthy = False
-                self._retries[i].inc()
+                self._series[i].retries.inc()
                 view, attempt = view.excluding(i), attempt + 1
                 continue
             except BaseException:
@@ -78,19 +72,20 @@ class Relay:
             if upstream.status == 503 and again.usable():  # full or shutting down: another replica may take it
                 upstream.close()
                 routed.finish()
-                self._retries[i].inc()
+                self._series[i].retries.inc()
                 view, attempt = again, attempt + 1
                 continue
             reason = decision_reason(attempt > 0, credited, self.policy.name == "session", route.session)
-            self._requests[i, reason].inc()
+            self._series[i].requests[reason].inc()
             if credited:
-                self._predicted[i].inc(credited * self.block_size)
+                self._series[i].predicted_cached.inc(credited * self.block_size)
             await self._answer(scope, receive, send, i, rep, routed, upstream)
             return
 
     async def _answer(self, scope, receive, send, i: int, rep: Replica, routed: Routed, upstream) -> None:
         """Streams the replica's answer to the client. A client that leaves closes the upstream connection (the
-        replica aborts the request), which ends the relay as a cut-off answer would."""
+        replica aborts the request), which ends the relay as a cut-off answer would; an answer that has arrived
+        whole has nothing left to abort, and is relayed without watching (a task per request costs)."""
         client_gone = False
 
         async def watch() -> None:
@@ -100,14 +95,14 @@ class Relay:
             client_gone = True
             upstream.abort()
 
-        watcher = asyncio.create_task(watch())
+        watcher = None if upstream.complete else asyncio.create_task(watch())
         headers = [(k, v) for k, v in upstream.headers if k.lower() not in DROP_RESPONSE_HEADERS]
         headers.append((REPLICA_HEADER, rep.url.encode()))
         sse = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in upstream.headers)
         # The first token is out with the first event of a completion stream, the second of a chat stream (a
         # role-only event comes first), the first bytes of a whole answer.
         first_token_event = (2 if scope["path"].endswith("/chat/completions") else 1) if sse else 0
-        tail, events = b"", 0
+        tail, events, last = b"", 0, b""
         try:
             await send({"type": "http.response.start", "status": upstream.status, "headers": headers})
             try:
@@ -117,6 +112,9 @@ class Relay:
                         events += chunk.count(b"data:")
                     if events >= first_token_event:
                         routed.prefilled()
+                    if upstream.exhausted:  # the answer's last bytes: they go with its end (one send less)
+                        last = chunk
+                        continue
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             except ReplicaDown as exc:  # the replica went away mid-answer: nothing to retry once bytes went out
                 if not client_gone:
@@ -124,11 +122,12 @@ class Relay:
             routed.finish()
             reported = reported_cached_tokens(tail)
             if reported is not None:
-                self._reported[i].inc(reported)
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                self._series[i].reported_cached.inc(reported)
+            await send({"type": "http.response.body", "body": last, "more_body": False})
         finally:
             routed.finish()
             upstream.close()
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
+            if watcher is not None:
+                watcher.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watcher

@@ -102,6 +102,16 @@ class Response:
         self._pool = pool
         self._conn = conn
 
+    @property
+    def complete(self) -> bool:
+        """Whether the whole answer has arrived (a short answer comes with its head)."""
+        return self._conn is not None and self._conn.complete
+
+    @property
+    def exhausted(self) -> bool:
+        """Whether the chunks ``chunks()`` gave so far are the whole answer."""
+        return self.complete and not self._conn.chunks
+
     async def chunks(self) -> AsyncIterator[bytes]:
         conn = self._conn
         while True:
