@@ -31,13 +31,8 @@ def _doctor(tmp_path, tokenizer_dir, rows, block_size: int | None = None) -> _Do
 
 
 def _groups(doctor: _Doctor) -> tuple[list[int], list[list[int]]]:
-    n = len(doctor.lines)
-    timed = all(t is not None for t in doctor.arrival)
-    order = sorted(range(n), key=doctor.arrival.__getitem__) if timed else list(range(n))
-    by_replica: dict[str, list[int]] = {}
-    for i in order:
-        by_replica.setdefault(doctor.replica[i], []).append(i)
-    return order, list(by_replica.values())
+    _, order, groups = doctor.replay_order()
+    return order, groups
 
 
 @pytest.mark.parametrize("block_size", [16, 1])  # 1: every prompt fills its last block, so a repeat hits all but one

@@ -423,16 +423,22 @@ class _Doctor:
 
     # -- replays and attribution -----------------------------------------------------------------------------------
 
-    def run(self) -> Diagnosis:
-        self._first_pass()
-        self._second_pass()
+    def replay_order(self) -> tuple[bool, list[int], list[list[int]]]:
+        """Whether every request has an arrival time; the requests in arrival order (else log order); and that
+        order split by replica."""
         n = len(self.lines)
         timed = all(t is not None for t in self.arrival)
         order = sorted(range(n), key=self.arrival.__getitem__) if timed else list(range(n))
         by_replica: dict[str, list[int]] = {}
         for i in order:
             by_replica.setdefault(self.replica[i], []).append(i)
-        groups = list(by_replica.values())
+        return timed, order, list(by_replica.values())
+
+    def run(self) -> Diagnosis:
+        self._first_pass()
+        self._second_pass()
+        n = len(self.lines)
+        timed, order, groups = self.replay_order()
         timing = Timing(self.arrival, self.prefill) if timed else Timing(None, None)
         cap = self.options.capacity_tokens
         cap_blocks = None if cap is None else cap // self.bs
