@@ -123,6 +123,18 @@ def test_word_memo_tokenizes_ascii_text_as_the_tokenizer(tmp_path, tokenizer_dir
     assert words.enabled
 
 
+def test_a_full_word_memo_starts_again_and_still_tokenizes_as_the_tokenizer(tokenizer_dir):
+    """A batch that does not fit clears the memo: the words it shares with earlier batches must go back in too."""
+    from kvprefix.prompts.word_memo import WordMemo
+
+    plain = Tokenizer(str(tokenizer_dir))
+    words = WordMemo.of(plain)
+    words.capacity = 12
+    for text in ASCII_TEXTS + ASCII_TEXTS[::-1]:  # each one overflows a memo that holds the words before it
+        assert words.encode_batch([text]) == [plain.encode(text, add_special_tokens=False)]
+    assert words.enabled and len(words._memo) <= max(12, max(len(set(words.words(t))) for t in ASCII_TEXTS))
+
+
 def test_word_memo_only_for_pre_tokenizers_it_can_replay(tmp_path):
     from tokenizers import pre_tokenizers
 

@@ -59,7 +59,8 @@ class WordMemo:
         new = list(dict.fromkeys(w for words in split if words is not None for w in words if w not in memo))
         if new:
             if len(memo) + len(new) > self.capacity:
-                memo.clear()
+                memo.clear()  # every word of this batch is read back below: all of them go in again
+                new = list(dict.fromkeys(w for words in split if words is not None for w in words))
             pre_tokenize = self.tokenizer.hf.backend_tokenizer.pre_tokenizer.pre_tokenize_str
             if any(len(pre_tokenize(w)) != 1 for w in new):  # a word the tokenizer would split again
                 self.enabled = False
