@@ -74,8 +74,12 @@ def test_requantization_error_is_bounded(cls) -> None:
     assert ((eff - w).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("dense", [torch.bfloat16, torch.float32])  # native bfloat16 CPUs, and the others
 @pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
-def test_prefill_sized_inputs_take_the_dequantized_path_with_the_same_weights(cls) -> None:
+def test_prefill_sized_inputs_take_the_dequantized_path_with_the_same_weights(cls, dense, monkeypatch) -> None:
+    from kvprefix.model import quantized_linear
+
+    monkeypatch.setattr(quantized_linear, "_DENSE", dense)
     gen = torch.Generator().manual_seed(5)
     layer = cls.from_float(torch.randn(40, 64, generator=gen), torch.randn(40, generator=gen))
     x = torch.randn(cls.dense_above_rows + 1, 64, generator=gen)

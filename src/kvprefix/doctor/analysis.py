@@ -91,7 +91,8 @@ class _Seen:
 def diagnose(path: str, load_tokenizer: Callable[[], Tokenizer], options: Options | None = None) -> Diagnosis:
     # Without the cyclic collector: what the doctor keeps (arrays, dicts and lists of ids and numbers) holds no
     # cycle, and rendering leaves none behind (a 20,000-body log leaves as many as a 5,000-body one), but every young
-    # collection walks the token lists in flight, which cost a sixth of the time.
+    # collection walks the token lists in flight, which cost a sixth of the time. The switch is the process's: one
+    # diagnosis at a time (the CLI's case); a host program's other threads run without the collector meanwhile.
     collecting = gc.isenabled()
     gc.disable()
     try:

@@ -94,7 +94,7 @@ def unbounded_replay(variant: Variant, members: Sequence[int], cached: array) ->
             new += 1
             node = parent[node]
         n = tokens[i]
-        cached[i] = min(n // bs - new, (n - 1) // bs) * bs  # a chain has n // bs blocks
+        cached[i] = max(0, min(n // bs - new, (n - 1) // bs)) * bs  # a chain has n // bs blocks
 
 
 def _drop_in_flight_hits(variant: Variant, order: Sequence[int], cached: array, timing: Timing) -> None:
