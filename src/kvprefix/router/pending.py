@@ -9,12 +9,13 @@ planner's view, the HTTP router's and the Ray Serve router's alike; each ``Route
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections import Counter
+from collections.abc import Callable, Hashable, Sequence
 
 
 class PendingBlocks:
     def __init__(self) -> None:
-        self._count: dict[Hashable, int] = {}
+        self._count: Counter[Hashable] = Counter()  # only counts >= 1: a hash is pending while it is a key
 
     def __contains__(self, block_hash: object) -> bool:
         return block_hash in self._count
@@ -23,17 +24,34 @@ class PendingBlocks:
         return len(self._count)
 
     def add(self, block_hashes: Sequence[Hashable]) -> None:
-        count = self._count
-        for h in block_hashes:
-            count[h] = count.get(h, 0) + 1
+        self._count.update(block_hashes)  # counted in C: a request adds every block of its prompt
 
     def drop(self, block_hashes: Sequence[Hashable]) -> None:
         count = self._count
         for h in block_hashes:
-            if count[h] == 1:
+            n = count[h]
+            if n == 1:
                 del count[h]
+            elif n > 1:
+                count[h] = n - 1  # in place: popping and adding it again would leave holes in the dict
             else:
-                count[h] -= 1
+                raise KeyError(h)  # never added (a Counter says 0 where a dict would raise)
+
+    def cached_prefix_blocks(self, block_hashes: Sequence[Hashable],
+                             held: Callable[[Sequence[Hashable]], int] | None = None) -> int:
+        """How many leading blocks of ``block_hashes`` are pending here or, by ``held`` (a replica's leading cached
+        blocks of a chain), cached: the longest prefix of blocks each in one or the other, scanned in runs so that
+        every lookup is an inline one (a view does this per replica and request, over every block)."""
+        count, n = self._count, 0
+        while True:
+            for h in block_hashes[n:] if n else block_hashes:
+                if h not in count:
+                    break
+                n += 1
+            more = held(block_hashes[n:]) if held is not None and n < len(block_hashes) else 0
+            if not more:
+                return n
+            n += more
 
 
 class Outstanding:
