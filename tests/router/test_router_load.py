@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import random
+
+import pytest
+
+from kvprefix.cache.event_index import BlockIndex, StreamMirror
 from kvprefix.router.fleet import FleetView, Replica
 from kvprefix.router.hashing import RouteRequest
 from kvprefix.router.policies import make_policy
@@ -60,3 +65,31 @@ def test_a_miss_goes_to_the_least_queued_replica():
     view.replicas[2].outstanding.add([], 4)
     view.replicas[1].outstanding.add([], 9)
     assert policy.choose(RouteRequest(["x"], None, 1), view) == 2  # all load 1: the shortest prefill queue
+
+
+def test_a_view_counts_a_prefix_cached_or_pending_block_by_block():
+    """The view scans a chain in runs (pending blocks, then blocks the replica's events say it holds, then pending
+    again...): the same count as asking of every block in turn whether it is pending or cached."""
+    rng = random.Random(7)
+    view = fleet(1)
+    rep = view.replicas[0]
+    rep.mirror = StreamMirror()
+    rep.mirror.ready = True
+    hashes = [f"b{i}" for i in range(40)]
+    for _ in range(300):
+        cached = {h for h in hashes if rng.random() < 0.5}
+        rep.mirror.index = BlockIndex({h: (None, "") for h in cached})
+        routed = [rep.outstanding.add(hashes[: rng.randrange(41)], 0) for _ in range(rng.randrange(3))]
+        routed.append(rep.outstanding.add([h for h in hashes if rng.random() < 0.5], 0))  # any pending set
+        request = hashes[: rng.randrange(41)]
+        expected = 0
+        for h in request:
+            if h not in rep.outstanding.blocks and h not in cached:
+                break
+            expected += 1
+        assert view.cached_prefix_blocks(0, request) == expected
+        for r in routed:
+            r.finish()
+        assert len(rep.outstanding.blocks) == 0
+    with pytest.raises(KeyError):  # a hash that was never added cannot be dropped (the count stays exact)
+        rep.outstanding.blocks.drop(["never"])
