@@ -45,7 +45,10 @@ def test_a_shared_prefix_is_hashed_once(algo):
     assert len(digests) == 11
     digests.clear()
     assert memo.hash_blocks(hasher, system + [2] * BS) == BlockHasher(BS, algo).hash_blocks(system + [2] * BS)
-    assert len(digests) == 3  # the two runs came from the memo: only the blocks after them were hashed
+    assert len(digests) == 1  # the two runs and the two blocks after them came from the memo: only the new one
+    digests.clear()
+    memo.hash_blocks(hasher, system[: 9 * BS] + [3] * BS)
+    assert len(digests) == 1  # a prompt that changes inside the system prompt's last blocks: only from there
 
 
 def test_a_memo_refuses_another_block_size_or_algorithm():

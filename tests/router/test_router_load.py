@@ -93,3 +93,30 @@ def test_a_view_counts_a_prefix_cached_or_pending_block_by_block():
         assert len(rep.outstanding.blocks) == 0
     with pytest.raises(KeyError):  # a hash that was never added cannot be dropped (the count stays exact)
         rep.outstanding.blocks.drop(["never"])
+
+
+def test_the_prefix_policy_decides_the_same_without_the_pending_blocks():
+    """The relay does not count a `prefix` router's requests' blocks as pending (the policy's own RoutedIndex
+    remembers them; it never asks the view): the same choices, request for request, as with them counted."""
+
+    def choices(count_blocks: bool) -> list[tuple[int, int]]:
+        rng = random.Random(3)
+        prompts = [[f"p{k}-{i}" for i in range(rng.randrange(1, 30))] for k in range(6)]
+        view, policy = fleet(4), make_policy("prefix")
+        in_flight, out = [], []
+        for _ in range(400):
+            prompt = rng.choice(prompts) + [f"q{rng.randrange(1000)}"]
+            request = RouteRequest(prompt, None, num_blocks=len(prompt) + 1)
+            replica = policy.choose(request, view)
+            out.append((replica, policy.credited))
+            in_flight.append(view.replicas[replica].outstanding.add(
+                request.block_hashes if count_blocks else (), request.num_blocks - policy.credited))
+            while in_flight and rng.random() < 0.5:
+                in_flight.pop(rng.randrange(len(in_flight))).finish()
+            if rng.random() < 0.05:  # a replica reset through the router: it forgets, the pending blocks stay
+                policy.routed.forget(rng.randrange(4))
+        return out
+
+    counted = choices(True)
+    assert choices(False) == counted
+    assert len({replica for replica, _ in counted}) == 4 and any(credited for _, credited in counted)

@@ -268,8 +268,9 @@ class BlockHashMemo:
     Exact: a run's hashes depend only on its parent hash and its token bytes, and those (with the hasher's block
     size and algorithm, fixed per memo) are the key; the hashes themselves come from the hasher's own chain
     (``hash_blocks``' hot path, fed the bytes the keys are cut from, so a prompt's tokens are converted once). The
-    full runs from the first block are memoized, the blocks after the last full run hashed directly. Bounded: least
-    recently used runs are dropped past ``capacity_runs``. One event loop (or thread) per memo.
+    full runs from the first block are memoized, then the blocks after the last full run one by one (a new
+    question after a shared prompt usually changes only the last of them). Bounded: least recently used entries
+    are dropped past ``capacity_runs``. One event loop (or thread) per memo.
     """
 
     def __init__(self, block_size: int, algo: str, capacity_runs: int = 8192, run_blocks: int = 16):
@@ -292,22 +293,22 @@ class BlockHashMemo:
                              f"{hasher.algo} of {hasher.block_size}")
         bs, run = self.block_size, self.run_blocks
         num_full = len(token_ids) // bs
-        num_runs = num_full // run
-        if num_runs == 0:
-            return hasher.hash_blocks(token_ids)
-        # The token bytes of every full block, converted once: they key the runs and feed the digests of the blocks
-        # not in the memo (CBOR hashes lists of ints, so hash_blocks converts its slice again there).
+        # The token bytes of every full block, converted once: they key the entries and feed the digests of the
+        # blocks not in the memo (CBOR hashes lists of ints, so hash_blocks converts its slice again there).
         data = _token_bytes(_token_array(token_ids[: num_full * bs]))
-        step, runs, cbor = 4 * bs * run, self._runs, hasher._cbor
+        width, runs, cbor = 4 * bs, self._runs, hasher._cbor
         out: list[BlockHash] = []
         prev = hasher.root
-        for k in range(num_runs):
-            chunk = data[k * step : (k + 1) * step]
+        first = 0
+        while first < num_full:
+            # A key is a parent and the bytes of the blocks after it, so a run's and a block's never mix up.
+            count = run if first + run <= num_full else 1
+            chunk = data[first * width : (first + count) * width]
             key = prev + chunk
             hashes = runs.get(key)
             if hashes is None:
                 hashes = runs[key] = (
-                    hasher.hash_blocks(token_ids[k * run * bs : (k + 1) * run * bs], prev, k * run) if cbor
+                    hasher.hash_blocks(token_ids[first * bs : (first + count) * bs], prev, first) if cbor
                     else hasher._chain(prev, chunk))
                 if len(runs) > self.capacity_runs:
                     runs.popitem(last=False)
@@ -315,7 +316,5 @@ class BlockHashMemo:
                 runs.move_to_end(key)
             out += hashes
             prev = hashes[-1]
-        if num_full > num_runs * run:
-            out += (hasher.hash_blocks(token_ids[num_runs * run * bs : num_full * bs], prev, num_runs * run) if cbor
-                    else hasher._chain(prev, data[num_runs * step :]))
+            first += count
         return out

@@ -38,6 +38,9 @@ class Relay:
         self.metrics = metrics
         self.block_size = 0  # tokens per block, once the hashing identity is known (for the predicted metric)
         self._series = [metrics.series[rep.name] for rep in view.replicas]
+        # The view counts the blocks of requests in flight as cached, for the policies that ask it; `prefix`
+        # remembers every block it routed (its RoutedIndex) and never asks, so its requests' blocks are not counted.
+        self._pending_blocks = getattr(policy, "routed", None) is None
 
     async def __call__(self, scope, receive, send, route: RouteRequest, body: bytes) -> None:
         """Answers the request from a replica; APIError (503 no_replica) when none can take it."""
@@ -55,7 +58,8 @@ class Relay:
             i = self.policy.choose(route, view)
             credited = self.policy.credited
             rep = view.replicas[i]
-            routed = rep.outstanding.add(route.block_hashes, max(route.num_blocks - credited, 0))
+            routed = rep.outstanding.add(route.block_hashes if self._pending_blocks else (),
+                                         max(route.num_blocks - credited, 0))
             try:
                 upstream = await self.pools[i].request(method, target, headers, body)
             except ReplicaDown as exc:
