@@ -152,12 +152,6 @@ def _field_at(rendered: Rendered, char: int) -> tuple[str, int, int] | None:
     return next((f for f in rendered.fields if f[1] <= char < f[2]), None)
 
 
-def tools_json(body: dict | None) -> str | None:
-    """A body's tools as sent (key order kept), computed once per request for comparisons."""
-    tools = body.get("tools") if body is not None else None
-    return json.dumps(tools) if isinstance(tools, list) and tools else None
-
-
 def classify(new: Rendered, new_body: dict | None, new_line: int, old: Rendered, old_body: dict | None,
              old_line: int, is_last_field, new_tools: str | None = None,
              old_tools: str | None = None) -> Divergence | None:
