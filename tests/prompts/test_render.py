@@ -138,7 +138,8 @@ def test_the_template_renders_as_transformers_apply_chat_template(tmp_path, tiny
     template = ("{{ bos_token }}{% if tools %}<tools>{{ tools | tojson }}</tools>{% endif %}{% for m in messages %}"
                 "<|im_start|>{{ m['role'] }}{% if m.name is defined %}:{{ m.name }}{% endif %}\n{{ m['content'] }}"
                 "{% if m.tool_calls %}{{ m.tool_calls | tojson }}{% endif %}<|im_end|>\n{% endfor %}"
-                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}{{ eos_token }}")
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}{% if think %}<think>{% endif %}"
+                "{{ eos_token }}")
     (tmp_path / "chat_template.jinja").write_text(template)
     tok = Tokenizer(str(tmp_path))
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
@@ -147,8 +148,17 @@ def test_the_template_renders_as_transformers_apply_chat_template(tmp_path, tiny
               {"role": "assistant", "content": "", "tool_calls": [{"id": None, "type": "function",
                                                                    "function": {"name": "f", "arguments": {}}}]},
               {"role": "assistant", "content": "Done wi"}]]
+    class Text(str):  # a caller's own string type: transformers' renderer copies it to a plain string
+        pass
+
+    chats.append([{"role": "user", "content": Text("Hi")}])
+    from kvprefix.prompts.tokenizer import _plain  # which of these take the direct path: both paths are compared
+
+    assert [_plain([c], {}) for c in chats] == [False, False, False]  # chats[0] has a None: dropped first
+    assert _plain([[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]], {"think": True})
     for kwargs in ({"add_generation_prompt": True}, {"add_generation_prompt": False, "tools": tools},
-                   {"add_generation_prompt": False, "continue_final_message": True}):
+                   {"add_generation_prompt": False, "continue_final_message": True},
+                   {"add_generation_prompt": True, "think": True}):
         for chat in chats:
             if kwargs.get("continue_final_message") and chat[-1]["role"] != "assistant":
                 continue

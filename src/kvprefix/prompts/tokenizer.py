@@ -104,19 +104,29 @@ class Tokenizer:
     ) -> list[int] | str | list[str]:
         """Renders messages with the checkpoint's template: token ids by default, the text with tokenize=False; a
         list of conversations renders to a list of texts. transformers' own template renderer does it, with the
-        variables its ``apply_chat_template`` gives the template (the special tokens), but without that wrapper's
-        copy of every message: the renderer's messages are plain dicts already (the router renders every
-        request)."""
-        from transformers.utils.chat_template_utils import render_jinja_template
+        variables its ``apply_chat_template`` gives the template (the special tokens), without that wrapper's copy
+        of every message; and plain conversations (role and content strings, nothing else to pass) go straight to
+        the compiled template, which is what the renderer would do after copying them (half its time: the router
+        and the doctor render every request)."""
+        from transformers.utils.chat_template_utils import _compile_jinja_template, render_jinja_template
 
         template = self._template_for(kwargs.get("tools"))
         batched = bool(messages) and isinstance(messages[0], (list, tuple))
-        conversations = messages if batched else [messages]
-        texts, _ = render_jinja_template(
-            # transformers' wrapper drops None-valued keys first: templates test for a key, not for None
-            conversations=[[{k: v for k, v in m.items() if v is not None} for m in c] for c in conversations],
-            tools=kwargs.pop("tools", None), documents=kwargs.pop("documents", None), chat_template=template,
-            add_generation_prompt=add_generation_prompt, **{**self._template_variables, **kwargs})
+        # transformers' wrapper drops None-valued keys first: templates test for a key, not for None
+        conversations = [[{k: v for k, v in m.items() if v is not None} for m in c]
+                         for c in (messages if batched else [messages])]
+        tools, documents = kwargs.pop("tools", None), kwargs.pop("documents", None)
+        continue_final_message = kwargs.pop("continue_final_message", False)
+        variables = {**self._template_variables, **kwargs}
+        if tools is None and documents is None and not continue_final_message and _plain(conversations, variables):
+            compiled = _compile_jinja_template(template)
+            texts = [compiled.render(messages=c, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
+                                     **variables) for c in conversations]
+        else:
+            texts, _ = render_jinja_template(
+                conversations=conversations, tools=tools, documents=documents, chat_template=template,
+                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                **variables)
         if batched:
             return texts
         # The template already contains any BOS it wants; adding special tokens again would double it.
@@ -132,6 +142,19 @@ class Tokenizer:
     def _template_variables(self) -> dict[str, Any]:
         """What a template sees beside the messages: the special tokens by name (bos_token, eos_token, ...)."""
         return dict(self.hf.special_tokens_map)
+
+
+_PLAIN_MESSAGE_KEYS = frozenset({"role", "content", "tool_call_id"})
+_PLAIN_VALUES = (str, bool, int, float, type(None))
+
+
+def _plain(conversations: list[list[dict[str, Any]]], variables: dict[str, Any]) -> bool:
+    """Whether transformers' template renderer would hand the template exactly these objects (given no tools,
+    documents or message to continue): messages of exact strings under keys it passes as they are (no reasoning
+    fields to alias), variables of plain types (its sandbox copy rebuilds anything else out of plain types)."""
+    return all(m.keys() <= _PLAIN_MESSAGE_KEYS and all(type(v) is str for v in m.values())
+               for c in conversations for m in c) and all(
+        type(v) in _PLAIN_VALUES or type(v) is list and all(type(x) is str for x in v) for v in variables.values())
 
 
 def _eos_token_ids(path: str, tokenizer_eos: int | None) -> frozenset[int]:
