@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+from itertools import chain
 from typing import Any
 
 # GPT-2's split, which a ByteLevel pre-tokenizer with use_regex applies (the tokenizers library's own).
@@ -81,7 +82,8 @@ class WordMemo:
                 memo.clear()
                 return [None] * len(texts)
             memo.update(zip(new, self.tokenizer.encode_batch(new, add_special_tokens=False), strict=True))
-        return [None if words is None else [i for w in words for i in memo[w]] for words in split]
+        join = chain.from_iterable
+        return [None if words is None else list(join(map(memo.__getitem__, words))) for words in split]
 
 
 def _regexes(config: dict) -> list[str] | None:
