@@ -124,3 +124,59 @@ def test_continue_final_message_and_truncation(tokenizer: Tokenizer) -> None:
     assert short.token_ids == tokenizer.encode("one two three four five")[-3:] and short.text is None
     (bare,) = render_body(tokenizer, {"prompt": "one", "add_special_tokens": False})
     assert bare.token_ids == tokenizer.encode("one", add_special_tokens=False)
+
+
+def test_the_template_renders_as_transformers_apply_chat_template(tmp_path, tiny_llama_path: str) -> None:
+    """Tokenizer renders with transformers' template renderer directly, skipping its wrapper: the same text as the
+    wrapper for tools, special-token variables, keys set to None, continuing a message, a batch, and a tokenizer
+    with several templates by name ("tool_use" when tools are given)."""
+    import json
+    import shutil
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{tiny_llama_path}/{name}", tmp_path / name)
+    template = ("{{ bos_token }}{% if tools %}<tools>{{ tools | tojson }}</tools>{% endif %}{% for m in messages %}"
+                "<|im_start|>{{ m['role'] }}{% if m.name is defined %}:{{ m.name }}{% endif %}\n{{ m['content'] }}"
+                "{% if m.tool_calls %}{{ m.tool_calls | tojson }}{% endif %}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}{% if think %}<think>{% endif %}"
+                "{{ eos_token }}")
+    (tmp_path / "chat_template.jinja").write_text(template)
+    tok = Tokenizer(str(tmp_path))
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    chats = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi", "name": None}],
+             [{"role": "user", "content": "Call f", "name": "ann"},
+              {"role": "assistant", "content": "", "tool_calls": [{"id": None, "type": "function",
+                                                                   "function": {"name": "f", "arguments": {}}}]},
+              {"role": "assistant", "content": "Done wi"}]]
+    class Text(str):  # a caller's own string type: transformers' renderer copies it to a plain string
+        pass
+
+    chats.append([{"role": "user", "content": Text("Hi")}])
+    from kvprefix.prompts.tokenizer import _plain  # which of these take the direct path: both paths are compared
+
+    assert [_plain([c], {}) for c in chats] == [False, False, False]  # chats[0] has a None: dropped first
+    assert _plain([[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]], {"think": True})
+    for kwargs in ({"add_generation_prompt": True}, {"add_generation_prompt": False, "tools": tools},
+                   {"add_generation_prompt": False, "continue_final_message": True},
+                   {"add_generation_prompt": True, "think": True}):
+        for chat in chats:
+            if kwargs.get("continue_final_message") and chat[-1]["role"] != "assistant":
+                continue
+            assert tok.apply_chat_template(chat, tokenize=False, **kwargs) == tok.hf.apply_chat_template(
+                chat, tokenize=False, **kwargs)
+    assert tok.apply_chat_template(chats, tokenize=False, tools=tools) == tok.hf.apply_chat_template(
+        chats, tokenize=False, tools=tools, add_generation_prompt=True)
+    assert tok.apply_chat_template(chats[0], tokenize=False).startswith(tok.hf.bos_token or "<|im_start|>")
+
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = [{"name": "default", "template": "plain{{ messages[0]['content'] }}"},
+                               {"name": "tool_use", "template": "tools{{ tools | length }}"}]
+    (tmp_path / "chat_template.jinja").unlink()
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    named = Tokenizer(str(tmp_path))
+    assert isinstance(named.hf.chat_template, dict)
+    for kwargs in ({}, {"tools": tools}):
+        kwargs["add_generation_prompt"] = True
+        assert named.apply_chat_template(chats[0], tokenize=False, **kwargs) == named.hf.apply_chat_template(
+            chats[0], tokenize=False, **kwargs)
+    assert named.apply_chat_template(chats[0], tokenize=False, tools=tools) == "tools1"

@@ -3,7 +3,6 @@ with each fix that applies; replay every rendering through the planner; attribut
 
 from __future__ import annotations
 
-import functools
 import gc
 import os
 import sys
@@ -16,10 +15,10 @@ from typing import Any
 
 from kvprefix.cache import BlockExtras, BlockHasher, LoraKey
 from kvprefix.doctor.chains import BlockTree, Variant
-from kvprefix.doctor.divergence import Divergence, Rendered, VolatileSite, classify, common_tokens, tools_json
+from kvprefix.doctor.divergence import Divergence, Rendered, VolatileSite, classify, common_tokens
 from kvprefix.doctor.fixes import MoveVolatileToEnd, OneOrder, OneSpelling, OneSystemPrompt
 from kvprefix.doctor.kinds import KINDS
-from kvprefix.doctor.readers import BODIES, DoctorInputError, LogEntry, iter_entries, log_format
+from kvprefix.doctor.readers import BODIES, DoctorInputError, LogEntry, SharedTools, iter_entries, log_format
 from kvprefix.doctor.rendering import Renderer
 from kvprefix.doctor.replaying import Replayer, Setting, Timing
 from kvprefix.prompts import Tokenizer
@@ -82,11 +81,6 @@ class _Seen:
     rendered: Rendered
     body: dict | None
 
-    @functools.cached_property
-    def tools(self) -> str | None:
-        """The tools as sent, as JSON: only for the requests that part (most never need it)."""
-        return tools_json(self.body)
-
 
 def diagnose(path: str, load_tokenizer: Callable[[], Tokenizer], options: Options | None = None) -> Diagnosis:
     # Without the cyclic collector: what the doctor keeps (arrays, dicts and lists of ids and numbers) holds no
@@ -137,6 +131,7 @@ class _Doctor:
         self.heads: dict[str, str] = {}  # request log: a template head -> the one first seen in its place
         self.text_ok = True  # every record of a request log has its text
         self.positions: list[int] = []
+        self.tools = SharedTools()  # both passes read the same lists (the tools fix looks its lists up by them)
 
     # -- reading -------------------------------------------------------------------------------------------------
 
@@ -157,7 +152,7 @@ class _Doctor:
         return self._renderer
 
     def _entries(self, desc: str) -> Iterator[LogEntry]:
-        entries = iter_entries(self.path, self.fmt)
+        entries = iter_entries(self.path, self.fmt, self.tools)
         if self.options.progress == "lines":
             return _progress_lines(entries, desc, self._num_lines(), self.path, self.options.progress_every_s)
         if self.options.progress != "bar":
@@ -308,7 +303,7 @@ class _Doctor:
         chat = e.body is not None and "messages" in e.body or e.body is None and len(rendered.fields) > 1
         last = rendered.fields[-1][0] if chat and rendered.fields else None
         d = classify(rendered, e.body, e.line, best.rendered, best.body, best.line, lambda name: name == last,
-                     me.tools, best.tools)
+                     self._tools_json(e.body), self._tools_json(best.body))
         if d is None:
             return
         self.pairs[d.kind] += 1
@@ -324,6 +319,11 @@ class _Doctor:
             elif len(self.learned[what]) < _MAX_LEARNED:
                 self.learned[what].update(value if isinstance(value, frozenset) else (value,))
 
+    def _tools_json(self, body: dict | None) -> str | None:
+        """A body's tools as sent (key order kept), as JSON."""
+        tools = body.get("tools") if body is not None else None
+        return self.tools.json(tools) if isinstance(tools, list) and tools else None
+
     # -- pass 2: with the fixes ------------------------------------------------------------------------------------
 
     def _fixes(self) -> dict[str, Callable[[], list]]:
@@ -334,7 +334,7 @@ class _Doctor:
         if self.fmt == BODIES:  # order and spelling are fixed in bodies; a request log has only the text
             if self.pairs["reordered"]:
                 examples, docs = frozenset(self.learned["examples"]), frozenset(self.learned["documents"])
-                fixes["reordered"] = lambda: [OneOrder(examples, docs)]
+                fixes["reordered"] = lambda: [OneOrder(examples, docs, self.tools)]
             if self.pairs["template-drift"]:
                 conversations = frozenset(self.learned["system"])
                 fixes["template-drift"] = lambda: [OneSpelling(), OneSystemPrompt(conversations)]

@@ -4,6 +4,7 @@ same message spelt differently)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from array import array
@@ -33,10 +34,11 @@ class Rendered:
     token_ids: list[int]
     text: str | None
     fields: list[tuple[str, int, int]]  # (field, start, end): where each field's text sits in ``text``
-    packed: bytes = b""  # token ids as uint32 bytes, for fast common-prefix search
 
-    def __post_init__(self) -> None:
-        self.packed = array("I", self.token_ids).tobytes()
+    @functools.cached_property
+    def packed(self) -> bytes:
+        """The token ids as uint32 bytes, for fast common-prefix search (only renderings that are compared)."""
+        return array("I", self.token_ids).tobytes()
 
 
 @dataclass(frozen=True)
@@ -152,12 +154,6 @@ def _field_at(rendered: Rendered, char: int) -> tuple[str, int, int] | None:
     return next((f for f in rendered.fields if f[1] <= char < f[2]), None)
 
 
-def tools_json(body: dict | None) -> str | None:
-    """A body's tools as sent (key order kept), computed once per request for comparisons."""
-    tools = body.get("tools") if body is not None else None
-    return json.dumps(tools) if isinstance(tools, list) and tools else None
-
-
 def classify(new: Rendered, new_body: dict | None, new_line: int, old: Rendered, old_body: dict | None,
              old_line: int, is_last_field, new_tools: str | None = None,
              old_tools: str | None = None) -> Divergence | None:
@@ -203,8 +199,8 @@ def classify(new: Rendered, new_body: dict | None, new_line: int, old: Rendered,
     if _same_json(a, b):
         return div("reordered", name, f"the same JSON object in {name} with its keys in another order",
                    (p, p + 24), (p, p + 24))
-    span = volatile_span(a, b)
-    if span is not None and not is_last_field(name):
+    span = None if is_last_field(name) else volatile_span(a, b)  # the last message is where volatile text belongs
+    if span is not None:
         s, end_a, end_b = span
         site = VolatileSite(name, a[max(0, s - ANCHOR) : s], a[end_a : end_a + ANCHOR])
         value = b[s:end_b]

@@ -14,6 +14,7 @@ from typing import Any
 
 from kvprefix.doctor.divergence import VolatileSite, conversation_key, normalized, system_message
 from kvprefix.doctor.items import document_keys, documents, example_pairs, reorder, reorder_documents
+from kvprefix.doctor.readers import SharedTools
 
 
 class MoveVolatileToEnd:
@@ -74,9 +75,11 @@ class OneOrder:
     (``examples``, ``documents``: their keys, ``kvprefix.doctor.items``) in the order first seen, among the places
     they hold."""
 
-    def __init__(self, examples: frozenset[str] = frozenset(), documents: frozenset[str] = frozenset()) -> None:
+    def __init__(self, examples: frozenset[str] = frozenset(), documents: frozenset[str] = frozenset(),
+                 tools: SharedTools | None = None) -> None:
         self.examples = examples
         self.documents = documents
+        self._tools_json = (tools or SharedTools(limit=0)).json  # the log's tools lists know their JSON
         self._item_rank: dict[str, int] = {}
         self._tool_rank: dict[str, int] = {}
         self._key_rank: dict[str, dict[str, int]] = {}
@@ -88,7 +91,7 @@ class OneOrder:
         out = body
         tools = body.get("tools")
         if isinstance(tools, list) and tools:
-            sent = json.dumps(tools)
+            sent = self._tools_json(tools)
             if sent not in self._tools_memo:
                 ordered = [self._keys(t, "tools[]") for t in sorted(tools, key=self._rank)]
                 self._tools_memo[sent] = None if json.dumps(ordered) == sent else ordered

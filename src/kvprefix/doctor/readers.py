@@ -3,6 +3,8 @@ them, and kvprefix's own server request log (``kvprefix.logs``). Errors name the
 
 from __future__ import annotations
 
+import json
+import marshal
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,19 +55,47 @@ def log_format(path: str | Path) -> str:
     return fmt
 
 
-def iter_entries(path: str | Path, fmt: str) -> Iterator[LogEntry]:
-    return _iter_bodies(path) if fmt == BODIES else _iter_request_log(path)
+class SharedTools:
+    """Equal tools lists read as one list, which knows its JSON: a log sends a few lists again on every request,
+    and the doctor needs a list's JSON several times (grouping for the template, the tools fix, comparisons),
+    each a ``json.dumps`` as slow as parsing the whole body. Up to ``limit`` distinct lists; the lists are the
+    doctor's own (read from the log, never changed: a fix makes a new list)."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        self.limit = limit
+        self._by_bytes: dict[bytes, list] = {}
+        self._json_of: dict[int, str] = {}  # by id: every list here is held by _by_bytes, so its id stays its own
+
+    def share(self, tools: list) -> list:
+        # marshal's bytes tell JSON values apart as JSON does (key order, 1 / 1.0 / true) at a quarter of the
+        # cost; version 2 writes no back-references, so equal lists give equal bytes.
+        key = marshal.dumps(tools, 2)
+        known = self._by_bytes.get(key)
+        if known is None and len(self._by_bytes) < self.limit:
+            known = self._by_bytes[key] = tools
+            self._json_of[id(tools)] = json.dumps(tools)
+        return tools if known is None else known
+
+    def json(self, tools: list) -> str:
+        """``json.dumps(tools)``; looked up for a shared list."""
+        text = self._json_of.get(id(tools))
+        return json.dumps(tools) if text is None else text
 
 
-def _iter_bodies(path: str | Path) -> Iterator[LogEntry]:
+def iter_entries(path: str | Path, fmt: str, tools: SharedTools | None = None) -> Iterator[LogEntry]:
+    """``tools``: where bodies' tools lists are shared (a fresh one per call otherwise)."""
+    return _iter_bodies(path, tools or SharedTools()) if fmt == BODIES else _iter_request_log(path)
+
+
+def _iter_bodies(path: str | Path, tools: SharedTools) -> Iterator[LogEntry]:
     try:
         for line, row in iter_rows(path):
-            yield from _body_entries(path, line, row)
+            yield from _body_entries(path, line, row, tools)
     except TraceError as exc:  # not JSON, not an object
         raise DoctorInputError(str(exc)) from None
 
 
-def _body_entries(path, line: int, row: dict[str, Any]) -> Iterator[LogEntry]:
+def _body_entries(path, line: int, row: dict[str, Any], tools: SharedTools) -> Iterator[LogEntry]:
     def bad(message: str) -> DoctorInputError:
         return DoctorInputError(f"{path}:{line}: {message}")
 
@@ -81,8 +111,10 @@ def _body_entries(path, line: int, row: dict[str, Any]) -> Iterator[LogEntry]:
     if "messages" in row:
         if not isinstance(row["messages"], list) or not row["messages"]:
             raise bad("'messages' must be a non-empty list")
-        if row.get("tools") is not None and not isinstance(row["tools"], list):
-            raise bad("'tools' must be a list")
+        if row.get("tools") is not None:
+            if not isinstance(row["tools"], list):
+                raise bad("'tools' must be a list")
+            row["tools"] = tools.share(row["tools"])
         yield LogEntry(body=row, **common)
         return
     if "prompt" not in row:

@@ -14,7 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvprefix.prompts.tokenizer import Tokenizer
-from kvprefix.prompts.tools import ToolFormatError, fallback_messages, template_messages, template_renders_tools
+from kvprefix.prompts.tools import (
+    ToolFormatError,
+    fallback_messages,
+    template_messages,
+    template_renders_tools,
+    tools_system_block,
+)
 
 # OpenAI's newer name for "system"; checkpoint templates know only the latter.
 _ROLE_ALIASES = {"developer": "system"}
@@ -132,18 +138,29 @@ def render_chat(
 _Where = list[tuple[int, int]] | None
 
 
-def _for_template(tokenizer: Tokenizer, normalized: list[dict[str, Any]], tools: Sequence[Any] | None
-                  ) -> tuple[list[dict[str, Any]], _Where, list[Any] | None]:
+def _for_template(tokenizer: Tokenizer, normalized: list[dict[str, Any]], tools: Sequence[Any] | None,
+                  tools_block: str | None = None) -> tuple[list[dict[str, Any]], _Where, list[Any] | None]:
     """(the messages the template gets, where each message's content is among them (None: one to one, as is),
     the tools the template gets). A template that renders tools gets them as they are; for any other, tools,
-    past calls and tool results are written into the messages (kvprefix.prompts.tools: SmolLM2's format)."""
+    past calls and tool results are written into the messages (kvprefix.prompts.tools: SmolLM2's format;
+    ``tools_block``: the tools' text there, if already written)."""
     try:
         if template_renders_tools(getattr(tokenizer, "chat_template", None)):
             return template_messages(normalized), None, None if tools is None else list(tools)
-        rendered, where = fallback_messages(normalized, tools)
+        rendered, where = fallback_messages(normalized, tools, tools_block)
     except ToolFormatError as exc:
         raise PromptError(str(exc), exc.param) from None
     return rendered, where, None
+
+
+def _fallback_tools_block(tokenizer: Tokenizer, tools: Sequence[Any] | None) -> str | None:
+    """The tools' text ``_for_template`` writes into the messages (None: no tools, or the template renders them)."""
+    if not tools or template_renders_tools(getattr(tokenizer, "chat_template", None)):
+        return None
+    try:
+        return tools_system_block(tools)
+    except ToolFormatError as exc:
+        raise PromptError(str(exc), exc.param) from None
 
 
 def _needs_literal_spans(tokenizer: Tokenizer, rendered: list[dict[str, Any]]) -> bool:
@@ -312,10 +329,12 @@ def render_bodies(tokenizer: Tokenizer, bodies: Sequence[Mapping[str, Any]]) -> 
     bodies with the same tools (as JSON) and generation prompt go through the template in one call (transformers
     renders a batch conversation by conversation, with the same arguments, so each text is the one a call of its
     own gives), and their texts are tokenized in one ``encode_batch``; other bodies render one by one. A body that
-    cannot be rendered raises a PromptError; render the bodies one by one to learn which."""
+    cannot be rendered raises a PromptError; render the bodies one by one to learn which. Bodies that share one
+    tools list (a log's reader can share equal lists) write its JSON once."""
     out: list[list[RenderedPrompt] | None] = [None] * len(bodies)
     groups: dict[tuple[str | int, bool], list[int]] = {}
     chats: dict[int, tuple[list[dict[str, Any]], Any]] = {}
+    tools_keys: dict[int, str | int] = {}  # by the list's id: every list here is held by ``bodies`` meanwhile
     for i, body in enumerate(bodies):
         messages, tools = body.get("messages"), body.get("tools")
         if not isinstance(messages, list) or not (tools is None or isinstance(tools, list)) or any(
@@ -326,9 +345,17 @@ def render_bodies(tokenizer: Tokenizer, bodies: Sequence[Mapping[str, Any]]) -> 
         if not normalized:
             raise PromptError("'messages' must not be empty", "messages")
         chats[i] = (normalized, tools)
-        groups.setdefault((_tools_key(tools), body.get("add_generation_prompt") is not False), []).append(i)
+        key = tools_keys.get(id(tools))
+        if key is None:
+            key = tools_keys[id(tools)] = _tools_key(tools)
+        groups.setdefault((key, body.get("add_generation_prompt") is not False), []).append(i)
     texts: dict[int, str] = {}
-    prepared = {i: _for_template(tokenizer, normalized, tools) for i, (normalized, tools) in chats.items()}
+    prepared = {}
+    for members in groups.values():  # one tools text per group: its bodies' tools are equal
+        tools = chats[members[0]][1]
+        block = _fallback_tools_block(tokenizer, tools)
+        for i in members:
+            prepared[i] = _for_template(tokenizer, chats[i][0], chats[i][1], block)
     for (_, add_generation_prompt), members in groups.items():
         template_tools = prepared[members[0]][2]
         extra = {} if template_tools is None else {"tools": template_tools}

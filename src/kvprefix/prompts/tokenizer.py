@@ -99,16 +99,62 @@ class Tokenizer:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tokenize: bool = True, **kwargs: Any
-    ) -> list[int] | str:
-        """Renders messages with the checkpoint's template; token ids by default, the text with tokenize=False."""
+        self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]], add_generation_prompt: bool = True,
+        tokenize: bool = True, **kwargs: Any
+    ) -> list[int] | str | list[str]:
+        """Renders messages with the checkpoint's template: token ids by default, the text with tokenize=False; a
+        list of conversations renders to a list of texts. transformers' own template renderer does it, with the
+        variables its ``apply_chat_template`` gives the template (the special tokens), without that wrapper's copy
+        of every message; and plain conversations (role and content strings, nothing else to pass) go straight to
+        the compiled template, which is what the renderer would do after copying them (half its time: the router
+        and the doctor render every request)."""
+        from transformers.utils.chat_template_utils import _compile_jinja_template, render_jinja_template
+
+        template = self._template_for(kwargs.get("tools"))
+        batched = bool(messages) and isinstance(messages[0], (list, tuple))
+        # transformers' wrapper drops None-valued keys first: templates test for a key, not for None
+        conversations = [[{k: v for k, v in m.items() if v is not None} for m in c]
+                         for c in (messages if batched else [messages])]
+        tools, documents = kwargs.pop("tools", None), kwargs.pop("documents", None)
+        continue_final_message = kwargs.pop("continue_final_message", False)
+        variables = {**self._template_variables, **kwargs}
+        if tools is None and documents is None and not continue_final_message and _plain(conversations, variables):
+            compiled = _compile_jinja_template(template)
+            texts = [compiled.render(messages=c, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
+                                     **variables) for c in conversations]
+        else:
+            texts, _ = render_jinja_template(
+                conversations=conversations, tools=tools, documents=documents, chat_template=template,
+                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                **variables)
+        if batched:
+            return texts
+        # The template already contains any BOS it wants; adding special tokens again would double it.
+        return self.encode(texts[0], add_special_tokens=False) if tokenize else texts[0]
+
+    def _template_for(self, tools: Any) -> str:
+        """The template transformers would pick (a tokenizer may have several by name: "tool_use" with tools)."""
         if not self.hf.chat_template:
             raise ValueError(f"the tokenizer of {self.hf.name_or_path!r} has no chat template; use a plain prompt")
-        text = self.hf.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
-        )
-        # The template already contains any BOS it wants; adding special tokens again would double it.
-        return self.encode(text, add_special_tokens=False) if tokenize else text
+        return self.hf.get_chat_template(None, tools)
+
+    @functools.cached_property
+    def _template_variables(self) -> dict[str, Any]:
+        """What a template sees beside the messages: the special tokens by name (bos_token, eos_token, ...)."""
+        return dict(self.hf.special_tokens_map)
+
+
+_PLAIN_MESSAGE_KEYS = frozenset({"role", "content", "tool_call_id"})
+_PLAIN_VALUES = (str, bool, int, float, type(None))
+
+
+def _plain(conversations: list[list[dict[str, Any]]], variables: dict[str, Any]) -> bool:
+    """Whether transformers' template renderer would hand the template exactly these objects (given no tools,
+    documents or message to continue): messages of exact strings under keys it passes as they are (no reasoning
+    fields to alias), variables of plain types (its sandbox copy rebuilds anything else out of plain types)."""
+    return all(m.keys() <= _PLAIN_MESSAGE_KEYS and all(type(v) is str for v in m.values())
+               for c in conversations for m in c) and all(
+        type(v) in _PLAIN_VALUES or type(v) is list and all(type(x) is str for x in v) for v in variables.values())
 
 
 def _eos_token_ids(path: str, tokenizer_eos: int | None) -> frozenset[int]:
@@ -125,7 +171,7 @@ def _eos_token_ids(path: str, tokenizer_eos: int | None) -> frozenset[int]:
 
 class SpmTokenizer(Tokenizer):
     """A GGUF file's SentencePiece vocabulary (kvprefix.prompts.gguf_spm) behind the same methods; ``hf`` is None.
-    The chat template is rendered by transformers' own template renderer, with the same variables."""
+    The chat template is rendered as for any tokenizer, with the special tokens' spellings as its variables."""
 
     def __init__(self, path: str) -> None:
         from kvprefix.prompts.gguf_spm import SpmVocab
@@ -185,24 +231,14 @@ class SpmTokenizer(Tokenizer):
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.spm.decode(token_ids, special=not skip_special_tokens)
 
-    def apply_chat_template(
-        self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]], add_generation_prompt: bool = True,
-        tokenize: bool = True, **kwargs: Any
-    ) -> list[int] | str | list[str]:
-        from transformers.utils.chat_template_utils import render_jinja_template
-
+    def _template_for(self, tools: Any) -> str:
         if not self._template:
             raise ValueError(f"the tokenizer of {self.name_or_path!r} has no chat template; use a plain prompt")
-        batched = bool(messages) and isinstance(messages[0], (list, tuple))
-        conversations = messages if batched else [messages]
+        return self._template
+
+    @functools.cached_property
+    def _template_variables(self) -> dict[str, Any]:
         tokens = self.spm.tokens
         names = {"bos_token": self.spm.special.bos, "eos_token": self.spm.special.eos,
                  "unk_token": self.spm.special.unk}
-        variables = {name: tokens[i] for name, i in names.items() if i is not None}
-        texts, _ = render_jinja_template(
-            conversations=[[{k: v for k, v in m.items() if v is not None} for m in c] for c in conversations],
-            tools=kwargs.pop("tools", None), documents=kwargs.pop("documents", None), chat_template=self._template,
-            add_generation_prompt=add_generation_prompt, **{**variables, **kwargs})
-        if batched:
-            return texts
-        return self.encode(texts[0], add_special_tokens=False) if tokenize else texts[0]
+        return {name: tokens[i] for name, i in names.items() if i is not None}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+from itertools import chain
 from typing import Any
 
 # GPT-2's split, which a ByteLevel pre-tokenizer with use_regex applies (the tokenizers library's own).
@@ -28,9 +29,12 @@ class WordMemo:
         pre-tokenizer's splits, in order, each spelled for ASCII text."""
         self.tokenizer = tokenizer
         self.capacity = capacity
-        # A match, else the run of characters up to the next match: re.findall then gives the words in order.
-        self._splits = [re.compile(f"(?:{r})|(?:(?!(?:{r}))[\\s\\S])+") for r in regexes]
+        # Split around each match (a group keeps the matches): the runs between matches and the matches, in order.
+        self._splits = [re.compile(f"({r})") for r in regexes]
         self._memo: dict[str, list[int]] = {}
+        # The last split's words of each piece the earlier splits gave (SmolLM2 splits digits off first: the run
+        # after a timestamp is the same on every request).
+        self._last_split: dict[str, list[str]] = {}
         self.enabled = True
 
     @classmethod
@@ -45,9 +49,20 @@ class WordMemo:
 
     def words(self, text: str) -> list[str]:
         pieces = [text]
-        for split in self._splits:
-            pieces = [w for p in pieces for w in split.findall(p)]
-        return pieces
+        for split in self._splits[:-1]:
+            pieces = [w for p in pieces for w in split.split(p) if w]
+        last, seen = self._splits[-1], self._last_split
+        if len(self._splits) == 1:  # the text is new (the segment memo had it otherwise): nothing to look up
+            return [w for w in last.split(text) if w]
+        if len(seen) > self.capacity:
+            seen.clear()
+        words: list[str] = []
+        for p in pieces:
+            known = seen.get(p)
+            if known is None:
+                known = seen[p] = [w for w in last.split(p) if w]
+            words += known
+        return words
 
     def encode_batch(self, texts: list[str]) -> list[list[int] | None]:
         """Each text's token ids (no special tokens added), or None for a text this memo does not tokenize. The
@@ -67,7 +82,8 @@ class WordMemo:
                 memo.clear()
                 return [None] * len(texts)
             memo.update(zip(new, self.tokenizer.encode_batch(new, add_special_tokens=False), strict=True))
-        return [None if words is None else [i for w in words for i in memo[w]] for words in split]
+        join = chain.from_iterable
+        return [None if words is None else list(join(map(memo.__getitem__, words))) for words in split]
 
 
 def _regexes(config: dict) -> list[str] | None:
