@@ -72,12 +72,11 @@ class Relay:
             except BaseException:
                 routed.finish()
                 raise
-            again = view.excluding(i)
-            if upstream.status == 503 and again.usable():  # full or shutting down: another replica may take it
+            if upstream.status == 503 and view.excluding(i).usable():  # full or shutting down: another may take it
                 upstream.close()
                 routed.finish()
                 self._series[i].retries.inc()
-                view, attempt = again, attempt + 1
+                view, attempt = view.excluding(i), attempt + 1
                 continue
             reason = decision_reason(attempt > 0, credited, self.policy.name == "session", route.session)
             self._series[i].requests[reason].inc()
