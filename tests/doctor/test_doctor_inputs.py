@@ -207,3 +207,6 @@ def test_equal_tools_lists_are_read_as_one_and_only_equal_ones(tmp_path):
     full = SharedTools(limit=2)
     lists = [e.body["tools"] for e in iter_entries(path, BODIES, full)]
     assert lists[0] is lists[5] and lists[2] is not lists[7] and full.json(lists[7]) == json.dumps(variants[2])
+    few_chars = SharedTools(limit_chars=len(json.dumps(variants[0])) + 1)  # room for two lists' JSON, not three
+    lists = [e.body["tools"] for e in iter_entries(path, BODIES, few_chars)]
+    assert lists[1] is lists[6] and lists[2] is not lists[7]

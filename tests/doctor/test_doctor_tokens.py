@@ -135,6 +135,26 @@ def test_a_full_word_memo_starts_again_and_still_tokenizes_as_the_tokenizer(toke
     assert words.enabled and len(words._memo) <= max(12, max(len(set(words.words(t))) for t in ASCII_TEXTS))
 
 
+def test_word_memo_without_splits_and_with_a_full_split_memo_tokenizes_as_the_tokenizer(tmp_path, monkeypatch):
+    """A byte-level pre-tokenizer without its regex splits nothing (the text is one word); and the memo of the last
+    split's words per earlier piece starts again when it holds too many characters."""
+    from tokenizers import pre_tokenizers
+
+    from kvprefix.prompts import word_memo
+    from kvprefix.prompts.word_memo import WordMemo
+
+    bare = _tokenizer_with(tmp_path / "bare", pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+    words = WordMemo.of(bare)
+    assert words is not None and words.encode_batch(ASCII_TEXTS) == [bare.encode(t, add_special_tokens=False)
+                                                                      for t in ASCII_TEXTS]
+    monkeypatch.setattr(word_memo, "_LAST_SPLIT_CHARS", 40)
+    plain = _tokenizer_with(tmp_path / "smollm", _gguf_pre_tokenizer("smollm"))  # digits split off first
+    words = WordMemo.of(plain)
+    for text in ASCII_TEXTS * 2:
+        assert words.encode_batch([text]) == [plain.encode(text, add_special_tokens=False)]
+        assert words._last_split_chars <= 40 + max(len(t) for t in ASCII_TEXTS)
+
+
 def test_word_memo_only_for_pre_tokenizers_it_can_replay(tmp_path):
     from tokenizers import pre_tokenizers
 

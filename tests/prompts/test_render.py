@@ -156,6 +156,13 @@ def test_the_template_renders_as_transformers_apply_chat_template(tmp_path, tiny
 
     assert [_plain([c], {}) for c in chats] == [False, False, False]  # chats[0] has a None: dropped first
     assert _plain([[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]], {"think": True})
+    assert not _plain([[{Text("role"): "user", "content": "Hi"}]], {})  # a caller's key type would reach it
+    for bad, error in (({"chat_template": "{{ 1 }}"}, TypeError), ({"sanitize_control_tokens": True}, TypeError),
+                       ({"continue_final_message": True}, ValueError)):
+        with pytest.raises(error):
+            tok.apply_chat_template(chats[1], tokenize=False, **bad)
+    with pytest.raises(ValueError, match="empty"):
+        tok.apply_chat_template([], tokenize=False)
     for kwargs in ({"add_generation_prompt": True}, {"add_generation_prompt": False, "tools": tools},
                    {"add_generation_prompt": False, "continue_final_message": True},
                    {"add_generation_prompt": True, "think": True}):

@@ -58,11 +58,14 @@ def log_format(path: str | Path) -> str:
 class SharedTools:
     """Equal tools lists read as one list, which knows its JSON: a log sends a few lists again on every request,
     and the doctor needs a list's JSON several times (grouping for the template, the tools fix, comparisons),
-    each a ``json.dumps`` as slow as parsing the whole body. Up to ``limit`` distinct lists; the lists are the
-    doctor's own (read from the log, never changed: a fix makes a new list)."""
+    each a ``json.dumps`` as slow as parsing the whole body. Up to ``limit`` distinct lists and ``limit_chars``
+    characters of their JSON (a log whose every list differs gains nothing here); the lists are the doctor's own
+    (read from the log, never changed: a fix makes a new list)."""
 
-    def __init__(self, limit: int = 4096) -> None:
+    def __init__(self, limit: int = 4096, limit_chars: int = 1 << 23) -> None:
         self.limit = limit
+        self.limit_chars = limit_chars
+        self._chars = 0
         self._by_bytes: dict[bytes, list] = {}
         self._json_of: dict[int, str] = {}  # by id: every list here is held by _by_bytes, so its id stays its own
 
@@ -71,9 +74,10 @@ class SharedTools:
         # cost; version 2 writes no back-references, so equal lists give equal bytes.
         key = marshal.dumps(tools, 2)
         known = self._by_bytes.get(key)
-        if known is None and len(self._by_bytes) < self.limit:
+        if known is None and len(self._by_bytes) < self.limit and self._chars < self.limit_chars:
             known = self._by_bytes[key] = tools
-            self._json_of[id(tools)] = json.dumps(tools)
+            text = self._json_of[id(tools)] = json.dumps(tools)
+            self._chars += len(text)
         return tools if known is None else known
 
     def json(self, tools: list) -> str:

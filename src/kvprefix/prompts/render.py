@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvprefix.prompts.tokenizer import Tokenizer
+from kvprefix.prompts.tokenizer import WRAPPER_ARGUMENTS, Tokenizer
 from kvprefix.prompts.tools import (
     ToolFormatError,
     fallback_messages,
@@ -85,12 +85,11 @@ def _content_text(content: Any, index: int) -> str:
 
 
 # Names the chat template sees from the renderer itself, or that transformers' apply_chat_template takes as its
-# own arguments: chat_template_kwargs may not set them (a "chat_template" key would replace the template).
-_RESERVED_TEMPLATE_KWARGS = frozenset({
-    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-    "return_assistant_tokens_mask", "tokenizer_kwargs", "bos_token", "eos_token", "raise_exception",
-})
+# own arguments (a "chat_template" key would have replaced the template): chat_template_kwargs may not set them.
+_RESERVED_TEMPLATE_KWARGS = WRAPPER_ARGUMENTS | {
+    "messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "tokenize", "bos_token",
+    "eos_token", "raise_exception",
+}
 MAX_TEMPLATE_KWARGS = 16
 MAX_TEMPLATE_KWARG_CHARS = 1024
 

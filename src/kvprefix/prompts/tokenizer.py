@@ -110,6 +110,9 @@ class Tokenizer:
         and the doctor render every request)."""
         from transformers.utils.chat_template_utils import _compile_jinja_template, render_jinja_template
 
+        refused = WRAPPER_ARGUMENTS.intersection(kwargs)
+        if refused:
+            raise TypeError(f"apply_chat_template does not take {sorted(refused)}")
         template = self._template_for(kwargs.get("tools"))
         batched = bool(messages) and isinstance(messages[0], (list, tuple))
         # transformers' wrapper drops None-valued keys first: templates test for a key, not for None
@@ -117,6 +120,10 @@ class Tokenizer:
                          for c in (messages if batched else [messages])]
         tools, documents = kwargs.pop("tools", None), kwargs.pop("documents", None)
         continue_final_message = kwargs.pop("continue_final_message", False)
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be set")
+        if not all(conversations):
+            raise ValueError("cannot render an empty conversation")
         variables = {**self._template_variables, **kwargs}
         if tools is None and documents is None and not continue_final_message and _plain(conversations, variables):
             compiled = _compile_jinja_template(template)
@@ -144,6 +151,13 @@ class Tokenizer:
         return dict(self.hf.special_tokens_map)
 
 
+# transformers' apply_chat_template arguments that are not template variables: this renderer does not take them
+# (the template is the checkpoint's; it renders text, and never sanitizes: kvprefix.prompts.render keeps typed
+# special tokens as text itself).
+WRAPPER_ARGUMENTS = frozenset({
+    "chat_template", "sanitize_control_tokens", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "conversation",
+})
 _PLAIN_MESSAGE_KEYS = frozenset({"role", "content", "tool_call_id"})
 _PLAIN_VALUES = (str, bool, int, float, type(None))
 
@@ -152,8 +166,8 @@ def _plain(conversations: list[list[dict[str, Any]]], variables: dict[str, Any])
     """Whether transformers' template renderer would hand the template exactly these objects (given no tools,
     documents or message to continue): messages of exact strings under keys it passes as they are (no reasoning
     fields to alias), variables of plain types (its sandbox copy rebuilds anything else out of plain types)."""
-    return all(m.keys() <= _PLAIN_MESSAGE_KEYS and all(type(v) is str for v in m.values())
-               for c in conversations for m in c) and all(
+    return all(type(k) is str and k in _PLAIN_MESSAGE_KEYS and type(v) is str
+               for c in conversations for m in c for k, v in m.items()) and all(
         type(v) in _PLAIN_VALUES or type(v) is list and all(type(x) is str for x in v) for v in variables.values())
 
 

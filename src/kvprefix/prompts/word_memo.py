@@ -21,6 +21,7 @@ from typing import Any
 _BYTE_LEVEL_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _PLAIN = re.compile(r"[\t\n\r\x20-\x7e]*")
 _ASCII_CLASSES = {"L": "a-zA-Z", "N": "0-9"}
+_LAST_SPLIT_CHARS = 1 << 22  # a piece and its words take about 11 bytes a character: under 50 MB
 
 
 class WordMemo:
@@ -33,8 +34,9 @@ class WordMemo:
         self._splits = [re.compile(f"({r})") for r in regexes]
         self._memo: dict[str, list[int]] = {}
         # The last split's words of each piece the earlier splits gave (SmolLM2 splits digits off first: the run
-        # after a timestamp is the same on every request).
+        # after a timestamp is the same on every request), up to _LAST_SPLIT_CHARS characters of pieces.
         self._last_split: dict[str, list[str]] = {}
+        self._last_split_chars = 0
         self.enabled = True
 
     @classmethod
@@ -48,19 +50,21 @@ class WordMemo:
         return None if regexes is None else cls(tokenizer, regexes)
 
     def words(self, text: str) -> list[str]:
+        if len(self._splits) <= 1:  # the text is new (the segment memo had it otherwise): nothing to look up
+            return [w for w in self._splits[0].split(text) if w] if self._splits else [text]
         pieces = [text]
         for split in self._splits[:-1]:
             pieces = [w for p in pieces for w in split.split(p) if w]
         last, seen = self._splits[-1], self._last_split
-        if len(self._splits) == 1:  # the text is new (the segment memo had it otherwise): nothing to look up
-            return [w for w in last.split(text) if w]
-        if len(seen) > self.capacity:
-            seen.clear()
         words: list[str] = []
         for p in pieces:
             known = seen.get(p)
             if known is None:
+                if len(seen) >= self.capacity or self._last_split_chars > _LAST_SPLIT_CHARS:
+                    seen.clear()
+                    self._last_split_chars = 0
                 known = seen[p] = [w for w in last.split(p) if w]
+                self._last_split_chars += len(p)
             words += known
         return words
 
@@ -80,6 +84,7 @@ class WordMemo:
             if any(len(pre_tokenize(w)) != 1 for w in new):  # a word the tokenizer would split again
                 self.enabled = False
                 memo.clear()
+                self._last_split.clear()
                 return [None] * len(texts)
             memo.update(zip(new, self.tokenizer.encode_batch(new, add_special_tokens=False), strict=True))
         join = chain.from_iterable
