@@ -45,7 +45,10 @@ def test_a_shared_prefix_is_hashed_once(algo):
     assert len(digests) == 11
     digests.clear()
     assert memo.hash_blocks(hasher, system + [2] * BS) == BlockHasher(BS, algo).hash_blocks(system + [2] * BS)
-    assert len(digests) == 3  # the two runs came from the memo: only the blocks after them were hashed
+    assert len(digests) == 1  # the two runs and the two blocks after them came from the memo: only the new one
+    digests.clear()
+    memo.hash_blocks(hasher, system[: 9 * BS] + [3] * BS)
+    assert len(digests) == 1  # a prompt that changes inside the system prompt's last blocks: only from there
 
 
 def test_a_memo_refuses_another_block_size_or_algorithm():
@@ -54,3 +57,23 @@ def test_a_memo_refuses_another_block_size_or_algorithm():
         memo.hash_blocks(BlockHasher(8), list(range(64)))
     with pytest.raises(ValueError, match="not xxhash"):
         memo.hash_blocks(BlockHasher(BS, "xxhash"), list(range(64)))
+
+
+@pytest.mark.parametrize("algo", ["sha256", "xxhash_cbor"])
+def test_a_prompt_that_differs_from_the_last_one_anywhere_hashes_like_the_hasher(algo):
+    """The blocks shared with the previous prompt come from its hashes: a change in any block (or a caller that
+    changes its list after hashing it) still gives the hasher's own hashes from that block on."""
+    hasher = BlockHasher(BS, algo)
+    memo = BlockHashMemo(BS, algo, run_blocks=3)
+    base = list(range(9 * BS + 2))
+    for block in range(9):
+        for offset in (0, BS - 1):
+            changed = list(base)
+            changed[block * BS + offset] += 100
+            for tokens in (base, changed, changed[: (block + 1) * BS], tuple(changed)):
+                assert memo.hash_blocks(hasher, tokens) == hasher.hash_blocks(tokens)
+    tokens = list(base)
+    memo.hash_blocks(hasher, tokens)
+    tokens[5] = 999  # the memo kept a copy, not the caller's list
+    assert memo.hash_blocks(hasher, tokens) == hasher.hash_blocks(tokens)
+    assert memo.hash_blocks(hasher.with_salt("other"), tokens) == hasher.with_salt("other").hash_blocks(tokens)

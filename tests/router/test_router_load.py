@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import random
+
+import pytest
+
+from kvprefix.cache.event_index import BlockIndex, StreamMirror
 from kvprefix.router.fleet import FleetView, Replica
 from kvprefix.router.hashing import RouteRequest
 from kvprefix.router.policies import make_policy
@@ -60,3 +65,58 @@ def test_a_miss_goes_to_the_least_queued_replica():
     view.replicas[2].outstanding.add([], 4)
     view.replicas[1].outstanding.add([], 9)
     assert policy.choose(RouteRequest(["x"], None, 1), view) == 2  # all load 1: the shortest prefill queue
+
+
+def test_a_view_counts_a_prefix_cached_or_pending_block_by_block():
+    """The view scans a chain in runs (pending blocks, then blocks the replica's events say it holds, then pending
+    again...): the same count as asking of every block in turn whether it is pending or cached."""
+    rng = random.Random(7)
+    view = fleet(1)
+    rep = view.replicas[0]
+    rep.mirror = StreamMirror()
+    rep.mirror.ready = True
+    hashes = [f"b{i}" for i in range(40)]
+    for _ in range(300):
+        cached = {h for h in hashes if rng.random() < 0.5}
+        rep.mirror.index = BlockIndex({h: (None, "") for h in cached})
+        routed = [rep.outstanding.add(hashes[: rng.randrange(41)], 0) for _ in range(rng.randrange(3))]
+        routed.append(rep.outstanding.add([h for h in hashes if rng.random() < 0.5], 0))  # any pending set
+        request = hashes[: rng.randrange(41)]
+        expected = 0
+        for h in request:
+            if h not in rep.outstanding.blocks and h not in cached:
+                break
+            expected += 1
+        assert view.cached_prefix_blocks(0, request) == expected
+        for r in routed:
+            r.finish()
+        assert len(rep.outstanding.blocks) == 0
+    with pytest.raises(KeyError):  # a hash that was never added cannot be dropped (the count stays exact)
+        rep.outstanding.blocks.drop(["never"])
+
+
+def test_the_prefix_policy_decides_the_same_without_the_pending_blocks():
+    """The relay does not count a `prefix` router's requests' blocks as pending (the policy's own RoutedIndex
+    remembers them; it never asks the view): the same choices, request for request, as with them counted."""
+
+    def choices(count_blocks: bool) -> list[tuple[int, int]]:
+        rng = random.Random(3)
+        prompts = [[f"p{k}-{i}" for i in range(rng.randrange(1, 30))] for k in range(6)]
+        view, policy = fleet(4), make_policy("prefix")
+        in_flight, out = [], []
+        for _ in range(400):
+            prompt = rng.choice(prompts) + [f"q{rng.randrange(1000)}"]
+            request = RouteRequest(prompt, None, num_blocks=len(prompt) + 1)
+            replica = policy.choose(request, view)
+            out.append((replica, policy.credited))
+            in_flight.append(view.replicas[replica].outstanding.add(
+                request.block_hashes if count_blocks else (), request.num_blocks - policy.credited))
+            while in_flight and rng.random() < 0.5:
+                in_flight.pop(rng.randrange(len(in_flight))).finish()
+            if rng.random() < 0.05:  # a replica reset through the router: it forgets, the pending blocks stay
+                policy.routed.forget(rng.randrange(4))
+        return out
+
+    counted = choices(True)
+    assert choices(False) == counted
+    assert len({replica for replica, _ in counted}) == 4 and any(credited for _, credited in counted)

@@ -121,7 +121,11 @@ def _encode_extra_keys(keys: list[tuple]) -> bytes:
 def _token_array(token_ids: Sequence[int]) -> array:
     """Token ids as uint32, the one validation for every algorithm: ints (numpy's too) in [0, 2**32)."""
     try:
-        arr = array("I", token_ids)
+        if type(token_ids) is list:  # fromlist converts a list about twice as fast as the constructor
+            arr = array("I")
+            arr.fromlist(token_ids)
+        else:
+            arr = array("I", token_ids)
     except (OverflowError, TypeError):
         bad = next((t for t in token_ids if not (_is_int(t) and 0 <= t <= _MAX_TOKEN_ID)), None)
         raise ValueError(f"token id {bad!r} is not an integer in [0, 2**32)") from None
@@ -263,9 +267,12 @@ class BlockHashMemo:
 
     Exact: a run's hashes depend only on its parent hash and its token bytes, and those (with the hasher's block
     size and algorithm, fixed per memo) are the key; the hashes themselves come from the hasher's own chain
-    (``hash_blocks``' hot path, fed the bytes the keys are cut from, so a prompt's tokens are converted once). The
-    full runs from the first block are memoized, the blocks after the last full run hashed directly. Bounded: least
-    recently used runs are dropped past ``capacity_runs``. One event loop (or thread) per memo.
+    (``hash_blocks``' hot path, fed the bytes the keys are cut from, so a prompt's tokens are converted once). A
+    block starts a run when its index is a multiple of ``run_blocks`` and the run fits in the prompt; the other
+    blocks (after the last full run) are memoized one by one (a new question after a shared prompt usually changes
+    only the last of them). Before any of that, the blocks a prompt shares with the previous one in the same
+    namespace come from that one's hashes, found by comparing token lists (no conversion, no lookups). Bounded:
+    least recently used entries are dropped past ``capacity_runs``. One event loop (or thread) per memo.
     """
 
     def __init__(self, block_size: int, algo: str, capacity_runs: int = 8192, run_blocks: int = 16):
@@ -276,6 +283,8 @@ class BlockHashMemo:
         self.capacity_runs = capacity_runs
         self.run_blocks = run_blocks
         self._runs: OrderedDict[bytes, list[BlockHash]] = OrderedDict()
+        # The previous prompt given as a list: its root, its full blocks' tokens (a copy) and their hashes.
+        self._last: tuple[BlockHash, list[int], tuple[BlockHash, ...]] | None = None
 
     def __len__(self) -> int:
         return len(self._runs)
@@ -286,31 +295,61 @@ class BlockHashMemo:
         if hasher.block_size != self.block_size or hasher.algo != self.algo:
             raise ValueError(f"this memo holds {self.algo} hashes of {self.block_size}-token blocks, not "
                              f"{hasher.algo} of {hasher.block_size}")
-        bs, run = self.block_size, self.run_blocks
+        bs = self.block_size
         num_full = len(token_ids) // bs
-        num_runs = num_full // run
-        if num_runs == 0:
-            return hasher.hash_blocks(token_ids)
-        # The token bytes of every full block, converted once: they key the runs and feed the digests of the blocks
+        first, out = self._shared_with_last(hasher.root, token_ids, num_full)
+        if first < num_full:
+            self._hash_from(hasher, token_ids, first, num_full, out)
+        if type(token_ids) is list:
+            self._last = (hasher.root, token_ids[: num_full * bs], tuple(out))
+        return out
+
+    def _shared_with_last(self, root: BlockHash, token_ids: Sequence[int], num_full: int) -> tuple[int, list]:
+        """How many leading full blocks the prompt shares with the previous one (same namespace), and their
+        hashes. Lists compare in C, far faster than converting and looking up what they hold."""
+        last = self._last
+        if last is None or last[0] != root or type(token_ids) is not list:
+            return 0, []
+        _, tokens, hashes = last
+        bs = self.block_size
+        lo, hi = 0, min(num_full, len(hashes))  # blocks [0, lo) are shared; [0, hi) is what may be
+        if token_ids[: hi * bs] == tokens[: hi * bs]:
+            return hi, list(hashes[:hi])
+        hi -= 1  # most often only the last blocks differ: try all but the last one next
+        while lo < hi:
+            if token_ids[lo * bs : hi * bs] == tokens[lo * bs : hi * bs]:
+                lo = hi
+                break
+            mid = (lo + hi) // 2
+            if token_ids[lo * bs : mid * bs] == tokens[lo * bs : mid * bs]:
+                lo = mid
+            hi = mid if lo < mid else hi - 1
+        return lo, list(hashes[:lo])
+
+    def _hash_from(self, hasher: BlockHasher, token_ids: Sequence[int], first: int, num_full: int,
+                   out: list[BlockHash]) -> None:
+        """Appends the hashes of full blocks ``first`` to ``num_full`` to ``out`` (the hashes before them)."""
+        bs, run = self.block_size, self.run_blocks
+        start = first
+        # The token bytes of those blocks, converted once: they key the entries and feed the digests of the blocks
         # not in the memo (CBOR hashes lists of ints, so hash_blocks converts its slice again there).
-        data = _token_bytes(_token_array(token_ids[: num_full * bs]))
-        step, runs, cbor = 4 * bs * run, self._runs, hasher._cbor
-        out: list[BlockHash] = []
-        prev = hasher.root
-        for k in range(num_runs):
-            key = prev + data[k * step : (k + 1) * step]
+        data = _token_bytes(_token_array(token_ids[start * bs : num_full * bs]))
+        width, runs, cbor = 4 * bs, self._runs, hasher._cbor
+        prev = out[-1] if out else hasher.root
+        while first < num_full:
+            # A key is a parent and the bytes of the blocks after it, so a run's and a block's never mix up.
+            count = run if first % run == 0 and first + run <= num_full else 1
+            chunk = data[(first - start) * width : (first - start + count) * width]
+            key = prev + chunk
             hashes = runs.get(key)
             if hashes is None:
                 hashes = runs[key] = (
-                    hasher.hash_blocks(token_ids[k * run * bs : (k + 1) * run * bs], prev, k * run) if cbor
-                    else hasher._chain(prev, key[len(prev):]))
+                    hasher.hash_blocks(token_ids[first * bs : (first + count) * bs], prev, first) if cbor
+                    else hasher._chain(prev, chunk))
                 if len(runs) > self.capacity_runs:
                     runs.popitem(last=False)
             else:
                 runs.move_to_end(key)
             out += hashes
             prev = hashes[-1]
-        if num_full > num_runs * run:
-            out += (hasher.hash_blocks(token_ids[num_runs * run * bs : num_full * bs], prev, num_runs * run) if cbor
-                    else hasher._chain(prev, data[num_runs * step :]))
-        return out
+            first += count

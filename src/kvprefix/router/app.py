@@ -29,7 +29,7 @@ from kvprefix.router.metrics import RouterMetrics
 from kvprefix.router.policies import make_policy
 from kvprefix.router.relay import Relay
 from kvprefix.router.upstream import Pool
-from kvprefix.server.bodies import read_body
+from kvprefix.server.bodies import receive_body
 from kvprefix.server.browsers import BrowserGuard
 from kvprefix.server.errors import APIError, install_error_handlers
 from kvprefix.server.tenancy import Auth
@@ -38,6 +38,7 @@ log = logging.getLogger("kvprefix.router")
 
 HASHING_POLICIES = ("prefix", "kv-events")  # the policies that need the request's block hashes
 FORWARD_HEADERS = ("authorization", "content-type", "accept")  # of an admin call fanned out to the replicas
+READ_HEADERS = frozenset({b"authorization", b"content-length", b"x-session-id"})  # of a relayed request
 GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 NO_ROUTE = RouteRequest([], None)
 
@@ -170,14 +171,14 @@ def create_app(config: RouterConfig) -> BrowserGuard:
     parse = policy.name in (*HASHING_POLICIES, "session")  # the others route without reading the body
 
     async def relayed(scope, receive, send) -> None:
-        raw = Request(scope, receive)
         try:
             if scope["method"] == "POST":
-                tenant = auth.tenant(raw.headers.get("authorization"))
-                body = await read_body(raw)
+                headers = request_headers(scope)
+                tenant = auth.tenant(headers.get("authorization"))
+                body = await receive_body(receive, headers.get("content-length", ""))
                 hasher = state["hasher"]
                 relay.block_size = hasher.hasher.block_size if hasher is not None else 0
-                route = route_request(body, raw.headers, tenant, hasher) if parse else NO_ROUTE
+                route = route_request(body, headers, tenant, hasher) if parse else NO_ROUTE
             else:
                 body, route = b"", NO_ROUTE
             await relay(scope, receive, send, route, body)
@@ -185,6 +186,16 @@ def create_app(config: RouterConfig) -> BrowserGuard:
             await exc.response()(scope, receive, send)
 
     return BrowserGuard(RouterApp(app, relayed, view), allowed_hosts=config.allowed_hosts)
+
+
+def request_headers(scope) -> dict[str, str]:
+    """The request headers the relay reads (the first of each, as Starlette's ``Headers.get`` gives it), without
+    building a ``Request``: that and its body stream cost more than the rest of reading a request."""
+    out: dict[str, str] = {}
+    for name, value in scope["headers"]:
+        if name in READ_HEADERS:
+            out.setdefault(name.decode(), value.decode("latin-1"))
+    return out
 
 
 class RouterApp:

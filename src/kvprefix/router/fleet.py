@@ -52,14 +52,8 @@ class FleetView:
 
     def cached_prefix_blocks(self, replica: int, block_hashes: Sequence[Hashable]) -> int:
         rep = self.replicas[replica]
-        index = rep.mirror.index if rep.mirror is not None and rep.mirror.ready else None
-        pending = rep.outstanding.blocks
-        n = 0
-        for h in block_hashes:
-            if h not in pending and (index is None or h not in index):
-                break
-            n += 1
-        return n
+        held = rep.mirror.index.cached_prefix_blocks if rep.mirror is not None and rep.mirror.ready else None
+        return rep.outstanding.blocks.cached_prefix_blocks(block_hashes, held)
 
     def load(self, replica: int) -> float:
         return self.replicas[replica].outstanding.requests

@@ -9,12 +9,12 @@ planner's view, the HTTP router's and the Ray Serve router's alike; each ``Route
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 
 class PendingBlocks:
     def __init__(self) -> None:
-        self._count: dict[Hashable, int] = {}
+        self._count: dict[Hashable, int] = {}  # a plain dict: a subclass (Counter) makes every lookup slower
 
     def __contains__(self, block_hash: object) -> bool:
         return block_hash in self._count
@@ -34,6 +34,22 @@ class PendingBlocks:
                 del count[h]
             else:
                 count[h] -= 1
+
+    def cached_prefix_blocks(self, block_hashes: Sequence[Hashable],
+                             held: Callable[[Sequence[Hashable]], int] | None = None) -> int:
+        """How many leading blocks of ``block_hashes`` are pending here or, by ``held`` (a replica's leading cached
+        blocks of a chain), cached: the longest prefix of blocks each in one or the other, scanned in runs so that
+        every lookup is an inline one (a view does this per replica and request, over every block)."""
+        count, n = self._count, 0
+        while True:
+            for h in block_hashes[n:] if n else block_hashes:
+                if h not in count:
+                    break
+                n += 1
+            more = held(block_hashes[n:]) if held is not None and n < len(block_hashes) else 0
+            if not more:
+                return n
+            n += more
 
 
 class Outstanding:

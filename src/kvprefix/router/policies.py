@@ -199,9 +199,12 @@ class RoutedIndex:
         held = self._replicas.setdefault(replica, OrderedDict())
         # Deepest block first, so a prefix's first blocks are the most recent and eviction eats it from its end:
         # what stays is still a prefix (evicting the first block would lose the credit for all the others).
+        move = held.move_to_end
         for h in reversed(block_hashes):
-            held[h] = None
-            held.move_to_end(h)
+            try:
+                move(h)  # most blocks of a request were routed before: one operation, not a store and a move
+            except KeyError:
+                held[h] = None  # a new one goes in last, as a move would have put it
         while len(held) > self.capacity_blocks:
             held.popitem(last=False)
 

@@ -38,6 +38,9 @@ class Relay:
         self.metrics = metrics
         self.block_size = 0  # tokens per block, once the hashing identity is known (for the predicted metric)
         self._series = [metrics.series[rep.name] for rep in view.replicas]
+        # The view counts the blocks of requests in flight as cached, for the policies that ask it; `prefix`
+        # remembers every block it routed (its RoutedIndex) and never asks, so its requests' blocks are not counted.
+        self._pending_blocks = getattr(policy, "routed", None) is None
 
     async def __call__(self, scope, receive, send, route: RouteRequest, body: bytes) -> None:
         """Answers the request from a replica; APIError (503 no_replica) when none can take it."""
@@ -55,7 +58,8 @@ class Relay:
             i = self.policy.choose(route, view)
             credited = self.policy.credited
             rep = view.replicas[i]
-            routed = rep.outstanding.add(route.block_hashes, max(route.num_blocks - credited, 0))
+            routed = rep.outstanding.add(route.block_hashes if self._pending_blocks else (),
+                                         max(route.num_blocks - credited, 0))
             try:
                 upstream = await self.pools[i].request(method, target, headers, body)
             except ReplicaDown as exc:
@@ -68,12 +72,11 @@ class Relay:
             except BaseException:
                 routed.finish()
                 raise
-            again = view.excluding(i)
-            if upstream.status == 503 and again.usable():  # full or shutting down: another replica may take it
+            if upstream.status == 503 and view.excluding(i).usable():  # full or shutting down: another may take it
                 upstream.close()
                 routed.finish()
                 self._series[i].retries.inc()
-                view, attempt = again, attempt + 1
+                view, attempt = view.excluding(i), attempt + 1
                 continue
             reason = decision_reason(attempt > 0, credited, self.policy.name == "session", route.session)
             self._series[i].requests[reason].inc()
@@ -83,9 +86,32 @@ class Relay:
             return
 
     async def _answer(self, scope, receive, send, i: int, rep: Replica, routed: Routed, upstream) -> None:
-        """Streams the replica's answer to the client. A client that leaves closes the upstream connection (the
-        replica aborts the request), which ends the relay as a cut-off answer would; an answer that has arrived
-        whole has nothing left to abort, and is relayed without watching (a task per request costs)."""
+        """Sends the replica's answer to the client: whole when it has arrived whole (most non-streamed answers:
+        one body, nothing to watch), else streamed chunk by chunk as it arrives."""
+        headers = [(k, v) for k, v in upstream.headers if k.lower() not in DROP_RESPONSE_HEADERS]
+        headers.append((REPLICA_HEADER, rep.url.encode()))
+        start = {"type": "http.response.start", "status": upstream.status, "headers": headers}
+        if not upstream.complete:
+            await self._stream(scope, receive, send, i, rep, routed, upstream, start)
+            return
+        try:
+            body = upstream.body()
+            routed.finish()  # the replica is done with it: settled before the client can send its next request
+            self._count_reported(i, body[-TAIL_BYTES:])
+            await send(start)
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+        finally:
+            routed.finish()
+            upstream.close()
+
+    def _count_reported(self, i: int, tail: bytes) -> None:
+        reported = reported_cached_tokens(tail)
+        if reported is not None:
+            self._series[i].reported_cached.inc(reported)
+
+    async def _stream(self, scope, receive, send, i: int, rep: Replica, routed: Routed, upstream, start) -> None:
+        """A client that leaves closes the upstream connection (the replica aborts the request), which ends the
+        relay as a cut-off answer would."""
         client_gone = False
 
         async def watch() -> None:
@@ -95,16 +121,14 @@ class Relay:
             client_gone = True
             upstream.abort()
 
-        watcher = None if upstream.complete else asyncio.create_task(watch())
-        headers = [(k, v) for k, v in upstream.headers if k.lower() not in DROP_RESPONSE_HEADERS]
-        headers.append((REPLICA_HEADER, rep.url.encode()))
+        watcher = asyncio.create_task(watch())
         sse = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in upstream.headers)
         # The first token is out with the first event of a completion stream, the second of a chat stream (a
         # role-only event comes first), the first bytes of a whole answer.
         first_token_event = (2 if scope["path"].endswith("/chat/completions") else 1) if sse else 0
         tail, events, last = b"", 0, b""
         try:
-            await send({"type": "http.response.start", "status": upstream.status, "headers": headers})
+            await send(start)
             try:
                 async for chunk in upstream.chunks():
                     tail = (tail + chunk)[-TAIL_BYTES:]
@@ -120,14 +144,11 @@ class Relay:
                 if not client_gone:
                     log.warning("answer from %s cut off: %s", rep.url, exc)
             routed.finish()
-            reported = reported_cached_tokens(tail)
-            if reported is not None:
-                self._series[i].reported_cached.inc(reported)
+            self._count_reported(i, tail)
             await send({"type": "http.response.body", "body": last, "more_body": False})
         finally:
             routed.finish()
             upstream.close()
-            if watcher is not None:
-                watcher.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await watcher
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher

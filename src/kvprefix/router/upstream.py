@@ -112,6 +112,17 @@ class Response:
         """Whether the chunks ``chunks()`` gave so far are the whole answer."""
         return self.complete and not self._conn.chunks
 
+    def body(self) -> bytes:
+        """The whole answer, once it is ``complete``: what ``chunks()`` would give, without iterating."""
+        conn = self._conn
+        data = b"".join(conn.chunks)
+        conn.chunks.clear()
+        conn.buffered = 0
+        if conn.paused:
+            conn.paused = False
+            conn.transport.resume_reading()
+        return data
+
     async def chunks(self) -> AsyncIterator[bytes]:
         conn = self._conn
         while True:

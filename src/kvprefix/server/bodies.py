@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
+from starlette.types import Receive
 
 from kvprefix.server.errors import APIError, bad_request
 
@@ -10,19 +11,29 @@ MAX_BODY_BYTES = 16 * 2**20
 
 
 async def read_body(raw: Request) -> bytes:
-    """The whole body, or 413 as soon as it is over the limit: an oversized (or unannounced chunked) body is never
-    held in memory."""
-    too_big = APIError(413, f"request body is over the limit of {MAX_BODY_BYTES} bytes")
-    declared = raw.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise too_big
+    """``receive_body`` of a Starlette request."""
+    return await receive_body(raw.receive, raw.headers.get("content-length", ""))
+
+
+async def receive_body(receive: Receive, content_length: str = "") -> bytes:
+    """The whole body from the ASGI messages, or 413 as soon as it is over the limit: an oversized (or unannounced
+    chunked) body is never held in memory. ``content_length``: the request's header, "" when it has none. Straight
+    from ``receive`` (no ``Request`` object): the router reads every body it relays."""
+    if content_length.isdigit() and int(content_length) > MAX_BODY_BYTES:
+        raise _too_big()
     chunks, size = [], 0
-    try:
-        async for chunk in raw.stream():
-            size += len(chunk)
-            if size > MAX_BODY_BYTES:
-                raise too_big
-            chunks.append(chunk)
-    except ClientDisconnect:  # the client went, or --timeout-body closed it: nobody reads this answer
-        raise bad_request("the connection closed before the whole body arrived") from None
-    return b"".join(chunks)
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":  # the client went, or --timeout-body closed it: nobody reads this
+            raise bad_request("the connection closed before the whole body arrived")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise _too_big()
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _too_big() -> APIError:
+    return APIError(413, f"request body is over the limit of {MAX_BODY_BYTES} bytes")

@@ -10,6 +10,7 @@ only up or down), so that probes reach it by any address.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from urllib.parse import urlsplit
 
@@ -18,6 +19,7 @@ from kvprefix.server.errors import APIError
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 
 
+@functools.lru_cache(maxsize=256)  # a client sends the same Host on every request: parsed once
 def _hostname(netloc: str) -> str | None:
     """The host of ``host[:port]``, lower case, IPv6 without brackets; None when it is not a host."""
     try:

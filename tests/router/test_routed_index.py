@@ -1,0 +1,25 @@
+"""RoutedIndex keeps exactly the blocks a plain LRU list would (each request's blocks refreshed deepest first),
+however its record step is written."""
+
+from __future__ import annotations
+
+import random
+
+from kvprefix.router.policies import RoutedIndex
+
+
+def test_the_routed_index_holds_what_a_plain_lru_holds():
+    rng = random.Random(11)
+    index, lru, capacity = RoutedIndex(40), [], 40
+    prefixes = [[f"p{k}-{i}" for i in range(rng.randrange(1, 25))] for k in range(5)]
+    universe = {h for p in prefixes for h in p}
+    for n in range(500):
+        chain = rng.choice(prefixes)[: rng.randrange(1, 26)] + [f"q{n}"] * rng.randrange(2)
+        universe.update(chain)
+        index.record(0, chain)
+        for h in reversed(chain):  # the reference: refresh deepest first, then drop the least recent
+            if h in lru:
+                lru.remove(h)
+            lru.append(h)
+        del lru[: max(len(lru) - capacity, 0)]
+        assert {h for h in universe if index.cached_prefix_blocks(0, [h])} == set(lru)
