@@ -122,7 +122,7 @@ def render_chat(
         raise PromptError("'continue_final_message' and 'add_generation_prompt' cannot both be true; set "
                           "'add_generation_prompt': false to continue the last message", "continue_final_message")
     extra = _template_kwargs(template_kwargs)
-    rendered, where, template_tools = _for_template(tokenizer, normalized, tools)
+    rendered, where, template_tools = _for_template(tokenizer, normalized, tools, _fallback_tools_block(tokenizer, tools))
     try:
         if template_tools is not None:  # "tools" is reserved: chat_template_kwargs cannot have set it
             extra["tools"] = template_tools
@@ -138,22 +138,23 @@ _Where = list[tuple[int, int]] | None
 
 
 def _for_template(tokenizer: Tokenizer, normalized: list[dict[str, Any]], tools: Sequence[Any] | None,
-                  tools_block: str | None = None) -> tuple[list[dict[str, Any]], _Where, list[Any] | None]:
+                  tools_block: str | None) -> tuple[list[dict[str, Any]], _Where, list[Any] | None]:
     """(the messages the template gets, where each message's content is among them (None: one to one, as is),
     the tools the template gets). A template that renders tools gets them as they are; for any other, tools,
     past calls and tool results are written into the messages (kvprefix.prompts.tools: SmolLM2's format;
-    ``tools_block``: the tools' text there, if already written)."""
+    ``tools_block``: the tools' text there, ``_fallback_tools_block``)."""
     try:
         if template_renders_tools(getattr(tokenizer, "chat_template", None)):
             return template_messages(normalized), None, None if tools is None else list(tools)
-        rendered, where = fallback_messages(normalized, tools, tools_block)
+        rendered, where = fallback_messages(normalized, tools_block)
     except ToolFormatError as exc:
         raise PromptError(str(exc), exc.param) from None
     return rendered, where, None
 
 
 def _fallback_tools_block(tokenizer: Tokenizer, tools: Sequence[Any] | None) -> str | None:
-    """The tools' text ``_for_template`` writes into the messages (None: no tools, or the template renders them)."""
+    """The tools' text ``_for_template`` writes into the messages (None: no tools, or the template renders them);
+    bodies that send the same tools share it."""
     if not tools or template_renders_tools(getattr(tokenizer, "chat_template", None)):
         return None
     try:
@@ -351,8 +352,7 @@ def render_bodies(tokenizer: Tokenizer, bodies: Sequence[Mapping[str, Any]]) -> 
     texts: dict[int, str] = {}
     prepared = {}
     for members in groups.values():  # one tools text per group: its bodies' tools are equal
-        tools = chats[members[0]][1]
-        block = _fallback_tools_block(tokenizer, tools)
+        block = _fallback_tools_block(tokenizer, chats[members[0]][1])
         for i in members:
             prepared[i] = _for_template(tokenizer, chats[i][0], chats[i][1], block)
     for (_, add_generation_prompt), members in groups.items():

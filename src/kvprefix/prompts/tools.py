@@ -102,16 +102,15 @@ def _dumps(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(ITEM_SEPARATOR, KEY_SEPARATOR))
 
 
-def fallback_messages(messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None, block: str | None = None
+def fallback_messages(messages: Sequence[Mapping[str, Any]], block: str | None
                       ) -> tuple[list[dict[str, str]], list[tuple[int, int]]]:
     """Normalized chat messages (role, content, tool_calls, tool_call_id) as plain role/content messages in the
     fallback format, and for each input message (index in the output, offset of its content there): the tools
-    block (``tools_system_block(tools)``, given or written here) joins the system prompt (a system message of its
-    own when there is none), past calls follow the assistant's text, and tool results become user turns."""
+    ``block`` (``tools_system_block`` of the request's tools; None without tools) joins the system prompt (a system
+    message of its own when there is none), past calls follow the assistant's text, and tool results become user
+    turns."""
     out: list[dict[str, str]] = []
     where: list[tuple[int, int]] = []
-    if block is None and tools:
-        block = tools_system_block(tools)
     if block is not None and (not messages or messages[0]["role"] != "system"):
         out.append({"role": "system", "content": block})
     for i, m in enumerate(messages):
