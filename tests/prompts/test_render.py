@@ -187,3 +187,23 @@ def test_the_template_renders_as_transformers_apply_chat_template(tmp_path, tiny
         assert named.apply_chat_template(chats[0], tokenize=False, **kwargs) == named.hf.apply_chat_template(
             chats[0], tokenize=False, **kwargs)
     assert named.apply_chat_template(chats[0], tokenize=False, tools=tools) == "tools1"
+
+    # The direct path renders with the template's globals (Jinja's and transformers' raise_exception) and fails
+    # as the wrapper does.
+    config["chat_template"] = ("{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}"
+                               "{% if m['content'] == 'boom' %}{{ raise_exception('no booms') }}{% endif %}"
+                               "{% endfor %}{{ ns.n }}{% for i in range(2) %}{{ i }}{% endfor %}{{ bos_token }}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with_globals = Tokenizer(str(tmp_path))
+    plain = [{"role": "system", "content": "a"}, {"role": "user", "content": "b"}]
+    assert _plain([plain], with_globals._template_variables)
+    assert with_globals.apply_chat_template(plain, tokenize=False) == with_globals.hf.apply_chat_template(
+        plain, tokenize=False, add_generation_prompt=True) == "201" + (with_globals.hf.bos_token or "")
+    failures = []
+    for render in (with_globals.apply_chat_template, with_globals.hf.apply_chat_template):
+        with pytest.raises(Exception) as info:
+            render([{"role": "user", "content": "boom"}], tokenize=False)
+        failures.append((type(info.value), str(info.value)))
+    assert failures[0] == failures[1] and "no booms" in failures[0][1]
+    with pytest.raises(PromptError, match="no booms"):
+        render_chat(with_globals, [{"role": "user", "content": "boom"}])
