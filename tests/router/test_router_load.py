@@ -80,8 +80,11 @@ def test_a_view_counts_a_prefix_cached_or_pending_block_by_block():
         cached = {h for h in hashes if rng.random() < 0.5}
         rep.mirror.index = BlockIndex({h: (None, "") for h in cached})
         routed = [rep.outstanding.add(hashes[: rng.randrange(41)], 0) for _ in range(rng.randrange(3))]
-        routed.append(rep.outstanding.add([h for h in hashes if rng.random() < 0.5], 0))  # any pending set
+        split = rng.randrange(41)  # a chain that shares the first blocks, then goes its own way
+        routed.append(rep.outstanding.add(hashes[:split] + [f"c{split}-{j}" for j in range(rng.randrange(9))], 0))
         request = hashes[: rng.randrange(41)]
+        if rng.random() < 0.3:
+            request = request + [f"c{len(request)}-{j}" for j in range(rng.randrange(9))]
         expected = 0
         for h in request:
             if h not in rep.outstanding.blocks and h not in cached:
@@ -93,6 +96,35 @@ def test_a_view_counts_a_prefix_cached_or_pending_block_by_block():
         assert len(rep.outstanding.blocks) == 0
     with pytest.raises(KeyError):  # a hash that was never added cannot be dropped (the count stays exact)
         rep.outstanding.blocks.drop(["never"])
+
+
+def test_pending_blocks_are_the_blocks_of_the_chains_in_flight():
+    """PendingBlocks keeps the chains in flight as a tree (adding and dropping walk only a request's own blocks):
+    after any sequence of adds and drops, in any order, its blocks are exactly those of the chains in flight, as a
+    plain multiset of every block of every chain holds them, and nothing is left once all are dropped."""
+    from collections import Counter
+
+    from kvprefix.router.pending import PendingBlocks
+
+    rng = random.Random(11)
+    for _ in range(50):
+        pending, reference, in_flight = PendingBlocks(), Counter(), []
+        for _ in range(200):
+            if in_flight and rng.random() < 0.45:
+                chain = in_flight.pop(rng.randrange(len(in_flight)))
+                pending.drop(chain)
+                reference.subtract(chain)
+            else:  # a path in a small tree of prompts: a block's hash names its whole prefix (chained)
+                path = [rng.choice("abc") for _ in range(rng.randrange(8))]
+                chain = ["/".join(path[: i + 1]) for i in range(len(path))]
+                in_flight.append(chain)
+                pending.add(chain)
+                reference.update(chain)
+            blocks = {h for h, n in reference.items() if n > 0}
+            assert len(pending) == len(blocks) and all(h in pending for h in blocks)
+        for chain in in_flight:
+            pending.drop(chain)
+        assert len(pending) == 0 and not pending._parent
 
 
 def test_the_prefix_policy_decides_the_same_without_the_pending_blocks():

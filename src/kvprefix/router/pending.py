@@ -13,37 +13,57 @@ from collections.abc import Callable, Hashable, Sequence
 
 
 class PendingBlocks:
+    """The blocks of the requests in flight, as a multiset of chains: which blocks are pending here.
+
+    Block hashes are parent-chained (a hash names its whole prefix: the router's ``BlockHasher``, the planner's
+    ``ChainedIds``), so the chains in flight form a tree, kept flat: each block's parent and its references (the
+    chains that end at it, plus its child blocks). Adding a request walks back from its last block to the first
+    one already pending, dropping it walks back while blocks lose their last reference, so both touch only the
+    blocks that no other request in flight has (a shared system prompt's blocks are counted once, not once per
+    request). The blocks pending are exactly those of the chains in flight."""
+
     def __init__(self) -> None:
-        self._count: dict[Hashable, int] = {}  # a plain dict: a subclass (Counter) makes every lookup slower
+        self._refs: dict[Hashable, int] = {}
+        self._parent: dict[Hashable, Hashable | None] = {}
 
     def __contains__(self, block_hash: object) -> bool:
-        return block_hash in self._count
+        return block_hash in self._refs
 
     def __len__(self) -> int:
-        return len(self._count)
+        return len(self._refs)
 
     def add(self, block_hashes: Sequence[Hashable]) -> None:
-        count = self._count
-        for h in block_hashes:
-            count[h] = count.get(h, 0) + 1
+        refs, parent = self._refs, self._parent
+        # One reference to the last block (the chain ends there), one to each earlier block from its child.
+        for i in range(len(block_hashes) - 1, -1, -1):
+            h = block_hashes[i]
+            if h in refs:  # already pending, and so is every block before it
+                refs[h] += 1
+                return
+            refs[h] = 1
+            parent[h] = block_hashes[i - 1] if i else None
 
     def drop(self, block_hashes: Sequence[Hashable]) -> None:
-        count = self._count
-        for h in block_hashes:
-            if count[h] == 1:
-                del count[h]
-            else:
-                count[h] -= 1
+        if not block_hashes:
+            return
+        refs, parent = self._refs, self._parent
+        h = block_hashes[-1]
+        while h is not None:
+            if refs[h] > 1:
+                refs[h] -= 1
+                return
+            del refs[h]
+            h = parent.pop(h)
 
     def cached_prefix_blocks(self, block_hashes: Sequence[Hashable],
                              held: Callable[[Sequence[Hashable]], int] | None = None) -> int:
         """How many leading blocks of ``block_hashes`` are pending here or, by ``held`` (a replica's leading cached
         blocks of a chain), cached: the longest prefix of blocks each in one or the other, scanned in runs so that
         every lookup is an inline one (a view does this per replica and request, over every block)."""
-        count, n = self._count, 0
+        pending, n = self._refs, 0
         while True:
             for h in block_hashes[n:] if n else block_hashes:
-                if h not in count:
+                if h not in pending:
                     break
                 n += 1
             more = held(block_hashes[n:]) if held is not None and n < len(block_hashes) else 0
