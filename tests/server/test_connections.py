@@ -109,3 +109,62 @@ def test_past_the_connection_limit_503_then_serving_again(limited: Server) -> No
         assert time.monotonic() < deadline, "the server did not serve again after the held connections went"
         time.sleep(0.1)
     limited.wait_idle()
+
+
+def test_writes_of_one_loop_iteration_go_out_as_one():
+    """The transport uvicorn writes responses to (``CoalescingTransport``, over a real loopback connection): the
+    writes of one event-loop iteration reach the socket as one write, in order, by the end of that iteration (a
+    stream's chunks are not held back), and closing sends what was gathered before it closes."""
+    import asyncio
+
+    from kvprefix.server.connections import CoalescingTransport
+
+    class Counted:  # the real transport, with its writes counted
+        def __init__(self, transport):
+            self.transport, self.writes = transport, 0
+
+        def write(self, data):
+            self.writes += 1
+            self.transport.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.transport, name)
+
+    async def run() -> None:
+        received: asyncio.Queue[bytes] = asyncio.Queue()
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while data := await reader.read(65536):
+                await received.put(data)
+            await received.put(b"")  # the end
+            writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        loop = asyncio.get_running_loop()
+        real, _ = await loop.create_connection(asyncio.Protocol, "127.0.0.1", port)
+        counted = Counted(real)
+        out = CoalescingTransport(counted, loop)
+        out.write(b"HTTP/1.1 200 OK\r\n\r\n")
+        out.write(b"one")
+        assert counted.writes == 0
+        await asyncio.sleep(0)  # the end of this iteration
+        assert counted.writes == 1 and not out.is_closing()
+        assert await asyncio.wait_for(received.get(), 5) == b"HTTP/1.1 200 OK\r\n\r\none"
+        out.write(b"two")  # a stream's next chunk, in its own iteration: out at once
+        await asyncio.sleep(0)
+        assert counted.writes == 2 and await asyncio.wait_for(received.get(), 5) == b"two"
+        out.write(b"last")
+        out.close()  # gathered, then closed: nothing is lost
+        rest = b""
+        while chunk := await asyncio.wait_for(received.get(), 5):
+            rest += chunk
+        assert rest == b"last" and counted.writes == 3
+        await asyncio.sleep(0)
+        out.write(b"after close")  # the flush of a closed transport sends nothing and raises nothing
+        await asyncio.sleep(0)
+        assert counted.writes == 3
+        server.close()
+        await server.wait_closed()
+
+    asyncio.run(run())

@@ -1,4 +1,4 @@
-"""Deadlines for receiving a request, which uvicorn lacks.
+"""Deadlines for receiving a request, which uvicorn lacks; and a response in one write.
 
 uvicorn closes a connection left idle after a response (``timeout_keep_alive``) and answers 503 past
 ``limit_concurrency``, but sets no limit on how long a client may take to *send* a request (uvicorn issue #157:
@@ -7,6 +7,10 @@ connection that never completes its headers, or trickles its body, stays open fo
 them exhaust the process (slowloris). This HTTP protocol adds two deadlines: the request head must arrive within
 ``headers_timeout`` of the connection opening or of the previous response, and the body within ``body_timeout``
 of the head. Once a request is in, none applies: a long generation streams for as long as it takes.
+
+uvicorn writes a response's head and its body in two writes: two system calls and two TCP segments for every
+short answer. The protocol hands uvicorn a transport that gathers the writes of one event-loop iteration into one
+(``CoalescingTransport``): a whole answer goes out at once, a stream's chunks still go out as they come.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ def timed_protocol(headers_timeout: float, body_timeout: float, base: type = H11
             self._timer: asyncio.TimerHandle | None = None
             self._head = self._received = None  # the latest request whose head, whose whole body arrived
             super().connection_made(transport)
+            self.transport = CoalescingTransport(transport, self.loop)  # what the requests' cycles write to
             self._arm(headers_timeout)
 
         def data_received(self, data: bytes) -> None:
@@ -63,3 +68,33 @@ def timed_protocol(headers_timeout: float, body_timeout: float, base: type = H11
                 self.transport.close()
 
     return TimedH11Protocol
+
+
+class CoalescingTransport:
+    """A transport whose writes made in one event-loop iteration reach the socket as one write, at the end of the
+    iteration (before any I/O is waited for), in order; closing sends what is gathered first. Everything else is
+    the wrapped transport's."""
+
+    __slots__ = ("_transport", "_loop", "_gathered")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop):
+        self._transport = transport
+        self._loop = loop
+        self._gathered: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        if not self._gathered:
+            self._loop.call_soon(self.flush)
+        self._gathered.append(data)
+
+    def flush(self) -> None:
+        gathered, self._gathered = self._gathered, []
+        if gathered and not self._transport.is_closing():
+            self._transport.write(gathered[0] if len(gathered) == 1 else b"".join(gathered))
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
