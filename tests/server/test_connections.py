@@ -76,6 +76,17 @@ def test_slow_headers_are_cut_off(limited: Server) -> None:
 
 
 @pytest.mark.slow
+def test_the_next_request_on_a_connection_has_its_own_headers_deadline(limited: Server) -> None:
+    """The deadline for a request's head runs from the previous response, not from when the connection opened."""
+    with _connect(limited) as sock:
+        time.sleep(HEADERS * 0.6)
+        sock.sendall(_request())
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+        sock.sendall(b"GET /health HTTP/1.1\r\n")  # the next head, then a trickle
+        assert HEADERS * 0.8 < _seconds_until_closed(sock, trickle=b"X-Slow: " + b"a" * 100) < HEADERS + 2
+
+
+@pytest.mark.slow
 def test_slow_body_is_cut_off(limited: Server) -> None:
     body = json.dumps({"model": "default-model-v1", "prompt": "x" * 200, "max_tokens": 1}).encode()
     with _connect(limited) as sock:

@@ -44,6 +44,8 @@ def timed_protocol(headers_timeout: float, body_timeout: float, base: type = H11
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._arm(None)
+            if self._timer is not None:
+                self._timer.cancel()
             super().connection_lost(exc)
 
         def _on_progress(self) -> None:
@@ -58,13 +60,22 @@ def timed_protocol(headers_timeout: float, body_timeout: float, base: type = H11
                 self._arm(body_timeout)
 
         def _arm(self, timeout: float | None) -> None:
-            if self._timer is not None:
-                self._timer.cancel()
-            self._timer = None if timeout is None else self.loop.call_later(timeout, self._expire)
+            """Sets the deadline. Most requests arrive well within it, so it is a time, not a timer: one timer per
+            connection checks it when due and waits again for a deadline that moved later (re-armed for every
+            request on a keep-alive connection, a timer per request would be created and cancelled each time)."""
+            self._deadline = None if timeout is None else self.loop.time() + timeout
+            if self._deadline is not None and (self._timer is None or self._deadline < self._timer.when()):
+                if self._timer is not None:
+                    self._timer.cancel()
+                self._timer = self.loop.call_at(self._deadline, self._expire)
 
         def _expire(self) -> None:
             self._timer = None
-            if not self.transport.is_closing():
+            if self._deadline is None or self.transport.is_closing():
+                return
+            if self.loop.time() < self._deadline:
+                self._timer = self.loop.call_at(self._deadline, self._expire)
+            else:
                 self.transport.close()
 
     return TimedH11Protocol
