@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 
+from kvprefix.router.policies import leading_blocks_in
+
 
 class PendingBlocks:
     """The blocks of the requests in flight, as a multiset of chains: which blocks are pending here.
@@ -58,18 +60,13 @@ class PendingBlocks:
     def cached_prefix_blocks(self, block_hashes: Sequence[Hashable],
                              held: Callable[[Sequence[Hashable]], int] | None = None) -> int:
         """How many leading blocks of ``block_hashes`` are pending here or, by ``held`` (a replica's leading cached
-        blocks of a chain), cached: the longest prefix of blocks each in one or the other, scanned in runs so that
-        every lookup is an inline one (a view does this per replica and request, over every block)."""
-        pending, n = self._refs, 0
-        while True:
-            for h in block_hashes[n:] if n else block_hashes:
-                if h not in pending:
-                    break
-                n += 1
-            more = held(block_hashes[n:]) if held is not None and n < len(block_hashes) else 0
-            if not more:
-                return n
-            n += more
+        blocks of a chain), cached: the longest prefix of blocks each in one or the other. The pending blocks are
+        whole chains, so they are a prefix of the request's (found by bisection); the cached ones may follow
+        them, and no pending block can follow those (it would make the blocks before it pending too)."""
+        n = leading_blocks_in(self._refs, block_hashes)
+        if held is not None and n < len(block_hashes):
+            n += held(block_hashes[n:])
+        return n
 
 
 class Outstanding:
