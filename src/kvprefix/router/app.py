@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -116,6 +117,9 @@ def create_app(config: RouterConfig) -> BrowserGuard:
         try:
             if policy.name in HASHING_POLICIES:
                 state["hasher"] = await load_hasher()
+            # What exists now (the tokenizer, the app) lives as long as the router: the collector's full passes
+            # no longer walk it (as vLLM does after loading a model).
+            gc.freeze()
             if policy.name == "kv-events":
                 tasks += [asyncio.create_task(follow(http_lines(client(), rep.url, admin_headers), rep,
                                                      lambda r: metrics.series[r.name].resyncs.inc()))

@@ -236,10 +236,12 @@ class RecentShare:
         self.decay = 1.0 - 1.0 / window
         self._counts: dict[int, float] = {}
 
-    def over(self, replica: int, replicas: Sequence[int], load_cap: float) -> bool:
-        """Whether one more request would put the replica over ``load_cap`` x the mean share (+1 request)."""
-        total = sum(self._counts.get(r, 0.0) for r in replicas)
-        return self._counts.get(replica, 0.0) + 1 > load_cap * (total + 1) / len(replicas) + 1
+    def under(self, candidates: Sequence[int], replicas: Sequence[int], load_cap: float) -> list[int]:
+        """The candidates one more request would not put over ``load_cap`` x the mean share of ``replicas`` (+1
+        request)."""
+        counts = self._counts
+        bound = load_cap * (sum(counts.get(r, 0.0) for r in replicas) + 1) / len(replicas) + 1
+        return [r for r in candidates if counts.get(r, 0.0) + 1 <= bound]
 
     def record(self, replica: int) -> None:
         counts, decay = self._counts, self.decay
@@ -299,13 +301,14 @@ class PrefixScore:
         up = candidates(view)
         # Not overloaded: at most load_cap x the mean (+1, so an idle fleet admits anyone); the least loaded
         # replica always qualifies.
-        limit = self.load_cap * sum(view.load(r) for r in up) / len(up) + 1
-        eligible = [r for r in up if view.load(r) <= limit]
+        loads = [view.load(r) for r in up]
+        limit = self.load_cap * sum(loads) / len(up) + 1
+        eligible = [r for r, load in zip(up, loads) if load <= limit]
         if self._recent is None or self._recent_size != view.num_replicas:
             self._recent = RecentShare(self.window_per_replica * view.num_replicas)
             self._recent_size = view.num_replicas
         recent = self._recent
-        eligible = [r for r in eligible if not recent.over(r, up, self.load_cap)] or eligible
+        eligible = recent.under(eligible, up, self.load_cap) or eligible
         scores = {r: self.cached(r, request, view) for r in eligible} if request.block_hashes else {}
         # Queued prefill is the load that credit is weighed against: a replica may have at most load_cap x the
         # mean queued, + this request's blocks, + the blocks it would save here.
