@@ -27,6 +27,17 @@ def test_the_relay_reads_the_first_of_each_header_it_needs():
     assert request_headers(scope) == {"authorization": "Bearer k\u00e9", "x-session-id": "s1", "content-length": "12"}
 
 
+def test_a_body_that_does_not_parse_routes_without_hashes_or_session():
+    """Not JSON, not an object, or nested deeper than Python's parser recurses (well within the body limit): the
+    router routes it blind and the replica answers what is wrong with it; the router itself never fails it."""
+    from kvprefix.router.hashing import route_request
+
+    deep = b"[" * 200_000 + b"]" * 200_000
+    for body in (b"{", b"[1, 2]", deep, b'{"messages": ' + deep + b', "user": "u"}'):
+        route = route_request(body, {"x-session-id": "s"}, None, None)
+        assert (list(route.block_hashes), route.num_blocks, route.session) == ([], 0, "s")
+
+
 def test_a_body_is_read_whole_within_the_limit(monkeypatch):
     chunked = messages({"type": "http.request", "body": b"ab", "more_body": True},
                        {"type": "http.request", "body": b"", "more_body": True}, {"type": "http.request", "body": b"c"})

@@ -88,6 +88,9 @@ def test_tokenize_and_detokenize_match_what_requests_run(server: Server) -> None
     assert server.post("/detokenize", {"tokens": [10**6]}).status_code == 400
     assert server.post("/tokenize", {"prompt": "x", "model": "gpt-4"}).status_code == 404
     assert server.post("/tokenize", {"prompt": "x", "frobnicate": 1}).status_code == 400
+    deep = "[" * 200_000 + "]" * 200_000  # nested deeper than a parser recurses: a 400, not a server error
+    assert httpx.post(server.url + "/tokenize", content=deep, headers={"content-type": "application/json"},
+                      timeout=30).status_code == 400
 
 
 def test_chat_template_fields(server: Server) -> None:

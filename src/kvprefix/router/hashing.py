@@ -38,11 +38,11 @@ class RouteRequest:
 def route_request(body: bytes, headers: Mapping[str, str], tenant: str | None,
                   hasher: RequestHasher | None) -> RouteRequest:
     """What the policies need of a raw request: its block hashes (with ``hasher``; else none) and its session key
-    (``prompt_cache_key``, ``user`` or an ``x-session-id`` header). A body that is not a JSON object routes with
-    neither: the replica answers what is wrong with it."""
+    (``prompt_cache_key``, ``user`` or an ``x-session-id`` header). A body that is not a JSON object (or nests
+    too deep to parse) routes with neither: the replica answers what is wrong with it."""
     try:
         parsed = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser recurses
         parsed = None
     parsed = parsed if isinstance(parsed, dict) else {}
     hashes, num_blocks = hasher.hash_prompt(parsed, tenant) if hasher is not None else ([], 0)

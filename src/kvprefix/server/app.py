@@ -206,7 +206,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
         text = await _body_text(raw)
         try:
             chat = "messages" in json.loads(text)
-        except (ValueError, TypeError):  # malformed or not an object: the validation below says how
+        except (ValueError, TypeError, RecursionError):  # malformed, not an object, too deep: the validation says how
             chat = False
         return await serving.tokenize(await _validate(text, TokenizeChatRequest if chat else TokenizeCompletionRequest))
 
