@@ -303,7 +303,7 @@ class PrefixScore:
         # replica always qualifies.
         loads = [view.load(r) for r in up]
         limit = self.load_cap * sum(loads) / len(up) + 1
-        eligible = [r for r, load in zip(up, loads) if load <= limit]
+        eligible = [r for r, load in zip(up, loads, strict=True) if load <= limit]
         if self._recent is None or self._recent_size != view.num_replicas:
             self._recent = RecentShare(self.window_per_replica * view.num_replicas)
             self._recent_size = view.num_replicas
