@@ -19,3 +19,19 @@ def test_segment_cache_tokenizes_like_the_replicas(default_model_dir: str):
     for _ in range(2):  # cold, then from the cache (capacity 4: some pieces were evicted in between)
         for body in bodies:
             assert render_body(cached, body)[0].token_ids == render_body(plain, body)[0].token_ids, body
+
+
+def test_texts_split_at_added_tokens_as_the_pattern_splits_them(default_model_dir: str):
+    """The split that jumps between occurrences of the added tokens' first character gives re.split's pieces, on
+    texts full of near misses (the character alone, a token's beginning, tokens back to back)."""
+    import random
+
+    cached = SegmentCachedTokenizer(Tokenizer(default_model_dir))
+    added = sorted(cached._added_ids)
+    assert cached._first is not None and len(added) > 1
+    rng = random.Random(3)
+    fragments = ["a", " ", "\n", "é", cached._first, cached._first * 2, *added, *(t[:-1] for t in added),
+                 *(t[1:] for t in added)]
+    for _ in range(5000):
+        text = "".join(rng.choice(fragments) for _ in range(rng.randrange(12)))
+        assert cached._pieces(text) == cached._split.split(text), text
