@@ -45,7 +45,8 @@ class FleetView:
         return FleetView(self.replicas, self._excluded | {replica})
 
     def usable(self) -> bool:
-        return any(self.healthy(r) for r in range(self.num_replicas))
+        excluded = self._excluded
+        return any(rep.healthy and r not in excluded for r, rep in enumerate(self.replicas))
 
     def healthy(self, replica: int) -> bool:
         return replica not in self._excluded and self.replicas[replica].healthy
