@@ -313,9 +313,9 @@ class BlockHashMemo:
         _, tokens, hashes = last
         bs = self.block_size
         lo, hi = 0, min(num_full, len(hashes))  # blocks [0, lo) are shared; [0, hi) is what may be
-        last = slice((hi - 1) * bs, hi * bs) if hi else slice(0, 0)
+        final = slice((hi - 1) * bs, hi * bs) if hi else slice(0, 0)
         # Most often only the last blocks differ: the last block first (a short compare), then all before it.
-        if token_ids[last] == tokens[last] and token_ids[: hi * bs] == tokens[: hi * bs]:
+        if token_ids[final] == tokens[final] and token_ids[: hi * bs] == tokens[: hi * bs]:
             return hi, list(hashes[:hi])
         hi -= 1
         while lo < hi:

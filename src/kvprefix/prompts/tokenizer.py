@@ -175,8 +175,8 @@ def _plain(conversations: list[list[dict[str, Any]]], variables: dict[str, Any])
 @functools.lru_cache(maxsize=32)
 def _direct_renderer(template: str) -> Callable[[dict[str, Any]], str]:
     """``variables -> text``: what ``jinja2.Template.render(**variables)`` gives for transformers' compiled
-    ``template``, with the template's globals merged into a plain dict once. Jinja copies its ChainMap of globals
-    into every render's context, half the time of rendering a short conversation (the router renders every
+    ``template``, with the template's globals merged into a plain dict once: Jinja copies its ChainMap of globals
+    into every render's context, which costs as much as rendering a short conversation (the router renders every
     request)."""
     from transformers.utils.chat_template_utils import _compile_jinja_template
 
