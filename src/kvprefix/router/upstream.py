@@ -191,10 +191,15 @@ class Pool:
         data = b"".join(head) + body
         while True:
             conn = self._idle.pop() if self._idle else None
-            if conn is not None and (conn.closed or conn.transport.is_closing()):
-                continue
             reused = conn is not None
-            conn = conn or await self._connect()
+            if conn is None:
+                conn = await self._connect()
+            # Closed while idle, or reset between connecting and now (the replica going down): writing to it would
+            # raise (uvloop) or wait for an answer that never comes (asyncio).
+            if conn.closed or conn.transport.is_closing():
+                if reused:
+                    continue
+                raise ReplicaDown("the replica closed the connection before the request was sent")
             conn.used = True
             conn.head = asyncio.get_running_loop().create_future()
             conn.transport.write(data)
