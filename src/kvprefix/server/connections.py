@@ -43,7 +43,6 @@ def timed_protocol(headers_timeout: float, body_timeout: float, base: type = H11
                 self._on_progress()  # a pipelined one may already be parsed
 
         def connection_lost(self, exc: Exception | None) -> None:
-            self._arm(None)
             if self._timer is not None:
                 self._timer.cancel()
             super().connection_lost(exc)
