@@ -7,6 +7,8 @@ import sys
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvprefix.cache import (
     HASH_ALGOS,
@@ -15,6 +17,7 @@ from kvprefix.cache import (
     ExecutionContext,
     LoraKey,
     MultiModalItem,
+    leading_blocks_in,
     prompt_embeds_block_digests,
 )
 
@@ -246,3 +249,28 @@ def test_numpy_token_ids_hash_like_python_ints(algo):
     assert hasher.hash_blocks(np.array(TOKENS, dtype=np.int64)) == hasher.hash_blocks(TOKENS)
     assert hasher.hash_blocks(list(np.array(TOKENS, dtype=np.uint32))) == hasher.hash_blocks(TOKENS)
     assert hasher.hash_blocks([0, 2**32 - 1, 0, 1]) != []
+
+
+@given(st.lists(st.lists(st.integers(0, 3), max_size=8), min_size=1, max_size=6), st.lists(st.integers(0, 3),
+       max_size=3), st.sets(st.integers(0, 3)), st.data())
+def test_leading_blocks_in_by_scan_and_by_bisection(chains, suffix, drop_digits, data):
+    """A chain's leading held blocks: the scan stops at the first block not held, whatever ``held`` is; bisection
+    gives the same count when ``held`` is prefix-closed (whole chains of chained hashes, trimmed from their ends)."""
+    hasher = BlockHasher(1, "xxhash")
+    request = data.draw(st.sampled_from(chains)) + suffix  # shares a prefix with what is held, or more
+    ask = hasher.hash_blocks(request)
+    held = set()
+    for tokens in chains:
+        hashes = hasher.hash_blocks(tokens)
+        held.update(hashes[: data.draw(st.integers(0, len(hashes)))])  # a chain evicted from its end
+    expected = 0
+    while expected < len(ask) and ask[expected] in held:
+        expected += 1
+    assert leading_blocks_in(held, ask) == expected
+    assert leading_blocks_in(held, ask, prefix_closed=True) == expected
+    # not prefix-closed (blocks dropped from the middle of chains): only the scan may be asked
+    holey = {h for h, t in zip(ask, request, strict=True) if t not in drop_digits} | held
+    expected = 0
+    while expected < len(ask) and ask[expected] in holey:
+        expected += 1
+    assert leading_blocks_in(holey, ask) == expected

@@ -15,6 +15,7 @@ from kvprefix.cache.hashing import (
     BlockHashMemo,
     LoraKey,
     MultiModalItem,
+    leading_blocks_in,
     prompt_embeds_block_digests,
 )
 from kvprefix.cache.identity import (
@@ -52,6 +53,7 @@ __all__ = [
     "cdiv",
     "context_for_checkpoint",
     "kv_label",
+    "leading_blocks_in",
     "namespace_id",
     "namespace_salt",
     "prompt_embeds_block_digests",

@@ -21,7 +21,7 @@ from kvprefix.cache.event_wire import (
     SnapshotStart,
 )
 from kvprefix.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from kvprefix.cache.hashing import BlockHash
+from kvprefix.cache.hashing import BlockHash, leading_blocks_in
 
 
 class BlockIndex:
@@ -70,12 +70,7 @@ class BlockIndex:
 
     def cached_prefix_blocks(self, block_hashes: Sequence[BlockHash]) -> int:
         """How many leading blocks of a request's chain are cached."""
-        n = 0
-        for h in block_hashes:
-            if h not in self._blocks:
-                break
-            n += 1
-        return n
+        return leading_blocks_in(self._blocks, block_hashes)
 
     def __len__(self) -> int:
         return len(self._blocks)

@@ -15,7 +15,7 @@ import sys
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Hashable, Sequence
 from dataclasses import dataclass
 
 import cbor2
@@ -37,6 +37,32 @@ _MM_TAG = b"M"
 _EMBEDS_TAG = b"E"
 _MAX_TOKEN_ID = 2**32 - 1
 _MAX_SALTED_HASHERS = 1024  # per base hasher, least recently used dropped first
+
+
+def leading_blocks_in(held: Container[Hashable], block_hashes: Sequence[Hashable], prefix_closed: bool = False) -> int:
+    """How many leading blocks of a chain ``held`` holds (up to the first it does not).
+
+    ``prefix_closed``: the caller knows ``held`` holds the blocks before any block it holds (whole chains go in, a
+    chain's deepest blocks go out first; hashes are chained, so a block's predecessors are the same in every chain).
+    Then the held blocks of a chain are a prefix of it, found by bisection: a few lookups instead of one per block."""
+    n = len(block_hashes)
+    if not prefix_closed:
+        for i, h in enumerate(block_hashes):
+            if h not in held:
+                return i
+        return n
+    if not n or block_hashes[0] not in held:
+        return 0
+    if block_hashes[-1] in held:
+        return n
+    lo, hi = 1, n - 1  # block lo - 1 is held, block hi is not
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if block_hashes[mid] in held:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
 
 def _u32(n: int) -> bytes:

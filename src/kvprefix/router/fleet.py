@@ -53,7 +53,7 @@ class FleetView:
 
     def cached_prefix_blocks(self, replica: int, block_hashes: Sequence[Hashable]) -> int:
         rep = self.replicas[replica]
-        held = rep.mirror.index.cached_prefix_blocks if rep.mirror is not None and rep.mirror.ready else None
+        held = rep.mirror.index if rep.mirror is not None and rep.mirror.ready else None
         return rep.outstanding.blocks.cached_prefix_blocks(block_hashes, held)
 
     def load(self, replica: int) -> float:

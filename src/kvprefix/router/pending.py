@@ -9,9 +9,9 @@ planner's view, the HTTP router's and the Ray Serve router's alike; each ``Route
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Container, Hashable, Sequence
 
-from kvprefix.router.policies import leading_blocks_in
+from kvprefix.cache import leading_blocks_in
 
 
 class PendingBlocks:
@@ -57,15 +57,14 @@ class PendingBlocks:
             del refs[h]
             h = parent.pop(h)
 
-    def cached_prefix_blocks(self, block_hashes: Sequence[Hashable],
-                             held: Callable[[Sequence[Hashable]], int] | None = None) -> int:
-        """How many leading blocks of ``block_hashes`` are pending here or, by ``held`` (a replica's leading cached
-        blocks of a chain), cached: the longest prefix of blocks each in one or the other. The pending blocks are
-        whole chains, so they are a prefix of the request's (found by bisection); the cached ones may follow
-        them, and no pending block can follow those (it would make the blocks before it pending too)."""
-        n = leading_blocks_in(self._refs, block_hashes)
+    def cached_prefix_blocks(self, block_hashes: Sequence[Hashable], held: Container[Hashable] | None = None) -> int:
+        """How many leading blocks of ``block_hashes`` are pending here or in ``held`` (what the replica caches):
+        the longest prefix of blocks each in one or the other. The pending blocks are whole chains, so they are a
+        prefix of the request's (found by bisection); the cached ones may follow them, and no pending block can
+        follow those (it would make the blocks before it pending too)."""
+        n = leading_blocks_in(self._refs, block_hashes, prefix_closed=True)
         if held is not None and n < len(block_hashes):
-            n += held(block_hashes[n:])
+            n += leading_blocks_in(held, block_hashes[n:])
         return n
 
 

@@ -13,10 +13,12 @@ import bisect
 import math
 import random
 from collections import OrderedDict
-from collections.abc import Callable, Container, Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Protocol
 
 import xxhash
+
+from kvprefix.cache import leading_blocks_in
 
 
 class Routable(Protocol):
@@ -174,26 +176,6 @@ class SessionAffinity:
         return first
 
 
-def leading_blocks_in(held: Container[Hashable], block_hashes: Sequence[Hashable]) -> int:
-    """How many leading blocks of a chain ``held`` holds, where ``held`` is prefix-closed: it holds the blocks
-    before any block it holds (whole chains go in, a chain's deepest blocks go out first; block hashes are
-    chained, so a block's predecessors are the same in every chain). Then the held blocks of a chain are a prefix
-    of it, found by bisection: a few lookups instead of one per block."""
-    n = len(block_hashes)
-    if not n or block_hashes[0] not in held:
-        return 0
-    if block_hashes[-1] in held:
-        return n
-    lo, hi = 1, n - 1  # block lo - 1 is held, block hi is not
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if block_hashes[mid] in held:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
-
-
 class RoutedIndex:
     """Per replica, the block hashes recently routed there: the router's prediction of what each one caches,
     when it reads no events. LRU and capped, like the pools it guesses at (a replica evicts too)."""
@@ -206,13 +188,13 @@ class RoutedIndex:
 
     def cached_prefix_blocks(self, replica: int, block_hashes: Sequence[Hashable]) -> int:
         held = self._replicas.get(replica)
-        return leading_blocks_in(held, block_hashes) if held else 0
+        return leading_blocks_in(held, block_hashes, prefix_closed=True) if held else 0
 
     def record(self, replica: int, block_hashes: Sequence[Hashable]) -> None:
         held = self._replicas.setdefault(replica, OrderedDict())
         # Deepest block first, so a prefix's first blocks are the most recent and eviction eats it from its end:
         # what stays is still a prefix (evicting the first block would lose the credit for all the others), and
-        # what the index holds is prefix-closed (``leading_blocks_in``).
+        # what the index holds is prefix-closed (``cache.leading_blocks_in``).
         move = held.move_to_end
         for h in reversed(block_hashes):
             try:

@@ -69,10 +69,9 @@ class _SlotView:
         rid = self.slots[replica]
         exact = self._cached.get(rid.unique_id, 0) if self._cached and rid is not None else 0
         out = self._of(replica)
-        n = exact
-        while n < len(block_hashes) and out is not None and block_hashes[n] in out.blocks:
-            n += 1
-        return n
+        # Pending blocks are whole chains: counting on from the exact prefix through pending blocks would reach
+        # the pending prefix when that is longer, and stop at once otherwise.
+        return max(exact, out.blocks.cached_prefix_blocks(block_hashes)) if out is not None else exact
 
     def load(self, replica: int) -> float:
         out = self._of(replica)
@@ -317,10 +316,7 @@ class Ingress:
             mirror = rep.mirror
             if mirror is None or not mirror.ready or mirror.replica_id is None:
                 continue
-            index, n = mirror.index, 0
-            while n < len(block_hashes) and block_hashes[n] in index:
-                n += 1
-            out[mirror.replica_id] = n
+            out[mirror.replica_id] = mirror.index.cached_prefix_blocks(block_hashes)
         return out
 
     async def _hasher(self):

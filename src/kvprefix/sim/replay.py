@@ -92,14 +92,8 @@ class _ManagersView:
         return True
 
     def cached_prefix_blocks(self, replica: int, block_hashes: Sequence[Hashable]) -> int:
-        cached = self.managers[replica].pool.cached_blocks
-        pending = self.outstanding[replica].blocks
-        n = 0
-        for h in block_hashes:
-            if h not in cached and h not in pending:
-                break
-            n += 1
-        return n
+        return self.outstanding[replica].blocks.cached_prefix_blocks(block_hashes,
+                                                                     self.managers[replica].pool.cached_blocks)
 
     def load(self, replica: int) -> float:
         return self.outstanding[replica].requests
