@@ -82,6 +82,37 @@ def same_choices(served: list[str], offline: list[int]) -> bool:
         set(position.values())) == len(position) == 2
 
 
+def test_replicas_keep_their_positions_and_each_reset_is_forgotten_once():
+    """The request router's placement (real Ray replica ids, the prefix policy's real index): a replacement takes
+    the position its predecessor left, with nothing remembered there; every call carries the ingress's reset
+    counts, and each reset empties the index once, however many calls (or asks about one request) bring it."""
+    from ray.serve._private.common import DeploymentID  # ReplicaID's own field; Ray exports no public constructor
+
+    from kvprefix.router.policies import RoutedIndex
+    from kvprefix.router.ray_serve import ReplicaID, ReplicaSlots
+
+    deployment = DeploymentID(name="Engine", app_name="kvprefix")
+    a, b, c = (ReplicaID(u, deployment) for u in "abc")
+    routed = RoutedIndex(64)
+    slots = ReplicaSlots(routed)
+    slots.place({b, a})
+    assert slots.slots == [a, b]
+    routed.record(0, ["x", "y"])
+    routed.record(1, ["x"])
+    slots.place({a, b}, [("a", 1)])
+    assert routed.cached_prefix_blocks(0, ["x", "y"]) == 0 and routed.cached_prefix_blocks(1, ["x"]) == 1
+    routed.record(0, ["x", "y"])  # the call that brought the reset, placed after it
+    for _ in range(3):  # Ray asks again about that request, later calls carry the same count
+        slots.place({a, b}, [("a", 1)])
+    assert routed.cached_prefix_blocks(0, ["x", "y"]) == 2
+    slots.place({a, b}, [("a", 2), ("b", 1)])  # reset again, both this time
+    assert routed.cached_prefix_blocks(0, ["x"]) == 0 and routed.cached_prefix_blocks(1, ["x"]) == 0
+    routed.record(1, ["x"])
+    slots.place({a, c}, [("a", 2), ("b", 1)])  # b gone, c new: c takes b's position, which holds nothing of b's
+    assert slots.slots == [a, c] and routed.cached_prefix_blocks(1, ["x"]) == 0
+    assert set(slots.outstanding) == {a, b, c}
+
+
 @pytest.mark.slow
 def test_ray_serve_routes_like_the_standalone_prefix_policy(serve_port: int, default_model_dir: str):
     from ray import serve

@@ -33,7 +33,7 @@ from kvprefix.router.fleet import FleetView, Replica
 from kvprefix.router.hashing import RouteRequest, route_request
 from kvprefix.router.metrics import TAIL_BYTES, RouterMetrics, decision_reason, reported_cached_tokens
 from kvprefix.router.pending import Outstanding, Routed
-from kvprefix.router.policies import make_policy
+from kvprefix.router.policies import RoutedIndex, make_policy
 from kvprefix.server.bodies import read_body
 from kvprefix.server.errors import install_error_handlers
 from kvprefix.server.tenancy import Auth
@@ -82,29 +82,29 @@ class _SlotView:
         return out.queued_prefill_blocks if out is not None else 0
 
 
-class PolicyRequestRouter(RequestRouter):
-    """Ray Serve request router that asks a kvprefix policy. Replicas keep a fixed position (the session ring and
-    the routed-prefix index are keyed by it, Ray's replica ids change on every restart): the first replicas fill
-    positions in replica-id order, a new one takes the first position a gone one left, forgotten by the index.
-    A call with ``exclude=ids`` goes to a replica whose id is not among them (the ingress follows each replica's
-    event stream once, and fans admin calls out to every one; while Ray knows no other replica yet, any); a call
-    with no ``route`` to any replica. ``forget=ids``: replicas whose cache was reset through the ingress since its
-    last request; the routed-prefix index forgets them before this request is placed, as `kvprefix route` does."""
+class ReplicaSlots:
+    """The engine replicas at fixed policy positions, and what this router sent each (``Outstanding``).
 
-    def initialize_state(self, policy: str = "round-robin", seed: int = 0, load_cap: float = 1.25, **kwargs):
-        self.policy = make_policy(policy, seed, load_cap)
+    The session ring and the routed-prefix index are keyed by position, and Ray's replica ids change on every
+    restart: the first replicas fill positions in replica-id order, a new one takes the first position a gone one
+    left, which the index (``routed``) forgets. ``resets`` are (replica id, how many times its cache was reset
+    through the ingress so far): every call carries them, and each reset is forgotten once, by the first call that
+    brings it (a request Ray asks about again, or the calls after it, forget nothing more)."""
+
+    def __init__(self, routed: RoutedIndex | None = None):
+        self.routed = routed
         self.slots: list[ReplicaID | None] = []
         self.outstanding: dict[ReplicaID, Outstanding] = {}
-        # request id -> (route, credited blocks, replica chosen, replicas chosen before that refused it)
-        self._chosen: dict[str, tuple[RouteRequest, int, ReplicaID | None, tuple[str, ...]]] = {}
-        self._routed: dict[str, Routed] = {}  # request id -> its share of the replica's load, until it completes
+        self._resets_applied: dict[str, int] = {}
 
-    def _place(self, replicas: Sequence[RunningReplica], forget: Sequence[str] = ()) -> None:
-        up = {r.replica_id for r in replicas}
-        routed = getattr(self.policy, "routed", None)
-        if routed is not None:
+    def place(self, up: set[ReplicaID], resets: Sequence[tuple[str, int]] = ()) -> None:
+        routed = self.routed
+        for replica_id, count in resets:
+            if count <= self._resets_applied.get(replica_id, 0):
+                continue
+            self._resets_applied[replica_id] = count
             for i, rid in enumerate(self.slots):
-                if rid is not None and rid.unique_id in forget:
+                if routed is not None and rid is not None and rid.unique_id == replica_id:
                     routed.forget(i)
         self.slots = [s if s in up else None for s in self.slots]
         for rid in sorted(up - set(self.slots), key=lambda r: r.unique_id):
@@ -117,10 +117,27 @@ class PolicyRequestRouter(RequestRouter):
             else:
                 self.slots.append(rid)
 
+
+class PolicyRequestRouter(RequestRouter):
+    """Ray Serve request router that asks a kvprefix policy over the replicas' fixed positions (``ReplicaSlots``).
+    A call with ``exclude=ids`` goes to a replica whose id is not among them (the ingress follows each replica's
+    event stream once, and fans admin calls out to every one; while Ray knows no other replica yet, any); a call
+    with no ``route`` to any replica. ``forget=((id, resets), ...)``: the replicas whose cache was reset through the
+    ingress, and how often; the routed-prefix index forgets a new reset before this call is placed, as `kvprefix
+    route` does."""
+
+    def initialize_state(self, policy: str = "round-robin", seed: int = 0, load_cap: float = 1.25, **kwargs):
+        self.policy = make_policy(policy, seed, load_cap)
+        self.placement = ReplicaSlots(getattr(self.policy, "routed", None))
+        # request id -> (route, credited blocks, replica chosen, replicas chosen before that refused it)
+        self._chosen: dict[str, tuple[RouteRequest, int, ReplicaID | None, tuple[str, ...]]] = {}
+        self._routed: dict[str, Routed] = {}  # request id -> its share of the replica's load, until it completes
+
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         kwargs = pending_request.kwargs if pending_request is not None else {}
-        self._place(candidate_replicas, kwargs.get("forget") or ())
+        placement = self.placement
+        placement.place({r.replica_id for r in candidate_replicas}, kwargs.get("forget") or ())
         by_id = {r.replica_id: r for r in candidate_replicas}
         exclude = kwargs.get("exclude")
         if exclude is not None:  # a replica the caller has not reached yet; none: any (the ingress sees the repeat)
@@ -129,8 +146,8 @@ class PolicyRequestRouter(RequestRouter):
         route = kwargs.get("route")
         if route is None:  # not a client request (the block identity, a health probe): any replica
             return [candidate_replicas]
-        view = _SlotView(self.slots, set(by_id), self.outstanding, route.replica_cached)
-        chosen = by_id.get(self.slots[self.policy.choose(route, view)])
+        view = _SlotView(placement.slots, set(by_id), placement.outstanding, route.replica_cached)
+        chosen = by_id.get(placement.slots[self.policy.choose(route, view)])
         request_id = pending_request.metadata.internal_request_id
         earlier = self._chosen.get(request_id)  # asked again: the replica chosen before refused it (full)
         refused = () if earlier is None else (*earlier[3], *([earlier[2].unique_id] if earlier[2] else []))
@@ -145,7 +162,7 @@ class PolicyRequestRouter(RequestRouter):
         route, credited, _, refused = chosen
         route.decision = (decision_reason(bool(refused), credited, self.policy.name == "session", route.session),
                           credited, refused)
-        out = self.outstanding.setdefault(replica_id, Outstanding())
+        out = self.placement.outstanding.setdefault(replica_id, Outstanding())
         # The router sees no first token: a request's prefill counts as queued until it completes.
         self._routed[request_id] = out.add(route.block_hashes, max(route.num_blocks - credited, 0))
 
@@ -216,7 +233,7 @@ class Engine:
 
     async def handle(self, method: str, path: str, query: bytes, headers: list[tuple[str, str]], body: bytes,
                      route: RouteRequest | None, exclude: tuple[str, ...] | None = None,
-                     forget: tuple[str, ...] = ()) -> AsyncIterator[Any]:
+                     forget: tuple[tuple[str, int], ...] = ()) -> AsyncIterator[Any]:
         # ``route``, ``exclude`` and ``forget`` are for the request router (it reads the call's kwargs); the
         # replica has no use for them.
         async for item in _call_asgi(self.app, method, path, query, headers, body):
@@ -258,7 +275,7 @@ class Ingress:
         self.metrics = RouterMetrics(self.view)
         self.followed: list[Replica] = []
         self._claimed: dict[int, str] = {}  # follower -> the replica id its event stream comes from
-        self._reset: set[str] = set()  # replicas reset through the fan-out, for the router to forget (prefix)
+        self._resets: dict[str, int] = {}  # replica id -> resets through the fan-out, for the router to forget
         self._followers: list[asyncio.Task] = []
         if policy == "kv-events":
             self.followed = [Replica(f"events-{k}") for k in range(num_replicas)]
@@ -341,9 +358,9 @@ class Ingress:
         """Relays the call through the handle (its router picks the replica) and counts it in the metrics: a
         client request (``route``) by the router's decision, every answer's in-flight time and cached tokens."""
         headers = [(k, raw.headers[k]) for k in FORWARD_HEADERS if k in raw.headers]
-        forget, self._reset = tuple(self._reset), set()
         stream = self.engine.options(stream=True).handle.remote(raw.method, raw.url.path, raw.url.query.encode(),
-                                                                headers, body, route=route, forget=forget)
+                                                                headers, body, route=route,
+                                                                forget=tuple(self._resets.items()))
         status, response_headers = await stream.__anext__()
         rep = self._replica(dict(response_headers).get(REPLICA_HEADER, "unknown"))
         rep.healthy = True
@@ -422,7 +439,7 @@ class Ingress:
                 return {"replica": replica, "status": None, "error": "reached twice: a replica is not running"}
             reached.append(replica)
             if status == 200:  # it holds nothing the router remembers sending (as `kvprefix route` forgets)
-                self._reset.add(replica)
+                self._resets[replica] = self._resets.get(replica, 0) + 1
             return replica_result(replica, status, text)
 
         # One after another, each to a replica not reached yet (two pinned calls pending at once hung in Ray
