@@ -58,7 +58,8 @@ def write_request_log(bodies: Path, path: Path, model: str, with_prompts: bool) 
     """What `kvprefix serve --request-log` would write for these bodies (its renderer, its sha256 hashes)."""
     from kvprefix.cache import BlockHasher
     from kvprefix.logs import RequestLogWriter, RequestRecord
-    from kvprefix.prompts import SegmentCachedTokenizer, Tokenizer, render_bodies
+    from kvprefix.prompts import render_bodies
+    from kvprefix.tokenizer import SegmentCachedTokenizer, Tokenizer
 
     tokenizer = SegmentCachedTokenizer(Tokenizer(model))
     hasher = BlockHasher(16, "sha256")

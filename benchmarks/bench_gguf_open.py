@@ -1,4 +1,4 @@
-"""Opening a GGUF file: the `gguf` package's GGUFReader against kvprefix's reader (kvprefix.prompts.gguf_file),
+"""Opening a GGUF file: the `gguf` package's GGUFReader against kvprefix's reader (kvprefix.tokenizer.gguf_file),
 interleaved in one process, and the tokenizer built on top. Every process that serves, routes or plans a .gguf
 model opens it once; GGUFReader spends its time making numpy views of each metadata string.
 
@@ -18,8 +18,8 @@ def main() -> None:
     from gguf import GGUFReader
 
     from kvprefix.model.default_model import default_model_path
-    from kvprefix.prompts import Tokenizer, gguf_file
-    from kvprefix.prompts.gguf_file import GGUFFile
+    from kvprefix.tokenizer import Tokenizer, gguf_file
+    from kvprefix.tokenizer.gguf_file import GGUFFile
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="a .gguf file (default: the built-in default model's)")

@@ -24,8 +24,8 @@ from kvprefix.model import allocate_kv_cache, default_model_path, load_model
 from kvprefix.model.loader import resolve_dtype
 
 # The reference driver the model tests use: builds AttentionMetadata for a list of sequence chunks.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "model"))
-from paged import Chunk, run_batch  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' support package
+from support.paged import Chunk, run_batch  # noqa: E402
 
 BLOCK_SIZE = 16
 MAX_CONTEXT_BLOCKS = 2048 // BLOCK_SIZE + 2

@@ -29,8 +29,8 @@ import torch
 from kvprefix.model import allocate_kv_cache, default_model_path, load_model
 from kvprefix.model.loader import resolve_dtype
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "model"))
-from paged import Chunk, run_batch  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' support package
+from support.paged import Chunk, run_batch  # noqa: E402
 
 BLOCK_SIZE = 16
 QWEN_SHAPE = "qwen2.5-0.5b-shape"

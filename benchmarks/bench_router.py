@@ -93,7 +93,7 @@ def null_backend(port: int, model: str) -> None:
 
     from kvprefix.cache import BlockHasher, context_for_checkpoint
     from kvprefix.cache.event_wire import Hello, SnapshotEnd, SnapshotStart, dumps
-    from kvprefix.prompts import Tokenizer
+    from kvprefix.tokenizer import Tokenizer
 
     context = context_for_checkpoint(model, "float32", Tokenizer(model).chat_template)
     root = BlockHasher(16, "sha256", context).root

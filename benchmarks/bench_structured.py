@@ -118,7 +118,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     from kvprefix.model import default_model_path
-    from kvprefix.prompts import Tokenizer
+    from kvprefix.tokenizer import Tokenizer
 
     with tempfile.TemporaryDirectory() as cache:
         import os

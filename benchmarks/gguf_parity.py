@@ -1,5 +1,5 @@
 """Parity of kvprefix's GGUF loading with transformers' own GGUF loading of the same file, and of its tokenizer
-with llama.cpp's rules (the reference in tests/model/llama_cpp_bpe.py) and with transformers' GGUF tokenizer.
+with llama.cpp's rules (the reference in tests/tokenizer/llama_cpp_bpe.py) and with transformers' GGUF tokenizer.
 
 Weights: every parameter against transformers' dequantized, un-permuted tensor. Greedy: chat prompts through
 kvprefix's LLM and through transformers' LlamaForCausalLM.generate on the same token ids, float32 and bfloat16.
@@ -19,11 +19,11 @@ import torch
 
 from kvprefix import LLM, SamplingParams
 from kvprefix.model import default_model_path, load_model
-from kvprefix.prompts import Tokenizer
-from kvprefix.prompts.gguf_file import open_gguf
+from kvprefix.tokenizer import Tokenizer
+from kvprefix.tokenizer.gguf_file import open_gguf
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "model"))
-from llama_cpp_bpe import PARITY_STRINGS, encode  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' support package
+from support.llama_cpp_bpe import PARITY_STRINGS, encode  # noqa: E402
 
 QUESTIONS = (
     "What is the capital of France?",

@@ -1,17 +1,12 @@
 """Fixtures shared across test folders."""
 
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
+from support.server_registry import ServerRegistry, specs_in_order_of_use
 
 from kvprefix.model import write_random_checkpoint
-
-sys.path.insert(0, str(Path(__file__).parent / "server"))  # the server fixtures' registry: one copy for all folders
-
-from server_registry import ServerRegistry, specs_in_order_of_use  # noqa: E402
 
 # The suite shares 2 cores with servers, clients and other runs; with more than one OpenMP thread per process the
 # threads spin at barriers whenever a core is taken, and tiny-model forwards get several times slower.

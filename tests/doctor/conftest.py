@@ -1,5 +1,5 @@
 import pytest
-from doctor_logs import write_tokenizer
+from support.doctor_logs import write_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -3,8 +3,8 @@ logs get a clean bill; each counterfactual equals the doctor's own reading of th
 
 import json
 
-import doctor_logs as logs
 import pytest
+import support.doctor_logs as logs
 
 from kvprefix.cli import main
 from kvprefix.doctor.kinds import FIXABLE

@@ -5,8 +5,8 @@ import json
 import shutil
 import subprocess
 
-import doctor_logs as logs
 import pytest
+import support.doctor_logs as logs
 
 from kvprefix.cli import main
 

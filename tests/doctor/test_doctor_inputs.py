@@ -3,13 +3,14 @@ the file and the line."""
 
 import json
 
-import doctor_logs as logs
 import pytest
+import support.doctor_logs as logs
 
 from kvprefix.cache import BlockHasher
 from kvprefix.cli import main
 from kvprefix.logs import RequestLogWriter, RequestRecord
-from kvprefix.prompts import Tokenizer, render_body
+from kvprefix.prompts import render_body
+from kvprefix.tokenizer import Tokenizer
 
 
 def write_request_log(path, rows, tokenizer_dir, with_prompts, later=None):

@@ -3,10 +3,10 @@ ten times the log leaves no more cycles than the tokenizer's loading does once."
 
 import gc
 
-import doctor_logs as logs
+import support.doctor_logs as logs
 
 from kvprefix.doctor.analysis import diagnose
-from kvprefix.prompts import Tokenizer
+from kvprefix.tokenizer import Tokenizer
 
 
 def _cycles_left(path, tokenizer_dir) -> int:

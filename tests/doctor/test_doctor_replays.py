@@ -3,12 +3,12 @@ a capacity that never evicts, and the in-flight pass equals the rule it implemen
 
 from array import array
 
-import doctor_logs as logs
 import pytest
+import support.doctor_logs as logs
 
 from kvprefix.doctor.analysis import Options, _Doctor
 from kvprefix.doctor.replaying import PREFILL_TOKENS_PER_S, Replayer, Setting, Timing, planner_replay, unbounded_replay
-from kvprefix.prompts import Tokenizer
+from kvprefix.tokenizer import Tokenizer
 
 CORPUS = {
     "clean": logs.clean, "multi-turn": logs.multi_turn, "volatile": logs.volatile, "shuffled tools": logs.shuffled_tools,

@@ -1,9 +1,10 @@
 """The doctor's memoized tokenization gives exactly the tokenizer's ids, through the one renderer."""
 
-import doctor_logs as logs
 import pytest
+import support.doctor_logs as logs
 
-from kvprefix.prompts import SegmentCachedTokenizer, Tokenizer, render_bodies, render_body
+from kvprefix.prompts import render_bodies, render_body
+from kvprefix.tokenizer import SegmentCachedTokenizer, Tokenizer
 
 TEXTS = [
     "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nHi  there\n\n<|im_end|>\n",
@@ -89,7 +90,7 @@ ASCII_TEXTS = [
 
 def _tokenizer_with(tmp_path, pre_tokenizer) -> Tokenizer:
     """The test tokenizer's vocabulary and merges behind another pre-tokenizer, as a checkpoint directory."""
-    from kvprefix.model.builtin_tokenizer import build_tokenizer
+    from kvprefix.tokenizer.builtin import build_tokenizer
 
     tok = build_tokenizer(1024)
     tok.backend_tokenizer.pre_tokenizer = pre_tokenizer
@@ -98,10 +99,10 @@ def _tokenizer_with(tmp_path, pre_tokenizer) -> Tokenizer:
 
 
 def _gguf_pre_tokenizer(name: str):
-    """The pre-tokenizer kvprefix.prompts.gguf_tokenizer builds for a GGUF file's ``tokenizer.ggml.pre``."""
+    """The pre-tokenizer kvprefix.tokenizer.gguf_tokenizer builds for a GGUF file's ``tokenizer.ggml.pre``."""
     from tokenizers import Regex, pre_tokenizers
 
-    from kvprefix.prompts.gguf_tokenizer import PRE_TOKENIZERS
+    from kvprefix.tokenizer.gguf_tokenizer import PRE_TOKENIZERS
 
     return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r), behavior="isolated")
                                     for r in PRE_TOKENIZERS[name].regexes]
@@ -110,7 +111,7 @@ def _gguf_pre_tokenizer(name: str):
 
 @pytest.mark.parametrize("pre", ["byte-level", "smollm", "llama-bpe", "qwen2", "gpt-2"])
 def test_word_memo_tokenizes_ascii_text_as_the_tokenizer(tmp_path, tokenizer_dir, pre):
-    from kvprefix.prompts.word_memo import WordMemo
+    from kvprefix.tokenizer.word_memo import WordMemo
 
     plain = Tokenizer(str(tokenizer_dir)) if pre == "byte-level" else _tokenizer_with(tmp_path, _gguf_pre_tokenizer(pre))
     words = WordMemo.of(plain)
@@ -125,7 +126,7 @@ def test_word_memo_tokenizes_ascii_text_as_the_tokenizer(tmp_path, tokenizer_dir
 
 def test_a_full_word_memo_starts_again_and_still_tokenizes_as_the_tokenizer(tokenizer_dir):
     """A batch that does not fit clears the memo: the words it shares with earlier batches must go back in too."""
-    from kvprefix.prompts.word_memo import WordMemo
+    from kvprefix.tokenizer.word_memo import WordMemo
 
     plain = Tokenizer(str(tokenizer_dir))
     words = WordMemo.of(plain)
@@ -140,8 +141,8 @@ def test_word_memo_without_splits_and_with_a_full_split_memo_tokenizes_as_the_to
     split's words per earlier piece starts again when it holds too many characters."""
     from tokenizers import pre_tokenizers
 
-    from kvprefix.prompts import word_memo
-    from kvprefix.prompts.word_memo import WordMemo
+    from kvprefix.tokenizer import word_memo
+    from kvprefix.tokenizer.word_memo import WordMemo
 
     bare = _tokenizer_with(tmp_path / "bare", pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
     words = WordMemo.of(bare)
@@ -158,7 +159,7 @@ def test_word_memo_without_splits_and_with_a_full_split_memo_tokenizes_as_the_to
 def test_word_memo_only_for_pre_tokenizers_it_can_replay(tmp_path):
     from tokenizers import pre_tokenizers
 
-    from kvprefix.prompts.word_memo import WordMemo
+    from kvprefix.tokenizer.word_memo import WordMemo
 
     for k, pre in enumerate([pre_tokenizers.ByteLevel(add_prefix_space=True), pre_tokenizers.Whitespace(),
                              pre_tokenizers.Metaspace()]):

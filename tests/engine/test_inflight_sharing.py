@@ -10,7 +10,7 @@ from kvprefix import SamplingParams
 from kvprefix.cache import BlockHasher
 from kvprefix.engine.inflight import InflightPrefixes
 from kvprefix.engine.request import Request
-from kvprefix.prompts import Tokenizer
+from kvprefix.tokenizer import Tokenizer
 
 BLOCK = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

@@ -58,7 +58,7 @@ def test_masking_equals_llguidance_reference(default_model_dir):
     import torch
 
     from kvprefix.engine.structured import GrammarMasks, grammar_for
-    from kvprefix.prompts.tokenizer import Tokenizer
+    from kvprefix.tokenizer.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(default_model_dir)
     masks = GrammarMasks(tokenizer, tokenizer.vocab_size)

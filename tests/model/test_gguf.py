@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
-from gguf_files import reference_model, write_gguf
+from support.gguf_files import reference_model, write_gguf
 from test_parity import PROMPT, all_logits
 
 from kvprefix.model import ModelConfig, load_model, write_random_checkpoint
-from kvprefix.prompts import Tokenizer
+from kvprefix.tokenizer import Tokenizer
 
 CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=10000.0)

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from paged import Chunk, run_batch
+from support.paged import Chunk, run_batch
 
 from kvprefix.model import AttentionMetadata, allocate_kv_cache, load_model
 

@@ -3,10 +3,10 @@
 import pytest
 import torch
 import transformers
-from paged import Chunk, greedy_generate, run_batch
+from support.paged import Chunk, greedy_generate, run_batch
 
 from kvprefix.model import allocate_kv_cache, load_model, write_random_checkpoint
-from kvprefix.prompts import Tokenizer
+from kvprefix.tokenizer import Tokenizer
 
 BLOCK = 4
 PROMPT = "A prefix cache keeps the keys and values of a shared prompt prefix, computed once. Caché über 🙂!"

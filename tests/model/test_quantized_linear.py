@@ -7,7 +7,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from paged import Chunk, greedy_generate, run_batch
+from support.paged import Chunk, greedy_generate, run_batch
 
 from kvprefix.engine import LLM, SamplingParams
 from kvprefix.model import allocate_kv_cache, load_model

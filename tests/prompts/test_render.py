@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvprefix.prompts import PromptError, Tokenizer, completion_prompts, render_body, render_chat, render_completion
+from kvprefix.prompts import PromptError, completion_prompts, render_body, render_chat, render_completion
+from kvprefix.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +153,7 @@ def test_the_template_renders_as_transformers_apply_chat_template(tmp_path, tiny
         pass
 
     chats.append([{"role": "user", "content": Text("Hi")}])
-    from kvprefix.prompts.tokenizer import _plain  # which of these take the direct path: both paths are compared
+    from kvprefix.tokenizer.tokenizer import _plain  # which of these take the direct path: both paths are compared
 
     assert [_plain([c], {}) for c in chats] == [False, False, False]  # chats[0] has a None: dropped first
     assert _plain([[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]], {"think": True})

@@ -8,8 +8,9 @@ import shutil
 
 import pytest
 
-from kvprefix.prompts import PromptError, Tokenizer, render_bodies, render_body, render_chat
+from kvprefix.prompts import PromptError, render_bodies, render_body, render_chat
 from kvprefix.prompts.tools import format_tool_calls, template_renders_tools
+from kvprefix.tokenizer import Tokenizer
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",

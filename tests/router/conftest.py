@@ -3,17 +3,13 @@ real `kvprefix route` processes in front of them. The replicas are started with 
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "server"))  # the server tests' helpers: one copy
-
-from router_helpers import REPLICA_BLOCKS, start_router  # noqa: E402
-from server_helpers import Server, start_server, stop_server  # noqa: E402
+from support.routers import REPLICA_BLOCKS, start_router
+from support.servers import Server, start_server, stop_server
 
 POLICIES_UNDER_TEST = ("round-robin", "prefix", "kv-events", "session")
 

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import openai
 import pytest
-from router_helpers import shared_prefix_traffic
-from server_helpers import free_port
+from support.routers import shared_prefix_traffic
+from support.servers import free_port
 
 ray = pytest.importorskip("ray")
 RAY = str(Path(sys.executable).with_name("ray"))

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from router_helpers import REPLICA_BLOCKS, shared_prefix_traffic
-from server_helpers import free_port
+from support.routers import REPLICA_BLOCKS, shared_prefix_traffic
+from support.servers import free_port
 
 ray = pytest.importorskip("ray")
 MODEL = "default-model-v1"

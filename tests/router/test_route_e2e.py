@@ -14,8 +14,8 @@ import time
 import httpx
 import openai
 import pytest
-from router_helpers import REPLICA_BLOCKS, per_replica, shared_prefix_traffic, start_router, wait_synced
-from server_helpers import ADMIN, ADMIN_KEY, TENANT_KEYS, start_server, stop_server
+from support.routers import REPLICA_BLOCKS, per_replica, shared_prefix_traffic, start_router, wait_synced
+from support.servers import ADMIN, ADMIN_KEY, TENANT_KEYS, start_server, stop_server
 
 from kvprefix.cache import cdiv
 from kvprefix.cache.event_wire import loads

@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
+from kvprefix.http import bodies
+from kvprefix.http.errors import APIError
 from kvprefix.router.app import request_headers
-from kvprefix.server import bodies
-from kvprefix.server.errors import APIError
 
 
 def messages(*items: dict):

@@ -8,8 +8,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from server_helpers import ADMIN_KEY, TENANT_KEYS, Server, start_server
-from server_registry import assert_clean_exit, shared_server
+from support.server_registry import assert_clean_exit, shared_server
+from support.servers import ADMIN_KEY, TENANT_KEYS, Server, start_server
 
 
 @pytest.fixture(scope="session")

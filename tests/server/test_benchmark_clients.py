@@ -14,7 +14,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from server_helpers import Server
+from support.servers import Server
 
 from kvprefix.logs.request_log import iter_records
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from server_helpers import ADMIN, Server
+from support.servers import ADMIN, Server
 
 
 def _ids(seed: int, n: int) -> list[int]:

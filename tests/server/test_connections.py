@@ -9,8 +9,8 @@ import time
 from urllib.parse import urlsplit
 
 import pytest
-from server_helpers import Server
-from server_registry import shared_server
+from support.server_registry import shared_server
+from support.servers import Server
 
 KEEP_ALIVE, HEADERS, BODY, LIMIT = 1, 1, 2, 3
 
@@ -128,7 +128,7 @@ def test_writes_of_one_loop_iteration_go_out_as_one():
     stream's chunks are not held back), and closing sends what was gathered before it closes."""
     import asyncio
 
-    from kvprefix.server.connections import CoalescingTransport
+    from kvprefix.http.connections import CoalescingTransport
 
     class Counted:  # the real transport, with its writes counted
         def __init__(self, transport):

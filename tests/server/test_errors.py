@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from server_helpers import Server
+from support.servers import Server
 
 OK_C = {"model": "default-model-v1", "prompt": "hello", "max_tokens": 2}
 OK_CHAT = {"model": "default-model-v1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

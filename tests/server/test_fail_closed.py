@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_helpers import Server
+from support.servers import Server
 
 
 @pytest.mark.slow

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from server_helpers import Server, start_server, stop_server
+from support.servers import Server, start_server, stop_server
 
 OK_C = {"model": "default-model-v1", "prompt": "hello", "max_tokens": 1}
 

@@ -12,9 +12,9 @@ from urllib.parse import urlparse
 
 import httpx
 import pytest
-from kv_event_helpers import Subscriber, cached_tokens, chain, prompt
-from server_helpers import ADMIN, ADMIN_KEY, Server, start_server
-from server_registry import shared_server
+from support.kv_events import Subscriber, cached_tokens, chain, prompt
+from support.server_registry import shared_server
+from support.servers import ADMIN, ADMIN_KEY, Server, start_server
 
 from kvprefix.cache import AllBlocksCleared, BlockRemoved, BlockStored, namespace_id
 from kvprefix.cache.event_wire import Event, Goodbye, SnapshotStart

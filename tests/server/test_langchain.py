@@ -8,7 +8,7 @@ from typing import Literal
 
 import pytest
 from pydantic import BaseModel, Field
-from server_helpers import Server
+from support.servers import Server
 
 M = "default-model-v1"
 

@@ -8,7 +8,7 @@ import random
 
 import httpx
 import pytest
-from server_helpers import Server
+from support.servers import Server
 
 CLIENTS = 64
 MAX_TOKENS = 24

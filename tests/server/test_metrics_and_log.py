@@ -9,7 +9,7 @@ import sys
 
 import httpx
 import pytest
-from server_helpers import LONG_PREFIX, Server, start_server, stop_server
+from support.servers import LONG_PREFIX, Server, start_server, stop_server
 
 from kvprefix.sim.request_log import read_request_log
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from server_helpers import LONG_PREFIX, Server, start_server, stop_server
+from support.servers import LONG_PREFIX, Server, start_server, stop_server
 
 
 def test_models_and_health(server: Server) -> None:

@@ -10,7 +10,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from server_helpers import Server
+from support.servers import Server
 
 MAX_NEW_TOKENS = 8  # the schema allows long generations; keep each case short
 PATHS = ("/v1/completions", "/v1/chat/completions")

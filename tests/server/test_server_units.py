@@ -9,10 +9,10 @@ import json
 import pytest
 
 from kvprefix.cache import AllBlocksCleared, BlockHasher, BlockRemoved, BlockStored, namespace_salt
+from kvprefix.http.errors import APIError
+from kvprefix.http.tenancy import Auth, load_keys_file, validate_client_salt
 from kvprefix.server.admission import Admission
 from kvprefix.server.cache_detail import CacheTracker
-from kvprefix.server.errors import APIError
-from kvprefix.server.tenancy import Auth, load_keys_file, validate_client_salt
 
 
 def test_salts_are_unambiguous_and_scoped_by_tenant() -> None:

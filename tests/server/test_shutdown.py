@@ -9,7 +9,7 @@ import time
 
 import httpx
 import pytest
-from server_helpers import start_server
+from support.servers import start_server
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ import threading
 import httpx
 import openai
 import pytest
-from server_helpers import ADMIN, LONG_PREFIX, Server
+from support.servers import ADMIN, LONG_PREFIX, Server
 
 ALICE, ALICE_2, BOB = "key-alice", "key-alice-2", "key-bob"
 

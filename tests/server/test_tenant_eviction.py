@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_helpers import ADMIN, ADMIN_KEY, Server, start_server, stop_server
+from support.servers import ADMIN, ADMIN_KEY, Server, start_server, stop_server
 
 from kvprefix.server.cli import add_arguments
 

@@ -10,9 +10,10 @@ import os
 
 import jsonschema
 import pytest
-from server_helpers import Server
+from support.servers import Server
 
-from kvprefix.prompts import Tokenizer, render_body
+from kvprefix.prompts import render_body
+from kvprefix.tokenizer import Tokenizer
 
 M = "default-model-v1"
 WEATHER = {"type": "function", "function": {

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from kvprefix.engine.structured import GrammarMasks, grammar_for
-from kvprefix.prompts import Tokenizer
 from kvprefix.prompts.tools import format_tool_calls
 from kvprefix.server.protocol import ChatCompletionRequest
 from kvprefix.server.tools import plan_tools
+from kvprefix.tokenizer import Tokenizer
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False}}}

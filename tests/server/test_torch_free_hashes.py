@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from server_helpers import TENANT_KEYS, Server
+from support.servers import TENANT_KEYS, Server
 
 BODY = {
     "model": "default-model-v1",
@@ -25,7 +25,8 @@ TORCH_FREE_HASHES = """
 import json, sys
 sys.modules["torch"] = None
 from kvprefix.cache import BlockHasher, context_for_checkpoint
-from kvprefix.prompts import Tokenizer, render_body
+from kvprefix.prompts import render_body
+from kvprefix.tokenizer import Tokenizer
 path, body, tenant, salt = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3] or None, sys.argv[4] or None
 tokenizer = Tokenizer(path)
 (prompt,) = render_body(tokenizer, body)

@@ -3,9 +3,10 @@ message content stay text (real server, loopback)."""
 
 from __future__ import annotations
 
-from server_helpers import Server
+from support.servers import Server
 
-from kvprefix.prompts import Tokenizer, render_chat
+from kvprefix.prompts import render_chat
+from kvprefix.tokenizer import Tokenizer
 
 MODEL = "default-model-v1"
 

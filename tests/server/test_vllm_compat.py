@@ -8,7 +8,7 @@ import re
 
 import httpx
 import pytest
-from server_helpers import LONG_PREFIX, Server
+from support.servers import LONG_PREFIX, Server
 
 M = "default-model-v1"
 

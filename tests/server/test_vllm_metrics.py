@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_helpers import LONG_PREFIX, start_server, stop_server
+from support.servers import LONG_PREFIX, start_server, stop_server
 
 QUERIES = Path(__file__).parents[1] / "data" / "vllm_metric_queries.txt"
 

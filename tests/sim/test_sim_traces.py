@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvprefix.cache import BlockHasher, context_for_checkpoint
-from kvprefix.prompts import Tokenizer
 from kvprefix.sim.formats import detect_format, load_trace
 from kvprefix.sim.trace import TraceError, coarsen
+from kvprefix.tokenizer import Tokenizer
 
 
 def write_jsonl(path: Path, rows: list) -> Path:

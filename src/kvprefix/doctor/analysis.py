@@ -21,8 +21,8 @@ from kvprefix.doctor.kinds import KINDS
 from kvprefix.doctor.readers import BODIES, DoctorInputError, LogEntry, SharedTools, iter_entries, log_format
 from kvprefix.doctor.rendering import Renderer
 from kvprefix.doctor.replaying import Replayer, Setting, Timing
-from kvprefix.prompts import Tokenizer
 from kvprefix.sim.trace import TraceError, coarsen, coarsening_factor
+from kvprefix.tokenizer import Tokenizer
 
 DEFAULT_BLOCK_SIZE = 16
 # The doctor's own hashes are only ever compared with each other, so the fast algorithm of kvprefix.cache does.

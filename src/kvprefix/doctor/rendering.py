@@ -6,7 +6,8 @@ from typing import Any
 
 from kvprefix.doctor.divergence import Rendered
 from kvprefix.doctor.readers import DoctorInputError, LogEntry
-from kvprefix.prompts import PromptError, SegmentCachedTokenizer, Tokenizer, render_bodies, render_body
+from kvprefix.prompts import PromptError, render_bodies, render_body
+from kvprefix.tokenizer import SegmentCachedTokenizer, Tokenizer
 
 
 class Renderer:

@@ -10,7 +10,8 @@ from kvprefix.engine.args import EngineArgs
 from kvprefix.engine.llm_engine import LLMEngine, PromptType
 from kvprefix.engine.outputs import RequestOutput
 from kvprefix.engine.sampling_params import SamplingParams
-from kvprefix.prompts import Tokenizer, render_chat
+from kvprefix.prompts import render_chat
+from kvprefix.tokenizer import Tokenizer
 
 Conversation = list[dict[str, Any]]
 

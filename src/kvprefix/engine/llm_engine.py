@@ -25,7 +25,7 @@ from kvprefix.model import ModelConfig, default_model_path, load_model
 from kvprefix.model.default_model import DEFAULT_MODEL_NAME
 from kvprefix.model.loader import default_dtype, resolve_dtype, resolve_model_path
 from kvprefix.model.quantized_linear import check_quantization, quantize_model
-from kvprefix.prompts import Tokenizer
+from kvprefix.tokenizer import Tokenizer
 
 # Tokens per engine step, as vLLM's iteration_tokens_total histogram buckets them.
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from kvprefix.engine.outputs import CompletionOutput, Logprob, RequestDelta, RequestMetrics, RequestOutput
 from kvprefix.engine.sampling_params import SamplingParams
 from kvprefix.engine.text import SampleText, hold_back
-from kvprefix.prompts import Tokenizer
+from kvprefix.tokenizer import Tokenizer
 
 
 class _Sample:

@@ -10,7 +10,7 @@ from kvprefix.cache import BlockHasher, CacheRequest
 from kvprefix.engine.outputs import Logprob
 from kvprefix.engine.sampling_params import SamplingParams
 from kvprefix.engine.text import SampleText
-from kvprefix.prompts import Tokenizer
+from kvprefix.tokenizer import Tokenizer
 
 
 class RequestStatus(enum.Enum):

@@ -14,7 +14,7 @@ import llguidance
 import torch
 
 from kvprefix.engine.sampling_params import StructuredOutputsParams
-from kvprefix.prompts.tokenizer import Tokenizer
+from kvprefix.tokenizer.tokenizer import Tokenizer
 
 MAX_SPEC_CHARS = 65536  # a schema (as JSON text) or a grammar
 MAX_REGEX_CHARS = 4096
@@ -74,7 +74,7 @@ class _SpmVocabView:
     tokenizing of text that continues a run of text (no BOS, no leading space of its own)."""
 
     def __init__(self, tokenizer: Tokenizer):
-        from kvprefix.prompts.gguf_spm import CONTROL, UNKNOWN
+        from kvprefix.tokenizer.gguf_spm import CONTROL, UNKNOWN
 
         self._spm = spm = tokenizer.spm
         self.eos_token_id = spm.special.eos

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvprefix.engine.sampling_params import SamplingParams
-from kvprefix.model.tokenizer import IncrementalDetokenizer
-from kvprefix.prompts import Tokenizer
+from kvprefix.tokenizer import Tokenizer
+from kvprefix.tokenizer.detokenizer import IncrementalDetokenizer
 
 
 class SampleText:

@@ -33,7 +33,7 @@ class RequestRecord:
     request_id: str = ""
     endpoint: str = ""  # "completions" or "chat"
     model: str = ""
-    tenant: str = ""  # pseudonym (server.tenancy.pseudonym)
+    tenant: str = ""  # pseudonym (http.tenancy.pseudonym)
     n: int = 1
     finish_reasons: list[str] = field(default_factory=list)
     timings: dict[str, float | None] = field(default_factory=dict)  # seconds: ttft_s (None: no token), e2e_s

@@ -18,12 +18,10 @@ _MODULE_OF = {
     "CausalLM": "llama",
     "load_model": "loader",
     "write_random_checkpoint": "random_checkpoint",
-    "IncrementalDetokenizer": "tokenizer",
 }
 __all__ = [
     "AttentionMetadata",
     "CausalLM",
-    "IncrementalDetokenizer",
     "KVCache",
     "ModelConfig",
     "allocate_kv_cache",
@@ -40,7 +38,6 @@ if TYPE_CHECKING:
     from kvprefix.model.llama import CausalLM
     from kvprefix.model.loader import load_model
     from kvprefix.model.random_checkpoint import write_random_checkpoint
-    from kvprefix.model.tokenizer import IncrementalDetokenizer
 
 
 def __getattr__(name: str) -> Any:

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvprefix.prompts.gguf_file import GGUFFile, is_gguf, open_gguf
+from kvprefix.tokenizer.gguf_file import GGUFFile, is_gguf, open_gguf
 
 # model_type -> the architecture name transformers writes; both spellings are accepted.
 SUPPORTED_MODEL_TYPES = {

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from kvprefix.model.config import ModelConfig
-from kvprefix.prompts.gguf_file import GGUFFile
+from kvprefix.tokenizer.gguf_file import GGUFFile
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from kvprefix.model.config import ModelConfig
 from kvprefix.model.gguf_loader import gguf_parameters
 from kvprefix.model.llama import CausalLM
-from kvprefix.prompts.gguf_file import is_gguf, open_gguf
+from kvprefix.tokenizer.gguf_file import is_gguf, open_gguf
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Checkpoint tensors that are derived, not learned (older transformers saved them).

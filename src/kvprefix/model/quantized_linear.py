@@ -25,7 +25,7 @@ from torch import nn
 from kvprefix.cache.identity import QUANTIZATION_METHODS
 from kvprefix.model.gguf_loader import _LAYER_NAMES, unpermute_rows
 from kvprefix.model.loader import native_bfloat16_cpu
-from kvprefix.prompts.gguf_file import GGUFFile, open_gguf
+from kvprefix.tokenizer.gguf_file import GGUFFile, open_gguf
 
 GROUP_SIZE = 32  # int4 group along the input dimension; also the block size of GGUF's Q4_0/Q4_1/Q8_0
 _COMPUTE = torch.bfloat16  # the ops' activations

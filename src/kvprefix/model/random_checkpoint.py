@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import transformers
 
-from kvprefix.model.builtin_tokenizer import END_OF_TEXT, IM_END, build_tokenizer
+from kvprefix.tokenizer.builtin import END_OF_TEXT, IM_END, build_tokenizer
 
 _CLASSES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),

@@ -1,4 +1,4 @@
-"""OpenAI request bodies -> rendered text and token ids: the one renderer, and the tokenizer it uses. No torch."""
+"""OpenAI request bodies -> rendered text and token ids: the one renderer (chat, completions, tools). No torch."""
 
 from kvprefix.prompts.render import (
     PromptError,
@@ -11,14 +11,10 @@ from kvprefix.prompts.render import (
     render_completion,
     truncate_prompt,
 )
-from kvprefix.prompts.segment_cache import SegmentCachedTokenizer
-from kvprefix.prompts.tokenizer import Tokenizer
 
 __all__ = [
     "PromptError",
     "RenderedPrompt",
-    "SegmentCachedTokenizer",
-    "Tokenizer",
     "completion_prompts",
     "normalize_messages",
     "render_bodies",

@@ -13,7 +13,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvprefix.prompts.tokenizer import WRAPPER_ARGUMENTS, Tokenizer
 from kvprefix.prompts.tools import (
     ToolFormatError,
     fallback_messages,
@@ -21,6 +20,7 @@ from kvprefix.prompts.tools import (
     template_renders_tools,
     tools_system_block,
 )
+from kvprefix.tokenizer.tokenizer import WRAPPER_ARGUMENTS, Tokenizer
 
 # OpenAI's newer name for "system"; checkpoint templates know only the latter.
 _ROLE_ALIASES = {"developer": "system"}

@@ -22,6 +22,10 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from kvprefix.http.bodies import receive_body
+from kvprefix.http.browsers import BrowserGuard
+from kvprefix.http.errors import APIError, install_error_handlers
+from kvprefix.http.tenancy import Auth
 from kvprefix.router.admin import fan_out_response, replica_result
 from kvprefix.router.events import follow, http_lines, read_hello
 from kvprefix.router.fleet import FleetView, Replica
@@ -30,10 +34,6 @@ from kvprefix.router.metrics import RouterMetrics
 from kvprefix.router.policies import make_policy
 from kvprefix.router.relay import Relay
 from kvprefix.router.upstream import Pool
-from kvprefix.server.bodies import receive_body
-from kvprefix.server.browsers import BrowserGuard
-from kvprefix.server.errors import APIError, install_error_handlers
-from kvprefix.server.tenancy import Auth
 
 log = logging.getLogger("kvprefix.router")
 

@@ -37,10 +37,10 @@ def run(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from kvprefix.http.browsers import allowed_hosts
+    from kvprefix.http.connections import timed_protocol
+    from kvprefix.http.tenancy import Auth
     from kvprefix.router.app import RouterConfig, create_app
-    from kvprefix.server.browsers import allowed_hosts
-    from kvprefix.server.connections import timed_protocol
-    from kvprefix.server.tenancy import Auth
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

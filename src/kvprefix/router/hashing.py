@@ -19,7 +19,8 @@ from pydantic_core import from_json
 from kvprefix.cache import BlockHash, BlockHasher, BlockHashMemo, context_for_checkpoint
 from kvprefix.cache.event_wire import Hello
 from kvprefix.cache.identity import kv_labels
-from kvprefix.prompts import PromptError, SegmentCachedTokenizer, Tokenizer, render_body
+from kvprefix.prompts import PromptError, render_body
+from kvprefix.tokenizer import SegmentCachedTokenizer, Tokenizer
 
 
 @dataclass

@@ -26,6 +26,9 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from kvprefix.cache.event_wire import loads
+from kvprefix.http.bodies import read_body
+from kvprefix.http.errors import install_error_handlers
+from kvprefix.http.tenancy import Auth
 from kvprefix.router.admin import fan_out_response, replica_result
 from kvprefix.router.app import HASHING_POLICIES
 from kvprefix.router.events import Lines, follow
@@ -34,9 +37,6 @@ from kvprefix.router.hashing import RouteRequest, route_request
 from kvprefix.router.metrics import TAIL_BYTES, RouterMetrics, decision_reason, reported_cached_tokens
 from kvprefix.router.pending import Outstanding, Routed
 from kvprefix.router.policies import RoutedIndex, make_policy
-from kvprefix.server.bodies import read_body
-from kvprefix.server.errors import install_error_handlers
-from kvprefix.server.tenancy import Auth
 
 if TYPE_CHECKING:  # server.app loads the engine and torch: only the engine replicas do
     from kvprefix.server.app import ServerConfig

@@ -14,13 +14,13 @@ import asyncio
 import contextlib
 import logging
 
+from kvprefix.http.errors import APIError
 from kvprefix.router.fleet import FleetView, Replica
 from kvprefix.router.hashing import RouteRequest
 from kvprefix.router.metrics import TAIL_BYTES, RouterMetrics, decision_reason, reported_cached_tokens
 from kvprefix.router.pending import Routed
 from kvprefix.router.policies import RoutingPolicy
 from kvprefix.router.upstream import Pool, ReplicaDown
-from kvprefix.server.errors import APIError
 
 log = logging.getLogger("kvprefix.router")
 

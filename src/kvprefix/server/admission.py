@@ -8,7 +8,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
-from kvprefix.server.errors import APIError
+from kvprefix.http.errors import APIError
 
 
 class Ticket:

@@ -15,12 +15,14 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
+from kvprefix.http.bodies import read_body
+from kvprefix.http.browsers import BrowserGuard
+from kvprefix.http.errors import APIError, bad_request, from_validation_error, install_error_handlers
+from kvprefix.http.request_ids import RequestIdMiddleware
+from kvprefix.http.tenancy import Auth, Caller
 from kvprefix.logs import RequestLogWriter
 from kvprefix.server.admission import Admission
-from kvprefix.server.bodies import read_body
-from kvprefix.server.browsers import BrowserGuard
 from kvprefix.server.cache_detail import CacheTracker
-from kvprefix.server.errors import APIError, bad_request, from_validation_error, install_error_handlers
 from kvprefix.server.kv_events import add_kv_event_routes
 from kvprefix.server.metrics import ServerMetrics
 from kvprefix.server.protocol import (
@@ -30,9 +32,7 @@ from kvprefix.server.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
-from kvprefix.server.request_ids import RequestIdMiddleware
 from kvprefix.server.serving import ModelInfo, Serving
-from kvprefix.server.tenancy import Auth, Caller
 
 log = logging.getLogger("kvprefix.server")
 
@@ -306,7 +306,7 @@ def serve(app: FastAPI, host: str, port: int, log_level: str = "info", shutdown_
     and the connection limit keep idle or slow clients from holding connections for ever (``connections``)."""
     import uvicorn
 
-    from kvprefix.server.connections import timed_protocol
+    from kvprefix.http.connections import timed_protocol
 
     class _Server(uvicorn.Server):
         async def shutdown(self, sockets=None) -> None:

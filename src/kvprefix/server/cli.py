@@ -125,8 +125,8 @@ def run(args: argparse.Namespace) -> int:
     import logging
     import socket
 
-    from kvprefix.server.browsers import allowed_hosts
-    from kvprefix.server.tenancy import Auth
+    from kvprefix.http.browsers import allowed_hosts
+    from kvprefix.http.tenancy import Auth
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -31,8 +31,8 @@ from kvprefix.cache.event_wire import (
     SnapshotStart,
     dumps,
 )
-from kvprefix.server.errors import APIError
-from kvprefix.server.tenancy import Auth
+from kvprefix.http.errors import APIError
+from kvprefix.http.tenancy import Auth
 
 BUFFER_BYTES = 16 * 2**20  # recent events kept for resumes
 QUEUE_BYTES = 4 * 2**20  # per subscriber; smaller than the buffer, so a dropped subscriber can usually resume

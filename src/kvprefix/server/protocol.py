@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvprefix.engine.sampling_params import MAX_SEED, MAX_STOP_TOKEN_IDS, MAX_TOP_K, StructuredOutputsParams
-from kvprefix.server.errors import APIError
+from kvprefix.http.errors import APIError
 
 MAX_N = 16  # choices per request; each one is a sequence in the engine
 MAX_STOP = 4  # as in the OpenAI API

@@ -18,11 +18,13 @@ from starlette.background import BackgroundTask
 
 from kvprefix.engine import CompletionOutput, EngineDeadError, RequestFailedError, RequestOutput, SamplingParams
 from kvprefix.engine.structured import grammar_for
+from kvprefix.http.errors import APIError, bad_request
+from kvprefix.http.request_ids import MAX_REQUEST_ID_LEN, request_id_of, valid_request_id
+from kvprefix.http.tenancy import Caller, pseudonym, validate_client_salt
 from kvprefix.logs import RequestLogWriter, RequestRecord
 from kvprefix.prompts import PromptError, RenderedPrompt, render_chat, render_completion, truncate_prompt
 from kvprefix.server.admission import Admission, Ticket
 from kvprefix.server.cache_detail import CacheDetail, CacheTracker
-from kvprefix.server.errors import APIError, bad_request
 from kvprefix.server.logprobs import chat_logprobs, completion_logprobs
 from kvprefix.server.metrics import FinishedSequence, ServerMetrics
 from kvprefix.server.protocol import (
@@ -33,8 +35,6 @@ from kvprefix.server.protocol import (
     TokenizeCompletionRequest,
     check_supported,
 )
-from kvprefix.server.request_ids import MAX_REQUEST_ID_LEN, request_id_of, valid_request_id
-from kvprefix.server.tenancy import Caller, pseudonym, validate_client_salt
 from kvprefix.server.tool_parser import ToolCallParser, parse_tool_calls
 from kvprefix.server.tools import ToolPlan, plan_tools
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from kvprefix.engine.sampling_params import StructuredOutputsParams
 from kvprefix.engine.structured import grammar_for
+from kvprefix.http.errors import bad_request
 from kvprefix.prompts.tools import ITEM_SEPARATOR, KEY_SEPARATOR, TOOL_CALL_END, TOOL_CALL_START
-from kvprefix.server.errors import bad_request
 from kvprefix.server.protocol import ChatCompletionRequest, NamedToolChoice, ToolDefinition
 from kvprefix.server.tool_parser import ToolCallParser
 

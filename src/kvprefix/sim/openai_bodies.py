@@ -11,8 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvprefix.cache import BlockHasher, cdiv, context_for_checkpoint
-from kvprefix.prompts import PromptError, Tokenizer, render_body
+from kvprefix.prompts import PromptError, render_body
 from kvprefix.sim.trace import TimestampCheck, Trace, TraceError, TraceRequest, iter_rows, require
+from kvprefix.tokenizer import Tokenizer
 
 # The KV dtype only salts the root: hashes within one replay share it, whichever it is. float32 is the CPU default
 # where bfloat16 is not native, so a replay of bodies hashes like such a server (or one run with --dtype float32).

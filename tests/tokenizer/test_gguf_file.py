@@ -6,7 +6,7 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 
 from kvprefix.model.default_model import default_model_path
-from kvprefix.prompts.gguf_file import GGUFFile
+from kvprefix.tokenizer.gguf_file import GGUFFile
 
 
 def assert_reads_like_gguf_reader(path: str) -> None:

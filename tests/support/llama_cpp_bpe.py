@@ -2,7 +2,7 @@
 check the fast tokenizer kvprefix builds from a GGUF file against: the pre-tokenizer regexes as llama.cpp lists
 them per `tokenizer.ggml.pre`, applied one after another (the text between matches stays a piece), GPT-2's
 byte-to-unicode mapping, then merges by rank, lowest first and leftmost on ties. Written from llama.cpp's rules,
-sharing no code with kvprefix.prompts.gguf_tokenizer."""
+sharing no code with kvprefix.tokenizer.gguf_tokenizer."""
 
 from __future__ import annotations
 

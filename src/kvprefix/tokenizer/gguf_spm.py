@@ -17,7 +17,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from kvprefix.prompts.gguf_file import GGUFFile
+from kvprefix.tokenizer.gguf_file import GGUFFile
 
 # gguf.TokenType
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6

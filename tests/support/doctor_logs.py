@@ -8,7 +8,7 @@ import json
 import random
 from pathlib import Path
 
-from kvprefix.model.builtin_tokenizer import build_tokenizer
+from kvprefix.tokenizer.builtin import build_tokenizer
 
 DEFAULT_SYSTEM = "You are a helpful assistant."
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvprefix.prompts.tokenizer import Tokenizer
+from kvprefix.tokenizer.tokenizer import Tokenizer
 
 
 class IncrementalDetokenizer:

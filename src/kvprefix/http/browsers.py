@@ -14,7 +14,7 @@ import functools
 import ipaddress
 from urllib.parse import urlsplit
 
-from kvprefix.server.errors import APIError
+from kvprefix.http.errors import APIError
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 

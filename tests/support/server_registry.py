@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from server_helpers import Server, spawn_server, stop_server, wait_ready
+
+from support.servers import Server, spawn_server, stop_server, wait_ready
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,11 @@ import re
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFWriter
-from gguf_files import SPM_CONTROL, SPM_USER_DEFINED, add_spm_tokenizer, train_sentencepiece, write_gguf
-from llama_cpp_bpe import PARITY_STRINGS
+from support.gguf_files import SPM_CONTROL, SPM_USER_DEFINED, add_spm_tokenizer, train_sentencepiece, write_gguf
+from support.llama_cpp_bpe import PARITY_STRINGS
 
-from kvprefix.prompts import SegmentCachedTokenizer, Tokenizer, render_bodies, render_body
+from kvprefix.prompts import render_bodies, render_body
+from kvprefix.tokenizer import SegmentCachedTokenizer, Tokenizer
 
 STRINGS = PARITY_STRINGS + (
     "ÿ þ ß ð",  # characters the vocabulary lacks: byte fallback
@@ -158,7 +159,7 @@ def test_a_sentencepiece_gguf_tokenizes_without_torch(tok) -> None:
     import sys
 
     path = tok.name_or_path
-    code = ("import sys; from kvprefix.prompts import Tokenizer, render_body; "
+    code = ("import sys; from kvprefix.tokenizer import Tokenizer; from kvprefix.prompts import render_body; "
             "from kvprefix.cache import context_for_checkpoint; "
             f"t = Tokenizer({path!r}); c = context_for_checkpoint({path!r}, '', t.chat_template); "
             "r = render_body(t, {'messages': [{'role': 'user', 'content': 'hello 123'}]})[0]; "
@@ -210,11 +211,7 @@ def test_a_random_llama_with_the_vocabulary_generates_through_the_engine(sp, spm
 def test_kvprefix_serve_on_a_sentencepiece_gguf(sp, spm_llama, tmp_path, monkeypatch) -> None:
     """The real server with the official client: chat (plain and streamed alike), prompt tokens as the renderer
     counts them, /tokenize and /detokenize on the file's vocabulary."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parents[1] / "server"))  # the server tests' helpers: one copy
-    from server_helpers import start_server, stop_server
+    from support.servers import start_server, stop_server
 
     monkeypatch.setenv("KVPREFIX_TEST_MODEL", spm_llama)
     server = start_server(tmp_path)

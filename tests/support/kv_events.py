@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import httpx
-from server_helpers import Server
 
 from kvprefix.cache import BlockHash, BlockHasher
 from kvprefix.cache.event_index import StreamMirror
 from kvprefix.cache.event_wire import Event, Hello, Message, loads
+from support.servers import Server
 
 MODEL = "default-model-v1"
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from kvprefix.prompts import SegmentCachedTokenizer, Tokenizer, render_body
+from kvprefix.prompts import render_body
+from kvprefix.tokenizer import SegmentCachedTokenizer, Tokenizer
 
 SYSTEM = "You are a careful assistant. Follow the policy below to the letter. " * 20
 

@@ -8,7 +8,7 @@ tokenizer works that way (``Tokenizer.tokenizes_between_added_tokens``: not with
 added tokens that strip; yes for GGUF SentencePiece vocabularies, whose every run of text gets its own leading
 space), and the first encodings are checked against the plain tokenizer, any disagreement turning the memo off for
 good. A piece not in the memo is tokenized word by word where the tokenizer allows it
-(``kvprefix.prompts.word_memo``): a new piece is usually old words with a new timestamp among them.
+(``kvprefix.tokenizer.word_memo``): a new piece is usually old words with a new timestamp among them.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import re
 from collections import OrderedDict
 from typing import Any
 
-from kvprefix.prompts.tokenizer import Tokenizer
-from kvprefix.prompts.word_memo import WordMemo
+from kvprefix.tokenizer.tokenizer import Tokenizer
+from kvprefix.tokenizer.word_memo import WordMemo
 
 _CHECKED = 64  # encodings compared with the plain tokenizer before the memo is trusted
 

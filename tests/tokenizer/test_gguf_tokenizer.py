@@ -4,18 +4,18 @@ llama_cpp_bpe.py) for each supported pre-tokenizer, on strings where the rules m
 import numpy as np
 import pytest
 from gguf import GGUFWriter
-from llama_cpp_bpe import PARITY_STRINGS, encode
+from support.llama_cpp_bpe import PARITY_STRINGS, encode
 
 from kvprefix.model.default_model import default_model_path
-from kvprefix.prompts import Tokenizer
-from kvprefix.prompts.gguf_file import open_gguf
+from kvprefix.tokenizer import Tokenizer
+from kvprefix.tokenizer.gguf_file import open_gguf
 
 
 def write_tokenizer_gguf(path: str, pre: str, model: str = "gpt2", bos: str | None = None) -> str:
     """A GGUF file with only a tokenizer: the built-in byte-level BPE (trained on a fixed English text)."""
     import json
 
-    from kvprefix.model.builtin_tokenizer import build_tokenizer
+    from kvprefix.tokenizer.builtin import build_tokenizer
 
     tok = build_tokenizer(1024)
     vocab = tok.backend_tokenizer.get_vocab(with_added_tokens=True)
@@ -97,7 +97,7 @@ def test_a_gguf_tokenizes_without_torch(tmp_path) -> None:
     import sys
 
     path = write_tokenizer_gguf(str(tmp_path / "t.gguf"), "smollm")
-    code = ("import sys; from kvprefix.prompts import Tokenizer; from kvprefix.cache import context_for_checkpoint; "
+    code = ("import sys; from kvprefix.tokenizer import Tokenizer; from kvprefix.cache import context_for_checkpoint; "
             f"t = Tokenizer({path!r}); c = context_for_checkpoint({path!r}, '', t.chat_template); "
             "print(len(t.encode('hello 123')), bool(c.model), 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)

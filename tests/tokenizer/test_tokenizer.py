@@ -5,8 +5,7 @@ from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, normalizers
 from transformers import PreTrainedTokenizerFast
 
-from kvprefix.model import IncrementalDetokenizer
-from kvprefix.prompts import Tokenizer
+from kvprefix.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TEXT = "Hello, prefix cache! Caché über naïve — 你好，世界 🙂🚀 end"
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvprefix.prompts.gguf_file import GGUFFile
+from kvprefix.tokenizer.gguf_file import GGUFFile
 
 # The GPT-2 regex, and the Llama 3 one (Qwen2 differs only in splitting numerals one by one, not in threes).
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
@@ -65,7 +65,7 @@ def gguf_tokenizer(gguf: GGUFFile) -> Any:
     from transformers import PreTrainedTokenizerFast
 
     kind = gguf.require("tokenizer.ggml.model")
-    if kind != "gpt2":  # "llama" (SentencePiece) vocabularies are kvprefix.prompts.gguf_spm's
+    if kind != "gpt2":  # "llama" (SentencePiece) vocabularies are kvprefix.tokenizer.gguf_spm's
         raise ValueError(f"{gguf.path}: tokenizer.ggml.model {kind!r} is not supported; accepted: 'gpt2' "
                          "(byte-level BPE), 'llama' (SentencePiece)")
     pre = gguf.get("tokenizer.ggml.pre")

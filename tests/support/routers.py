@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 
 import httpx
-from server_helpers import Server, free_port
+
+from support.servers import Server, free_port
 
 REPLICA_BLOCKS = 72  # 16-token blocks: a replica holds about three of the system prompts below, not all six
 # Six system prompts of about 300 tokens each (built-in tokenizer), distinct from their first block on.

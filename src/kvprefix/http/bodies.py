@@ -5,7 +5,7 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.types import Receive
 
-from kvprefix.server.errors import APIError, bad_request
+from kvprefix.http.errors import APIError, bad_request
 
 MAX_BODY_BYTES = 16 * 2**20
 

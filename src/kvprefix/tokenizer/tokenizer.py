@@ -1,6 +1,6 @@
 """Tokenizer: a checkpoint's tokenizer and chat template, via transformers (which needs no torch for this); for a
-.gguf file, the tokenizer rebuilt from its metadata (kvprefix.prompts.gguf_tokenizer), or for a SentencePiece
-vocabulary in one, kvprefix's own llama.cpp-exact tokenizing (SpmTokenizer over kvprefix.prompts.gguf_spm)."""
+.gguf file, the tokenizer rebuilt from its metadata (kvprefix.tokenizer.gguf_tokenizer), or for a SentencePiece
+vocabulary in one, kvprefix's own llama.cpp-exact tokenizing (SpmTokenizer over kvprefix.tokenizer.gguf_spm)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from kvprefix.prompts.gguf_file import is_gguf, open_gguf
+from kvprefix.tokenizer.gguf_file import is_gguf, open_gguf
 
 
 class Tokenizer:
@@ -22,7 +22,7 @@ class Tokenizer:
 
     def __init__(self, path: str) -> None:
         if is_gguf(path):
-            from kvprefix.prompts.gguf_tokenizer import gguf_eos_token_ids, gguf_tokenizer
+            from kvprefix.tokenizer.gguf_tokenizer import gguf_eos_token_ids, gguf_tokenizer
 
             gguf = open_gguf(path)
             self.hf = gguf_tokenizer(gguf)
@@ -207,12 +207,12 @@ def _eos_token_ids(path: str, tokenizer_eos: int | None) -> frozenset[int]:
 
 
 class SpmTokenizer(Tokenizer):
-    """A GGUF file's SentencePiece vocabulary (kvprefix.prompts.gguf_spm) behind the same methods; ``hf`` is None.
+    """A GGUF file's SentencePiece vocabulary (kvprefix.tokenizer.gguf_spm) behind the same methods; ``hf`` is None.
     The chat template is rendered as for any tokenizer, with the special tokens' spellings as its variables."""
 
     def __init__(self, path: str) -> None:
-        from kvprefix.prompts.gguf_spm import SpmVocab
-        from kvprefix.prompts.gguf_tokenizer import gguf_eos_token_ids
+        from kvprefix.tokenizer.gguf_spm import SpmVocab
+        from kvprefix.tokenizer.gguf_tokenizer import gguf_eos_token_ids
 
         gguf = open_gguf(path)
         self.hf = None
@@ -243,13 +243,13 @@ class SpmTokenizer(Tokenizer):
 
     @functools.cached_property
     def special_tokens(self) -> tuple[str, ...]:
-        from kvprefix.prompts.gguf_spm import CONTROL, UNKNOWN
+        from kvprefix.tokenizer.gguf_spm import CONTROL, UNKNOWN
 
         return tuple(t for t, kind in zip(self.spm.tokens, self.spm.types, strict=True) if kind in (CONTROL, UNKNOWN))
 
     @functools.cached_property
     def added_tokens(self) -> dict[str, int]:
-        from kvprefix.prompts.gguf_spm import CONTROL, UNKNOWN, USER_DEFINED
+        from kvprefix.tokenizer.gguf_spm import CONTROL, UNKNOWN, USER_DEFINED
 
         kinds = (CONTROL, UNKNOWN, USER_DEFINED)
         return {t: i for i, (t, kind) in enumerate(zip(self.spm.tokens, self.spm.types, strict=True)) if kind in kinds}

@@ -7,7 +7,7 @@ import uuid
 
 from starlette.requests import Request
 
-from kvprefix.server.errors import APIError
+from kvprefix.http.errors import APIError
 
 HEADER = b"x-request-id"
 MAX_REQUEST_ID_LEN = 256

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvprefix.server.errors import APIError
+from kvprefix.http.errors import APIError
 
 DEFAULT_TENANT = "default"
 _SALT_RE = re.compile(r"[A-Za-z0-9._:-]{1,64}")

@@ -11,7 +11,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter, quants
 from safetensors.torch import load_file
 
-from kvprefix.model.builtin_tokenizer import IM_END, build_tokenizer
+from kvprefix.tokenizer.builtin import IM_END, build_tokenizer
 
 LAYER_PARTS = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
@@ -126,7 +126,7 @@ def _spm_corpus() -> list[str]:
     """A few KB of fixed text: the built-in tokenizer's corpus and pseudo-words, numbers and code from a seed."""
     import random
 
-    from kvprefix.model.builtin_tokenizer import _CORPUS
+    from kvprefix.tokenizer.builtin import _CORPUS
 
     rng = random.Random(0)
     syllables = ["ka", "to", "ri", "en", "the", "an", "ing", "er", "qu", "st", "al", "on", "pre", "fix"]

@@ -1,0 +1,2 @@
+"""Helpers the test folders share: servers and their registry, routers, KV-event streams, GGUF files, the
+llama.cpp tokenizer reference, paged-attention references, doctor logs. Imported as `support.<module>`."""
