@@ -30,9 +30,8 @@ from kvprefix.tokenizer.gguf_file import GGUFFile, open_gguf
 GROUP_SIZE = 32  # int4 group along the input dimension; also the block size of GGUF's Q4_0/Q4_1/Q8_0
 _COMPUTE = torch.bfloat16  # the ops' activations
 # Prefill-sized inputs take a dequantized weight and a dense matmul instead (the ops are matrix-vector kernels whose
-# time grows with the rows): in bfloat16 where this CPU's bfloat16 matmuls are native, in float32 where they are
-# emulated (AVX2 CPUs such as AMD's Zen 3: there a 256-row 1536x576 int4 projection took 60 ms dequantized in
-# bfloat16, 15 in float32, 13 through the op): `python benchmarks/bench_quantized_rows.py`.
+# time grows with the rows): in bfloat16 where this CPU's bfloat16 matmuls are native, else in float32
+# (docs/benchmarks.md, `benchmarks/bench_quantized_rows.py`).
 _DENSE = torch.bfloat16 if native_bfloat16_cpu() else torch.float32
 _N_ALIGN = 16  # the int4 packing needs a multiple of 16 output channels: pad with zero rows
 
@@ -40,9 +39,8 @@ _N_ALIGN = 16  # the int4 packing needs a multiple of 16 output channels: pad wi
 class Int8Linear(nn.Module):
     """y = x @ (q * scale[:, None]).T + bias, with q int8 [out, in] and scale bfloat16 [out]."""
 
-    # Above this many rows a layer dequantizes. With native bfloat16, at a 512-token prefill of a 1536x576
-    # projection the ops took ~50 ms where dequantizing (int8 3 ms, int4 15 ms) and a bfloat16 matmul (5 ms) take far
-    # less: crossovers near 40 (int8) and 150 (int4); on an AVX2 CPU with the float32 path, near 32-64 and 100-200.
+    # Above this many rows a layer dequantizes: near the measured crossover of the op and dequantize-then-matmul
+    # (docs/model.md, compact weights).
     dense_above_rows = 32
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -135,7 +133,7 @@ class Int4Linear(nn.Module):
 
 
 # _rows, _as and _finish skip the reshapes and casts that are no-ops (the usual case: 2-D activations in the
-# dtype wanted): a decode step runs ~120 of these layers, and each skipped call saves a few microseconds of dispatch.
+# dtype wanted): a decode step runs every projection through them.
 def _rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
     """x as a [rows, in] matrix."""
     return x if x.dim() == 2 else x.reshape(-1, in_features)
