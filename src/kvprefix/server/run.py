@@ -7,6 +7,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import anyio
 
@@ -16,6 +17,9 @@ from kvprefix.http.errors import APIError, bad_request
 from kvprefix.http.tenancy import Caller
 from kvprefix.prompts import RenderedPrompt
 from kvprefix.server.cache_detail import CacheDetail
+
+if TYPE_CHECKING:
+    from kvprefix.server.records import Books
 
 
 @dataclass
@@ -53,21 +57,15 @@ class Run:
     """Drives the engine for one HTTP request. A single prompt's stream is read directly (the engine's queue is the
     only one on the way); several prompts are merged through one more queue."""
 
-    def __init__(self, engine: EngineClient, jobs: list[Job], params: SamplingParams, caller: Caller,
-                 kind: RequestOutputKind, books):
+    def __init__(self, engine: EngineClient, prompts: list[RenderedPrompt], engine_rid: str, params: SamplingParams,
+                 caller: Caller, kind: RequestOutputKind, books: Books):
+        now, wall = time.monotonic(), time.time()  # the request's arrival: before it waits for admission
+        self.jobs = [Job(i, f"{engine_rid}-{i}", p, params.n, now, wall) for i, p in enumerate(prompts)]
         self.engine = engine
-        self.jobs = jobs
         self.params = params
         self.caller = caller
         self.kind = kind
         self.books = books
-
-    @classmethod
-    def start(cls, engine: EngineClient, prompts: list[RenderedPrompt], engine_rid: str, params: SamplingParams,
-              caller: Caller, kind: RequestOutputKind, books) -> Run:
-        now, wall = time.monotonic(), time.time()
-        jobs = [Job(i, f"{engine_rid}-{i}", p, params.n, now, wall) for i, p in enumerate(prompts)]
-        return cls(engine, jobs, params, caller, kind, books)
 
     def _generate(self, job: Job) -> AsyncIterator[RequestOutput]:
         return self.engine.generate(job.prompt.token_ids, self.params, job.request_id,

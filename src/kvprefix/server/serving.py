@@ -90,7 +90,7 @@ class Serving:
         books = Books(self.info, self.metrics, self.tracker, self.request_log, self.engine.hasher, req, caller, chat,
                       call.params.max_tokens or 0)
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
-        run = Run.start(self.engine, call.prompts, call.engine_rid, call.params, caller, kind, books)
+        run = Run(self.engine, call.prompts, call.engine_rid, call.params, caller, kind, books)
         shape = Shape(req, call.rid, chat, self.info.name, run.jobs, tools)
         # Admission happens before the response starts, so overload is a plain 503 even for streams.
         ticket = await self.admission.acquire(len(run.jobs), caller.tenant)
