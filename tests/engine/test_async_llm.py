@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from kvprefix import LLM, SamplingParams
-from kvprefix.engine import AsyncLLM, EngineArgs
+from kvprefix.engine import AsyncLLM, EngineArgs, RequestOutputKind
 from kvprefix.engine.async_llm import EngineDeadError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -332,3 +332,27 @@ def test_a_request_the_sampler_cannot_serve_fails_alone(tiny_llama_path):
             await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_output_kinds(tiny_llama_path):
+    """DELTA streams only what is new, FINAL_ONLY only the final output; both end where CUMULATIVE ends."""
+
+    async def main():
+        engine = AsyncLLM(engine_args(tiny_llama_path))
+        try:
+            runs = {}
+            for kind in RequestOutputKind:
+                runs[kind] = [out async for out in engine.generate(PROMPTS[0], GREEDY, kind.name,
+                                                                    output_kind=kind)]
+            return runs
+        finally:
+            await engine.shutdown()
+
+    runs = asyncio.run(main())
+    full = runs[RequestOutputKind.CUMULATIVE][-1].outputs[0]
+    final = runs[RequestOutputKind.FINAL_ONLY]
+    assert len(final) == 1 and final[0].finished and final[0].outputs[0].token_ids == full.token_ids
+    deltas = [o for out in runs[RequestOutputKind.DELTA] for o in out.outputs]
+    assert [t for o in deltas for t in o.token_ids] == full.token_ids
+    assert "".join(o.text for o in deltas) == full.text and deltas[-1].finish_reason == full.finish_reason
+    assert len(final[0].metrics.token_gaps) == len(full.token_ids) - 1  # measured by the reader in every kind

@@ -6,7 +6,7 @@ import pytest
 
 from kvprefix import SamplingParams
 from kvprefix.engine.output_state import OutputState
-from kvprefix.engine.outputs import RequestDelta, RequestMetrics, SampleDelta
+from kvprefix.engine.outputs import RequestDelta, RequestMetrics, RequestOutputKind, SampleDelta
 from kvprefix.engine.text import SampleText
 
 PROMPT = list(range(30, 70))
@@ -83,3 +83,40 @@ def test_skip_special_tokens_applies_where_text_is_decoded(make_llm, stop):
                                  RequestMetrics(0.0)))
         text = state.output().outputs[0].text
         assert (special in text) is (not skip) and text.endswith("plain words")
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=24, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=["e", "a"]),
+    ],
+    ids=["no-stop-strings", "stop-strings"],
+)
+def test_delta_outputs_add_up_to_the_cumulative_output(make_llm, assert_no_leaks, params):
+    """DELTA outputs hold only the samples that changed, each with only its new text, tokens and logprob entries
+    (already decoded); joined, they are the cumulative output, and streamed text is never retracted."""
+    expected = make_llm().generate(PROMPT, params)[0]
+    llm = make_llm()
+    engine = llm.llm_engine
+    state = engine.add_request("d", PROMPT, params)
+    texts, tokens, entries, reasons = ([[] for _ in range(params.n)] for _ in range(4))
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            state.apply(delta)
+            out = state.output(RequestOutputKind.DELTA)
+            assert sorted(o.index for o in out.outputs) == sorted(s.index for s in delta.samples)
+            for o in out.outputs:
+                assert len(o.token_ids) == 1
+                texts[o.index].append(o.text)
+                tokens[o.index] += o.token_ids
+                entries[o.index] += o.logprobs or []
+                reasons[o.index].append(o.finish_reason)
+    for b in expected.outputs:
+        i = b.index
+        # the finish reason once, in the last delta
+        assert reasons[i] == [None] * (len(b.token_ids) - 1) + [b.finish_reason]
+        assert ("".join(texts[i]), tokens[i]) == (b.text, b.token_ids)
+        assert entries[i] == (b.logprobs or [])
+        assert all(isinstance(lp.decoded_token, str) for entry in entries[i] for lp in entry.values())
+    assert_no_leaks(llm)

@@ -10,12 +10,13 @@ import importlib
 from typing import Any
 
 from kvprefix.engine.args import EngineArgs
-from kvprefix.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvprefix.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, RequestOutputKind
 from kvprefix.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 _LAZY = {
     "LLM": "kvprefix.engine.llm",
     "AsyncLLM": "kvprefix.engine.async_llm",
+    "EngineClient": "kvprefix.engine.client",
     "EngineDeadError": "kvprefix.engine.async_llm",
     "LLMEngine": "kvprefix.engine.llm_engine",
     "RequestFailedError": "kvprefix.engine.llm_engine",
@@ -25,6 +26,7 @@ __all__ = [
     "AsyncLLM",
     "CompletionOutput",
     "EngineArgs",
+    "EngineClient",
     "EngineDeadError",
     "LLM",
     "LLMEngine",
@@ -32,6 +34,7 @@ __all__ = [
     "RequestMetrics",
     "RequestFailedError",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
     "StructuredOutputsParams",
 ]

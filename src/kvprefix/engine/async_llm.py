@@ -1,7 +1,8 @@
-"""AsyncLLM: the engine for servers. One background thread runs engine steps (torch releases the GIL while it
-computes, so the event loop stays responsive); each request gets an async stream of cumulative RequestOutputs.
-The engine thread hands each stream only the step's deltas; the stream's OutputState, on the event loop, folds
-them in and detokenizes, so text is decoded while the next step computes, and only when the stream reads it.
+"""AsyncLLM: the engine for servers (it implements ``EngineClient``). One background thread runs engine steps (torch
+releases the GIL while it computes, so the event loop stays responsive); each request gets an async stream of
+RequestOutputs of the kind it asked for. The engine thread puts each step's deltas on the request's asyncio queue
+(the only queue between the engine thread and the stream's reader); the stream's OutputState, on the event loop,
+folds them in and detokenizes, so text is decoded while the next step computes, and only when the stream reads it.
 
 Only the engine thread touches the engine's state: requests are added, aborted and the cache reset through a
 command queue that the thread drains between steps. A stream that is closed early (client disconnect, task
@@ -21,7 +22,7 @@ from kvprefix.cache import KVCacheEvent
 from kvprefix.engine.args import EngineArgs
 from kvprefix.engine.llm_engine import LLMEngine, PromptType
 from kvprefix.engine.output_state import OutputState
-from kvprefix.engine.outputs import RequestDelta, RequestOutput
+from kvprefix.engine.outputs import RequestDelta, RequestOutput, RequestOutputKind
 from kvprefix.engine.sampling_params import SamplingParams
 
 
@@ -49,8 +50,7 @@ class AsyncLLM:
         self.engine = LLMEngine(args or EngineArgs(**kwargs))
         self.tokenizer = self.engine.tokenizer
         self.model_name = self.engine.model_name
-        self.model_config = self.engine.model_config
-        self.max_model_len = self.engine.max_model_len
+        self.vocab_size = self.engine.model_config.vocab_size
         self.max_sequence_tokens = self.engine.max_sequence_tokens
         self.uses_default_model = self.engine.uses_default_model
         # The cache as servers report and diagnose it; fixed for the engine's lifetime. ``hasher`` is unsalted
@@ -83,12 +83,15 @@ class AsyncLLM:
         request_id: str,
         cache_salt: str | None = None,
         tenant: str | None = None,
+        *,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
     ) -> AsyncIterator[RequestOutput]:
-        """Streams the request's cumulative outputs until one has ``finished``. Raises ValueError for an invalid
-        request, EngineDeadError if the engine stops. Closing the stream early aborts the request. ``tenant`` and
-        ``cache_salt`` pick the cache namespace (see LLMEngine.add_request)."""
+        """Streams the request's outputs of ``output_kind`` until one has ``finished``. Raises ValueError for an
+        invalid request, EngineDeadError if the engine stops. Closing the stream early aborts the request.
+        ``tenant`` and ``cache_salt`` pick the cache namespace (see LLMEngine.add_request)."""
         arrival = time.monotonic()
         stream = _Stream(asyncio.get_running_loop())
+        final_only = output_kind is RequestOutputKind.FINAL_ONLY
 
         def add() -> OutputState:
             # Registered on the engine thread once the engine accepted the id: a previous request with this id has
@@ -116,8 +119,10 @@ class AsyncLLM:
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
+                state.stamp(time.monotonic())
                 finished = state.finished
-                yield state.output()
+                if finished or not final_only:
+                    yield state.output(output_kind)
         finally:
             self._release(request_id, stream)
 

@@ -1,4 +1,5 @@
-"""The reader's side of one request: folds the engine's ``RequestDelta``s into the cumulative ``RequestOutput``.
+"""The reader's side of one request: folds the engine's ``RequestDelta``s into a ``RequestOutput`` of the kind the
+reader asked for (cumulative, or only what is new since its previous output).
 
 It runs where the outputs are read (the caller of ``LLM.generate``, the event loop of an ``AsyncLLM`` stream), not
 on the engine thread, and it detokenizes lazily: tokens are decoded only when an output is asked for, so the text
@@ -7,7 +8,16 @@ of steps nobody reads (a stream that fell behind, ``LLM.generate`` before the en
 
 from __future__ import annotations
 
-from kvprefix.engine.outputs import CompletionOutput, Logprob, RequestDelta, RequestMetrics, RequestOutput
+import dataclasses
+
+from kvprefix.engine.outputs import (
+    CompletionOutput,
+    Logprob,
+    RequestDelta,
+    RequestMetrics,
+    RequestOutput,
+    RequestOutputKind,
+)
 from kvprefix.engine.sampling_params import SamplingParams
 from kvprefix.engine.text import SampleText, hold_back
 from kvprefix.tokenizer import Tokenizer
@@ -29,8 +39,14 @@ class _Sample:
         self.engine_text = ""
         self._num_decoded = 0  # tokens whose text (and logprob entries' decoded_token) is done
         self._tokenizer = tokenizer
+        self.changed = False  # since the last delta output
+        self._sent_tokens = 0  # tokens in delta outputs so far
+        self._sent_chars = 0  # characters of text in delta outputs so far
+        self.stamped = 0  # tokens whose arrival time is counted (OutputState.stamp)
+        self.last_token_at: float | None = None
 
     def apply(self, delta) -> None:
+        self.changed = True
         self.token_ids += delta.token_ids
         if delta.logprobs is not None and self.logprobs is not None:
             for token, entry in zip(delta.token_ids, delta.logprobs, strict=True):
@@ -43,16 +59,29 @@ class _Sample:
             self.ended_by_token = delta.ended_by_token
 
     def completion(self) -> CompletionOutput:
+        return self._output(self._reported_text(), self.token_ids, self.logprobs)
+
+    def delta(self) -> CompletionOutput:
+        """What is new since the previous delta: text past the characters already given, the new tokens."""
+        text, start = self._reported_text(), self._sent_tokens
+        new_text = text[self._sent_chars :]
+        self._sent_chars, self._sent_tokens, self.changed = len(text), len(self.token_ids), False
+        return self._output(new_text, self.token_ids[start:], None if self.logprobs is None else self.logprobs[start:])
+
+    def _reported_text(self) -> str:
         self._decode_pending()
         text = self._text.text if self._text is not None else self.engine_text
         if self.finish_reason is None and self.hold:
             text = text[: max(0, len(text) - self.hold)]
+        return text
+
+    def _output(self, text: str, token_ids: list[int], logprobs: list[dict[int, Logprob]] | None) -> CompletionOutput:
         return CompletionOutput(
             index=self.index,
             text=text,
-            token_ids=self.token_ids,
+            token_ids=token_ids,
             cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
-            logprobs=self.logprobs,
+            logprobs=logprobs,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
         )
@@ -100,6 +129,7 @@ class OutputState:
         self.finished = False
         self.num_cached_tokens = 0
         self.metrics = RequestMetrics(arrival_time)
+        self.token_gaps: list[float] = []
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
         self._prompt_logprobs_decoded = False
 
@@ -112,18 +142,34 @@ class OutputState:
         self.num_cached_tokens = delta.num_cached_tokens
         self.metrics = delta.metrics
 
-    def output(self) -> RequestOutput:
+    def stamp(self, now: float) -> None:
+        """The deltas applied since the last stamp reached the reader at ``now``: records each sample's gaps between
+        tokens (tokens that arrive together share the time since the sample's previous ones)."""
+        for s in self.samples:
+            new = len(s.token_ids) - s.stamped
+            if new > 0:
+                if s.last_token_at is not None:
+                    self.token_gaps += [(now - s.last_token_at) / new] * new
+                s.stamped, s.last_token_at = len(s.token_ids), now
+
+    def output(self, kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> RequestOutput:
+        """The request's output now: under ``DELTA``, only the samples that changed since the previous output, each
+        with only its new text and tokens; otherwise every sample, cumulative."""
         if self.prompt_logprobs is not None and not self._prompt_logprobs_decoded:
             self._prompt_logprobs_decoded = True
             decode_entries(self._tokenizer, [e for e in self.prompt_logprobs if e is not None])
+        if kind is RequestOutputKind.DELTA:
+            outputs = [s.delta() for s in self.samples if s.changed]
+        else:
+            outputs = [s.completion() for s in self.samples]
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            outputs=[s.completion() for s in self.samples],
+            outputs=outputs,
             finished=self.finished,
             num_cached_tokens=self.num_cached_tokens,
-            metrics=self.metrics,
+            metrics=dataclasses.replace(self.metrics, token_gaps=self.token_gaps),
             prompt_block_hashes=self.prompt_block_hashes,
             namespace_id=self.namespace_id,
             prompt_logprobs=self.prompt_logprobs,

@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class RequestOutputKind(enum.Enum):
+    """What a request's output stream carries, as vLLM's: every output cumulative (``LLM``), only what is new since
+    the previous output (streamed responses), or only the final output (responses sent whole)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -16,7 +26,8 @@ class Logprob:
 class CompletionOutput:
     """One of a request's ``n`` samples. Cumulative: ``text`` and ``token_ids`` hold everything generated so far.
     While the request runs, ``token_ids`` and ``logprobs`` are the request's own lists, which later tokens extend
-    (no per-step copy); copy them to keep a snapshot.
+    (no per-step copy); copy them to keep a snapshot. Under ``RequestOutputKind.DELTA`` they hold only what is new
+    since the previous output, and ``logprobs`` entries come with their ``decoded_token``.
 
     ``finish_reason`` is "stop" (EOS, a stop token or a stop string), "length" (max_tokens or the context limit)
     or "abort"; ``stop_reason`` is the stop string or stop token id that ended it (None for EOS).
@@ -42,6 +53,9 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    # Seconds between consecutive tokens of each sample, as the reader received them (AsyncLLM streams; tokens that
+    # arrive together share the gap since the sample's previous ones). Filled by OutputState, never by the engine.
+    token_gaps: list[float] = field(default_factory=list)
 
     @property
     def ttft(self) -> float | None:

@@ -15,6 +15,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
+from kvprefix.engine.client import EngineClient
 from kvprefix.http.bodies import read_body
 from kvprefix.http.browsers import BrowserGuard
 from kvprefix.http.errors import APIError, bad_request, from_validation_error, install_error_handlers
@@ -25,6 +26,7 @@ from kvprefix.server.admission import Admission
 from kvprefix.server.cache_detail import CacheTracker
 from kvprefix.server.kv_events import add_kv_event_routes
 from kvprefix.server.metrics import ServerMetrics
+from kvprefix.server.model_info import ModelInfo
 from kvprefix.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -32,10 +34,9 @@ from kvprefix.server.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
-from kvprefix.server.serving import ModelInfo, Serving
+from kvprefix.server.serving import Serving
 
 log = logging.getLogger("kvprefix.server")
-
 
 
 @dataclass
@@ -83,20 +84,7 @@ async def _validate(text: str, model: type[BaseModel]) -> Any:
         raise from_validation_error(exc) from None
 
 
-def _model_info(engine, name: str, replica_id: str) -> ModelInfo:
-    block_size = engine.hasher.block_size
-    return ModelInfo(
-        name=name,
-        max_model_len=engine.max_sequence_tokens,
-        vocab_size=engine.model_config.vocab_size,
-        block_size=block_size,
-        hash_algo=engine.hasher.algo,
-        enable_prefix_caching=engine.enable_prefix_caching,
-        replica_id=replica_id,
-    )
-
-
-def _log_startup(engine, info: ModelInfo, config: ServerConfig) -> None:
+def _log_startup(engine: EngineClient, info: ModelInfo, config: ServerConfig) -> None:
     num_blocks = engine.num_kv_blocks
     log.info("serving model %s (max_model_len %d tokens)", info.name, info.max_model_len)
     if engine.uses_default_model:
@@ -135,12 +123,58 @@ def _openapi(app: FastAPI) -> dict:
     return schema
 
 
-def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
+@dataclass
+class _Parts:
+    """What the routes share: the engine client and the server's own state around it."""
+
+    engine: EngineClient
+    config: ServerConfig
+    auth: Auth
+    info: ModelInfo
+    metrics: ServerMetrics
+    admission: Admission
+    tracker: CacheTracker | None
+    request_log: RequestLogWriter | None
+    serving: Serving
+
+    def tenant(self, raw: Request) -> str | None:
+        return self.auth.tenant(raw.headers.get("authorization"))
+
+
+def create_app(engine: EngineClient, config: ServerConfig | None = None) -> FastAPI:
     """An app serving ``engine`` (an AsyncLLM). Shutting the app down shuts the engine down."""
-    config = config or ServerConfig()
-    auth = config.auth or Auth()
+    parts = _parts(engine, config or ServerConfig())
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        unsubscribe = engine.subscribe_kv_events(parts.tracker.on_event) if parts.tracker is not None else None
+        _log_startup(engine, parts.info, parts.config)
+        try:
+            yield
+        finally:
+            parts.admission.closing = True
+            if unsubscribe is not None:
+                unsubscribe()
+            await engine.shutdown()
+            if parts.request_log is not None:
+                parts.request_log.close()
+
+    app = FastAPI(title="kvprefix", version="0.1.0", lifespan=lifespan)
+    app.openapi = lambda: _openapi(app)
+    install_error_handlers(app)
+    app.add_middleware(BrowserGuard, allowed_hosts=parts.config.allowed_hosts)
+    app.add_middleware(RequestIdMiddleware)  # outermost: the guard's refusals carry the id too
+    app.state.drain = lambda timeout: _drain(engine, parts.admission, timeout)
+    _add_info_routes(app, parts)
+    _add_generation_routes(app, parts)
+    _add_admin_routes(app, parts)
+    add_kv_event_routes(app, engine, parts.auth, parts.config.replica_id)
+    return app
+
+
+def _parts(engine: EngineClient, config: ServerConfig) -> _Parts:
     name = config.served_model_name or engine.model_name
-    info = _model_info(engine, name, config.replica_id)
+    info = ModelInfo.of(engine, name, config.replica_id)
     cache_config = {"block_size": str(info.block_size), "enable_prefix_caching": str(info.enable_prefix_caching),
                     "num_gpu_blocks": str(engine.num_kv_blocks), "prefix_caching_hash_algo": info.hash_algo}
     metrics = ServerMetrics(name, engine.get_metrics, config.metrics_names, cache_config, info.max_model_len)
@@ -153,35 +187,12 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     request_log = RequestLogWriter(config.request_log, config.request_log_prompts,
                                    on_error=metrics.request_log_errors.labels(*labels).inc) if config.request_log else None
     serving = Serving(engine, info, admission, metrics, tracker, request_log)
-    created = int(time.time())
+    return _Parts(engine, config, config.auth or Auth(), info, metrics, admission, tracker, request_log, serving)
 
-    @asynccontextmanager
-    async def lifespan(_: FastAPI):
-        unsubscribe = engine.subscribe_kv_events(tracker.on_event) if tracker is not None else None
-        _log_startup(engine, info, config)
-        try:
-            yield
-        finally:
-            admission.closing = True
-            if unsubscribe is not None:
-                unsubscribe()
-            await engine.shutdown()
-            if request_log is not None:
-                request_log.close()
 
-    app = FastAPI(title="kvprefix", version="0.1.0", lifespan=lifespan)
-    app.openapi = lambda: _openapi(app)
-    install_error_handlers(app)
-    app.add_middleware(BrowserGuard, allowed_hosts=config.allowed_hosts)
-    app.add_middleware(RequestIdMiddleware)  # outermost: the guard's refusals carry the id too
-    app.state.drain = lambda timeout: _drain(engine, admission, timeout)
-
-    def tenant(raw: Request) -> str | None:
-        return auth.tenant(raw.headers.get("authorization"))
-
-    def check_detail(req: CompletionRequest | ChatCompletionRequest) -> None:
-        if req.cache_detail and not config.cache_detail:
-            raise bad_request("'cache_detail' is disabled on this server", param="cache_detail")
+def _add_info_routes(app: FastAPI, parts: _Parts) -> None:
+    """Health, version, models, /tokenize and /detokenize."""
+    engine, serving, name, tenant = parts.engine, parts.serving, parts.info.name, parts.tenant
 
     @app.get("/health")
     async def health() -> Response:
@@ -215,8 +226,8 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
         tenant(raw)
         return await serving.detokenize(await _parse(raw, DetokenizeRequest))
 
-    model_card = {"id": name, "object": "model", "created": created, "owned_by": "kvprefix",
-                  "max_model_len": info.max_model_len}
+    model_card = {"id": name, "object": "model", "created": int(time.time()), "owned_by": "kvprefix",
+                  "max_model_len": parts.info.max_model_len}
 
     @app.get("/v1/models")
     async def models(raw: Request) -> dict:
@@ -231,11 +242,13 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
                            param="model", code="model_not_found")
         return model_card
 
-    @app.get("/metrics")
-    async def metrics_endpoint(raw: Request) -> Response:
-        # Aggregated over all tenants (prompt lengths, hits): the admin rule, so it fails closed with tenants.
-        auth.check_admin(raw.headers.get("authorization"))
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+def _add_generation_routes(app: FastAPI, parts: _Parts) -> None:
+    serving, tenant = parts.serving, parts.tenant
+
+    def check_detail(req: CompletionRequest | ChatCompletionRequest) -> None:
+        if req.cache_detail and not parts.config.cache_detail:
+            raise bad_request("'cache_detail' is disabled on this server", param="cache_detail")
 
     @app.post("/v1/completions")
     async def completions(raw: Request):
@@ -251,43 +264,53 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
         check_detail(req)
         return await serving.chat(req, Caller(who, req.cache_salt), raw)
 
-    async def reset(raw: Request, wait: bool, timeout: float) -> JSONResponse:
+
+def _add_admin_routes(app: FastAPI, parts: _Parts) -> None:
+    """/metrics and the cache reset (under vLLM's and SGLang's names)."""
+    auth = parts.auth
+
+    @app.get("/metrics")
+    async def metrics_endpoint(raw: Request) -> Response:
+        # Aggregated over all tenants (prompt lengths, hits): the admin rule, so it fails closed with tenants.
         auth.check_admin(raw.headers.get("authorization"))
-        start = time.monotonic()
-        ok = await engine.reset_prefix_cache()
-        if not ok and wait:
-            async with admission.drained(timeout) as idle:
-                # The engine frees a request's blocks just before its last output; retry briefly to be safe.
-                while idle:
-                    ok = await engine.reset_prefix_cache()
-                    if ok or time.monotonic() - start >= timeout:
-                        break
-                    await asyncio.sleep(0.02)
-        waited = round(time.monotonic() - start, 3)
-        if ok:
-            return JSONResponse({"success": True, "waited_s": waited})
-        running = admission.running
-        hint = f"still running after waiting {timeout:g} s" if wait else "running; retry with ?wait=true&timeout=30"
-        return APIError(409, f"prefix cache not reset: {running} request(s) {hint}", type="conflict_error",
-                        code="requests_running").response()
+        return Response(parts.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(raw: Request, wait: bool = False,
                                  timeout: float = Query(30.0, ge=0.0, le=600.0)) -> JSONResponse:
         """vLLM's name. Refused (409) while requests hold blocks, unless ``wait`` drains them first."""
-        return await reset(raw, wait, timeout)
+        auth.check_admin(raw.headers.get("authorization"))
+        return await _reset(parts.engine, parts.admission, wait, timeout)
 
     @app.post("/flush_cache")
     async def flush_cache(raw: Request, wait: bool = False,
                           timeout: float = Query(30.0, ge=0.0, le=600.0)) -> JSONResponse:
         """SGLang's name for the same operation."""
-        return await reset(raw, wait, timeout)
-
-    add_kv_event_routes(app, engine, auth, config.replica_id)
-    return app
+        auth.check_admin(raw.headers.get("authorization"))
+        return await _reset(parts.engine, parts.admission, wait, timeout)
 
 
-async def _drain(engine, admission: Admission, timeout: float) -> None:
+async def _reset(engine: EngineClient, admission: Admission, wait: bool, timeout: float) -> JSONResponse:
+    start = time.monotonic()
+    ok = await engine.reset_prefix_cache()
+    if not ok and wait:
+        async with admission.drained(timeout) as idle:
+            # The engine frees a request's blocks just before its last output; retry briefly to be safe.
+            while idle:
+                ok = await engine.reset_prefix_cache()
+                if ok or time.monotonic() - start >= timeout:
+                    break
+                await asyncio.sleep(0.02)
+    waited = round(time.monotonic() - start, 3)
+    if ok:
+        return JSONResponse({"success": True, "waited_s": waited})
+    running = admission.running
+    hint = f"still running after waiting {timeout:g} s" if wait else "running; retry with ?wait=true&timeout=30"
+    return APIError(409, f"prefix cache not reset: {running} request(s) {hint}", type="conflict_error",
+                    code="requests_running").response()
+
+
+async def _drain(engine: EngineClient, admission: Admission, timeout: float) -> None:
     """Shutdown: refuse new requests, let running ones finish for ``timeout`` s, then abort the rest through the
     engine, so that their streams end in-band (finish_reason "abort", then [DONE]) instead of being cut off."""
     admission.closing = True

@@ -1,12 +1,16 @@
-"""Engine logprobs (per generated token: {token id: Logprob}) in OpenAI's two response shapes."""
+"""Engine logprobs (per generated token: {token id: Logprob}, each with its ``decoded_token``) in OpenAI's two
+response shapes. Token texts are the engine's decoding, never decoded again here."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from kvprefix.engine import Logprob
 
-Decode = Callable[[int], str]
+
+def token_text(token_id: int, lp: Logprob, as_ids: bool) -> str:
+    """vLLM's return_tokens_as_token_ids: tokens that do not decode alone stay identifiable."""
+    return f"token_id:{token_id}" if as_ids else lp.decoded_token
 
 
 def _ranked(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
@@ -14,11 +18,11 @@ def _ranked(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
     return sorted(((t, lp) for t, lp in entry.items() if lp.rank <= k), key=lambda item: item[1].rank)[:k]
 
 
-def chat_logprobs(decode: Decode, token_ids: Sequence[int], entries: Sequence[dict[int, Logprob]], k: int) -> dict:
+def chat_logprobs(token_ids: Sequence[int], entries: Sequence[dict[int, Logprob]], k: int, as_ids: bool) -> dict:
     """Chat shape: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}, ...]}``."""
 
     def item(token_id: int, lp: Logprob) -> dict:
-        text = decode(token_id)
+        text = token_text(token_id, lp, as_ids)
         return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8"))}
 
     return {"content": [
@@ -27,16 +31,23 @@ def chat_logprobs(decode: Decode, token_ids: Sequence[int], entries: Sequence[di
     ]}
 
 
-def completion_logprobs(decode: Decode, token_ids: Sequence[int], entries: Sequence[dict[int, Logprob]], k: int,
+def completion_logprobs(token_ids: Sequence[int], entries: Sequence[dict[int, Logprob]], k: int, as_ids: bool,
                         offset: int = 0) -> dict:
     """Legacy completions shape: parallel lists; ``text_offset`` counts characters of the decoded tokens from
     ``offset`` (per-token decoding, so it can differ from the joint text around multi-byte characters)."""
     tokens, token_logprobs, top, offsets = [], [], [], []
     for t, entry in zip(token_ids, entries, strict=False):
-        text = decode(t)
+        text = token_text(t, entry[t], as_ids)
         tokens.append(text)
         token_logprobs.append(entry[t].logprob)
-        top.append({decode(a): lp.logprob for a, lp in _ranked(entry, k)})
+        top.append({token_text(a, lp, as_ids): lp.logprob for a, lp in _ranked(entry, k)})
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def prompt_logprobs(entries: Sequence[dict[int, Logprob] | None], as_ids: bool) -> list[dict | None]:
+    """vLLM's shape: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}}."""
+    return [None if entry is None else {
+        str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": token_text(t, lp, as_ids)}
+        for t, lp in entry.items()} for entry in entries]

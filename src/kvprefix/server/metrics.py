@@ -161,6 +161,22 @@ class ServerMetrics:
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens of a choice",
                              _LATENCY_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token", _LATENCY_BUCKETS)
+        self._add_request_histograms(histogram, tokens)
+        self.rejected = Counter(name("server_rejected_requests", False), "Requests refused before reaching the "
+                                "engine", labels + ["reason"], registry=r)
+        self.in_flight = Gauge(name("server_requests_in_flight", False), "Engine requests admitted by the server "
+                               "(held at an admin drain or in the engine) and not yet finished", labels, registry=r)
+        self.request_log_errors = Counter(name("request_log_errors", False), "Request-log records lost to a failed "
+                                          "write (the requests themselves were served)", labels, registry=r)
+        m = self._labels = (model_name, ENGINE_INDEX)
+        self.request_log_errors.labels(*m)
+        for reason in ("stop", "length", "abort"):
+            self.request_success.labels(*m, reason)
+        for reason in ("overloaded", "tenant_limit", "shutting_down"):
+            self.rejected.labels(*m, reason)
+
+    def _add_request_histograms(self, histogram: Callable[..., Histogram], tokens: tuple[int, ...]) -> None:
+        """Per request: the engine's phases, token counts and parameters, and its prefix-cache hit fraction."""
         self.queue_time = histogram("request_queue_time_seconds", "Time waiting in the engine before scheduling",
                                     _REQUEST_TIME_BUCKETS)
         self.prefill_time = histogram("request_prefill_time_seconds", "First scheduled to first token",
@@ -181,18 +197,6 @@ class ServerMetrics:
                                           "served from the prefix cache, per request", tokens)
         self.cached_fraction = histogram("request_prefix_cache_hit_fraction", "Per request: cached prompt tokens / "
                                          "prompt tokens", _FRACTION_BUCKETS, in_vllm=False)
-        self.rejected = Counter(name("server_rejected_requests", False), "Requests refused before reaching the "
-                                "engine", labels + ["reason"], registry=r)
-        self.in_flight = Gauge(name("server_requests_in_flight", False), "Engine requests admitted by the server "
-                               "(held at an admin drain or in the engine) and not yet finished", labels, registry=r)
-        self.request_log_errors = Counter(name("request_log_errors", False), "Request-log records lost to a failed "
-                                          "write (the requests themselves were served)", labels, registry=r)
-        m = self._labels = (model_name, ENGINE_INDEX)
-        self.request_log_errors.labels(*m)
-        for reason in ("stop", "length", "abort"):
-            self.request_success.labels(*m, reason)
-        for reason in ("overloaded", "tenant_limit", "shutting_down"):
-            self.rejected.labels(*m, reason)
 
     def labels(self) -> tuple[str, str]:
         """The model_name and engine label values, in that order."""

@@ -1,0 +1,70 @@
+"""EngineClient: everything a server may ask of an engine. ``AsyncLLM`` implements it; the server's code is typed
+against it and calls nothing else, so what crosses the engine -> server seam is written down in one place."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Protocol
+
+from kvprefix.cache import BlockHasher, KVCacheEvent
+from kvprefix.engine.outputs import RequestOutput, RequestOutputKind
+from kvprefix.engine.sampling_params import SamplingParams
+from kvprefix.tokenizer import Tokenizer
+
+# Every cached block as (hash, parent hash, namespace id): the snapshot a KV-event stream starts from.
+CacheSnapshot = list[tuple[bytes, bytes | None, str]]
+
+
+class EngineClient(Protocol):
+    # Fixed for the engine's lifetime.
+    tokenizer: Tokenizer
+    model_name: str
+    uses_default_model: bool  # the built-in default model (no checkpoint was named)
+    vocab_size: int
+    max_sequence_tokens: int  # the longest prompt + output: the model's limit or the KV cache's, whichever is less
+    hasher: BlockHasher  # unsalted; a namespace's chain is ``hasher.for_namespace(tenant, salt)``
+    num_kv_blocks: int
+    enable_prefix_caching: bool
+
+    @property
+    def errored(self) -> bool: ...
+
+    @property
+    def is_running(self) -> bool: ...
+
+    def generate(
+        self,
+        prompt: list[int],
+        sampling_params: SamplingParams,
+        request_id: str,
+        cache_salt: str | None = None,
+        tenant: str | None = None,
+        *,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+    ) -> AsyncIterator[RequestOutput]:
+        """The request's outputs until one has ``finished``; closing the stream early aborts the request."""
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Frees the request's blocks before returning; its stream ends with finish_reason "abort"."""
+        ...
+
+    async def reset_prefix_cache(self) -> bool:
+        """False (nothing changed) while requests hold blocks."""
+        ...
+
+    def get_metrics(self) -> dict[str, int | float]: ...
+
+    def subscribe_kv_events(self, callback: Callable[[KVCacheEvent], None]) -> Callable[[], None]:
+        """``callback`` runs on the engine thread; returns the unsubscribe function."""
+        ...
+
+    async def subscribe_kv_events_from_snapshot(
+        self, on_snapshot: Callable[[CacheSnapshot], None], on_event: Callable[[KVCacheEvent], None]
+    ) -> Callable[[], None]:
+        """The cache now, then every change after it, each exactly once; returns the unsubscribe function."""
+        ...
+
+    async def shutdown(self) -> None:
+        """Aborts every request (their streams end with finish_reason "abort") and stops the engine."""
+        ...

@@ -1,0 +1,109 @@
+"""Request -> engine call: the checks and limits of a completions or chat request, its sampling parameters and
+its ids, decided before anything reaches the engine (so a bad request is a 400 before a stream starts)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from kvprefix.engine import SamplingParams
+from kvprefix.engine.structured import grammar_for
+from kvprefix.http.errors import APIError, bad_request
+from kvprefix.http.request_ids import MAX_REQUEST_ID_LEN, request_id_of, valid_request_id
+from kvprefix.http.tenancy import Caller, validate_client_salt
+from kvprefix.prompts import RenderedPrompt
+from kvprefix.server.model_info import ModelInfo
+from kvprefix.server.prompting import Prompter
+from kvprefix.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvprefix.server.tools import ToolPlan
+
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty", "seed")
+
+
+@dataclass
+class EngineCall:
+    """One engine request per prompt (ids ``f"{engine_rid}-{i}"``), each with ``params`` (n samples)."""
+
+    prompts: list[RenderedPrompt]
+    params: SamplingParams
+    rid: str  # the response's id
+    engine_rid: str
+
+
+def check_model(info: ModelInfo, model: str | None) -> None:
+    if model is not None and model != info.name:
+        raise APIError(404, f"the model '{model}' does not exist; this server serves '{info.name}'",
+                       param="model", code="model_not_found")
+
+
+async def engine_call(req: CompletionRequest | ChatCompletionRequest, caller: Caller, raw: Request, info: ModelInfo,
+                      prompter: Prompter, prompts: list[RenderedPrompt], param: str,
+                      tools: ToolPlan | None) -> EngineCall:
+    validate_client_salt(caller.client_salt)
+    prompts = prompter.truncated(req, prompts)
+    if not all(p.token_ids for p in prompts):
+        raise bad_request(f"'{param}' is empty after tokenization", param=param)
+    requested = req.max_new_tokens() if isinstance(req, ChatCompletionRequest) else req.max_tokens
+    max_tokens = min(_max_tokens(info.max_model_len, len(p.token_ids), requested, param) for p in prompts)
+    if req.min_tokens > max_tokens:
+        raise bad_request(f"'min_tokens' ({req.min_tokens}) is more than the {max_tokens} tokens this request may "
+                          "generate", param="min_tokens")
+    structured, field_name = req.structured()
+    if tools is not None and structured is not None:
+        raise bad_request(f"'{field_name}' cannot be combined with tools unless 'tool_choice' is \"none\": both "
+                          "would decide the same output", param=field_name)
+    if tools is not None and tools.structured is not None:  # required or named: compiled in plan_tools
+        structured = tools.structured
+    elif structured is not None:  # compiled here first, so that a bad one is a 400 before any stream starts
+        try:
+            await asyncio.to_thread(grammar_for, structured)
+        except ValueError as exc:
+            raise bad_request(f"invalid '{field_name}': {exc}", param=field_name) from None
+    params = _sampling(req, max_tokens)
+    params.structured_outputs = structured
+    rid, engine_rid = _response_id(req, raw, "chatcmpl" if isinstance(req, ChatCompletionRequest) else "cmpl")
+    return EngineCall(prompts, params, rid, engine_rid)
+
+
+def _max_tokens(limit: int, prompt_len: int, requested: int | None, param: str) -> int:
+    if requested is None:
+        if prompt_len >= limit:
+            raise bad_request(f"this model's maximum context length is {limit} tokens, but the prompt has "
+                              f"{prompt_len} tokens", param=param, code="context_length_exceeded")
+        return limit - prompt_len
+    if prompt_len + requested > limit:
+        raise bad_request(
+            f"this model's maximum context length is {limit} tokens, but you requested {prompt_len + requested} "
+            f"tokens ({prompt_len} in the prompt, {requested} for the completion); reduce the prompt or "
+            f"'max_tokens'", param=param, code="context_length_exceeded")
+    return requested
+
+
+def _sampling(req: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
+    kwargs = {name: getattr(req, name) for name in _SAMPLING_FIELDS if getattr(req, name) is not None}
+    try:
+        return SamplingParams(n=req.n, max_tokens=max_tokens, stop=req.stop_list() or None,
+                              stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
+                              logprobs=req.num_logprobs(), min_tokens=req.min_tokens,
+                              include_stop_str_in_output=req.include_stop_str_in_output,
+                              skip_special_tokens=req.skip_special_tokens, prompt_logprobs=req.prompt_logprobs,
+                              **kwargs)
+    except ValueError as exc:  # the engine's own range checks, should ours ever be looser
+        raise bad_request(str(exc)) from None
+
+
+def _response_id(req, raw: Request, kind: str) -> tuple[str, str]:
+    """(the response's id, the base of its engine request ids). The id is the client's x-request-id header, else
+    the body's request_id (vLLM's order), else the id the middleware made. A client's id may repeat, an engine's
+    may not: then the engine ids get a unique suffix."""
+    header_id, chosen = request_id_of(raw)
+    base = header_id if chosen or req.request_id is None else req.request_id
+    if not valid_request_id(base):
+        raise bad_request(f"'request_id' must be 1 to {MAX_REQUEST_ID_LEN} printable ASCII characters without "
+                          "spaces", param="request_id")
+    rid = f"{kind}-{base}"
+    return rid, (f"{rid}-{uuid.uuid4().hex[:12]}" if chosen or req.request_id is not None else rid)
