@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import itertools
 import time
 from typing import Any
 
@@ -14,6 +13,7 @@ import torch
 
 from kvprefix.cache import BlockHasher, KVCacheManager, context_for_checkpoint, kv_label
 from kvprefix.engine.args import EngineArgs
+from kvprefix.engine.metrics import ITERATION_TOKEN_BUCKETS, engine_metrics
 from kvprefix.engine.model_runner import ModelRunner, num_kv_blocks
 from kvprefix.engine.output_state import OutputState
 from kvprefix.engine.outputs import RequestDelta, RequestMetrics, SampleDelta
@@ -27,8 +27,6 @@ from kvprefix.model.loader import default_dtype, resolve_dtype, resolve_model_pa
 from kvprefix.model.quantized_linear import check_quantization, quantize_model
 from kvprefix.tokenizer import Tokenizer
 
-# Tokens per engine step, as vLLM's iteration_tokens_total histogram buckets them.
-ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # Prompt positions whose logits are computed at once for prompt logprobs (each is a vocabulary of floats).
 _SCORE_SLICE = 256
 # A prompt: text, token ids, or a dict with "prompt_token_ids" or "prompt" (vLLM's input forms).
@@ -259,13 +257,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
-        self._iteration_tokens[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, sched.num_tokens)] += 1
-        self._iteration_tokens_sum += sched.num_tokens
-        now = time.monotonic()
-        for s in sched.scheduled:
-            metrics = self._user_request_of[s.request.request_id].metrics
-            if metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = now
+        self._count_step(sched)
         sample_rows = [
             i
             for i, s in enumerate(sched.scheduled)
@@ -279,8 +271,21 @@ class LLMEngine:
         if not sample_rows:
             return []
         requests = [sched.scheduled[i].request for i in sample_rows]
-        samples = self._sample(logits, requests)
+        return self._outputs(*self._append_samples(requests, self._sample(logits, requests)))
+
+    def _count_step(self, sched) -> None:
+        """The step's tokens into the histogram; the first scheduling time of requests scheduled for the first time."""
+        self._iteration_tokens[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, sched.num_tokens)] += 1
+        self._iteration_tokens_sum += sched.num_tokens
         now = time.monotonic()
+        for s in sched.scheduled:
+            metrics = self._user_request_of[s.request.request_id].metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+
+    def _append_samples(self, requests: list[Request], samples: list[tuple]):
+        """Appends each sampled token to its request (a request whose token fails fails alone); returns the
+        changed user requests with their sample deltas, and the prompt logprobs completed in this step."""
         changed: dict[str, tuple[_UserRequest, list[SampleDelta]]] = {}
         prompt_logprobs: dict[str, list] = {}  # per user request, in the step its prompt was computed
         for req, (token, lp) in zip(requests, samples, strict=True):
@@ -304,6 +309,11 @@ class LLMEngine:
                                 None if req.text is None else req.text.text, req.finish_reason, req.stop_reason,
                                 req.ended_by_token)
             changed.setdefault(user_request.request_id, (user_request, []))[1].append(delta)
+        return changed, prompt_logprobs
+
+    def _outputs(self, changed: dict, prompt_logprobs: dict[str, list]) -> list[RequestDelta]:
+        """One delta per changed user request; finished ones are forgotten and counted."""
+        now = time.monotonic()
         outputs = []
         for user_request, deltas in changed.values():
             metrics = user_request.metrics
@@ -361,42 +371,6 @@ class LLMEngine:
         return self.manager.reset_prefix_cache()
 
     def get_metrics(self) -> dict[str, int | float]:
-        """Counters since start (prefix_cache_* in tokens, each request counted at its first admission;
-        prefix_cache_preempted_* count re-admissions after preemption; num_inflight_prefix_waits: requests that waited
-        behind a running request's in-flight prompt blocks), gauges (num_requests_*, kv_cache_usage,
-        num_free_blocks), and tokens per step as a histogram: iteration_tokens_le_B counts the steps of at most B
-        tokens, iteration_tokens_count all steps, iteration_tokens_sum their tokens."""
-        stats = self.manager.stats
-        pool = self.manager.pool
-        return {
-            "prefix_cache_queries": stats.queries,
-            "prefix_cache_hits": stats.hits,
-            "prefix_cache_hit_rate": stats.hit_rate,
-            "prefix_cache_admissions": stats.requests,
-            "prefix_cache_preempted_queries": stats.preempted_queries,
-            "prefix_cache_preempted_hits": stats.preempted_hits,
-            "prefix_cache_preempted_admissions": stats.preempted_requests,
-            "prefix_cache_evictions": stats.evictions,
-            "prefix_cache_resets": stats.resets,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_inflight_prefix_waits": self.scheduler.inflight.num_waits if self.scheduler.inflight else 0,
-            "prompt_tokens": self._counters["prompt_tokens"],
-            "prompt_tokens_computed": self.scheduler.num_prompt_tokens_computed,
-            "generation_tokens": self._counters["generation_tokens"],
-            "requests_finished": self._counters["requests_finished"],
-            "requests_aborted": self._counters["requests_aborted"],
-            "requests_failed": self._counters["requests_failed"],
-            "num_requests_running": len(self.scheduler.running),
-            "num_requests_waiting": len(self.scheduler.waiting),
-            "kv_cache_usage": pool.usage,
-            "num_blocks": pool.num_blocks,
-            "num_free_blocks": pool.num_free_blocks,
-            "block_size": self.manager.block_size,
-            **self._iteration_token_stats(),
-        }
-
-    def _iteration_token_stats(self) -> dict[str, int]:
-        counts = list(self._iteration_tokens)  # one read: the cumulative buckets and the count agree
-        cumulative = itertools.accumulate(counts)
-        out = {f"iteration_tokens_le_{b}": n for b, n in zip(ITERATION_TOKEN_BUCKETS, cumulative, strict=False)}
-        return out | {"iteration_tokens_count": sum(counts), "iteration_tokens_sum": self._iteration_tokens_sum}
+        """Counters, gauges and the tokens-per-step histogram (``engine.metrics.engine_metrics``)."""
+        return engine_metrics(self.manager, self.scheduler, self._counters, self._iteration_tokens,
+                              self._iteration_tokens_sum)

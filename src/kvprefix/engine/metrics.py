@@ -1,0 +1,52 @@
+"""The engine's counters and gauges as one flat dict (what `LLM.get_metrics()` returns and the server exports)."""
+
+from __future__ import annotations
+
+import itertools
+
+# Tokens per engine step, as vLLM's iteration_tokens_total histogram buckets them.
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def engine_metrics(manager, scheduler, counters: dict[str, int], iteration_tokens: list[int],
+                   iteration_tokens_sum: int) -> dict[str, int | float]:
+    """Counters since start (prefix_cache_* in tokens, each request counted at its first admission;
+    prefix_cache_preempted_* count re-admissions after preemption; num_inflight_prefix_waits: requests that waited
+    behind a running request's in-flight prompt blocks), gauges (num_requests_*, kv_cache_usage,
+    num_free_blocks), and tokens per step as a histogram: iteration_tokens_le_B counts the steps of at most B
+    tokens, iteration_tokens_count all steps, iteration_tokens_sum their tokens."""
+    stats = manager.stats
+    pool = manager.pool
+    return {
+        "prefix_cache_queries": stats.queries,
+        "prefix_cache_hits": stats.hits,
+        "prefix_cache_hit_rate": stats.hit_rate,
+        "prefix_cache_admissions": stats.requests,
+        "prefix_cache_preempted_queries": stats.preempted_queries,
+        "prefix_cache_preempted_hits": stats.preempted_hits,
+        "prefix_cache_preempted_admissions": stats.preempted_requests,
+        "prefix_cache_evictions": stats.evictions,
+        "prefix_cache_resets": stats.resets,
+        "num_preemptions": scheduler.num_preemptions,
+        "num_inflight_prefix_waits": scheduler.inflight.num_waits if scheduler.inflight else 0,
+        "prompt_tokens": counters["prompt_tokens"],
+        "prompt_tokens_computed": scheduler.num_prompt_tokens_computed,
+        "generation_tokens": counters["generation_tokens"],
+        "requests_finished": counters["requests_finished"],
+        "requests_aborted": counters["requests_aborted"],
+        "requests_failed": counters["requests_failed"],
+        "num_requests_running": len(scheduler.running),
+        "num_requests_waiting": len(scheduler.waiting),
+        "kv_cache_usage": pool.usage,
+        "num_blocks": pool.num_blocks,
+        "num_free_blocks": pool.num_free_blocks,
+        "block_size": manager.block_size,
+        **_iteration_token_stats(iteration_tokens, iteration_tokens_sum),
+    }
+
+
+def _iteration_token_stats(iteration_tokens: list[int], iteration_tokens_sum: int) -> dict[str, int]:
+    counts = list(iteration_tokens)  # one read: the cumulative buckets and the count agree
+    cumulative = itertools.accumulate(counts)
+    out = {f"iteration_tokens_le_{b}": n for b, n in zip(ITERATION_TOKEN_BUCKETS, cumulative, strict=False)}
+    return out | {"iteration_tokens_count": sum(counts), "iteration_tokens_sum": iteration_tokens_sum}
