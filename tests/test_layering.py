@@ -95,10 +95,13 @@ def imports_of(name: str, path: Path, known: set[str]) -> list[Import]:
 
 
 def node_of(module: str) -> str | None:
-    """The table row a kvprefix module belongs to: its package, `cli`, or `kvprefix` (the package's __init__)."""
+    """The table row a kvprefix module belongs to: its package, `cli` (also every `__main__`: a command, which
+    nothing imports), or `kvprefix` (the package's __init__)."""
     parts = module.split(".")
     if parts[0] != "kvprefix":
         return None
+    if parts[-1] == "__main__":
+        return "cli"
     return parts[1] if len(parts) > 1 else "kvprefix"
 
 
@@ -237,3 +240,14 @@ def test_torch_free_packages_import_without_torch_the_model_or_the_engine():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split("\n")[:2] == ["[]", "[]"], out.stdout
+
+
+def test_a_main_module_is_a_command(tmp_path: Path):
+    """`python -m kvprefix.router` would be a command: held to the `cli` row, so it may run `kvprefix.cli` but not
+    reach past what the command may import."""
+    root = tmp_path / "kvprefix"
+    shutil.copytree(SRC, root)
+    (root / "router" / "__main__.py").write_text("from kvprefix.cli import main\nfrom kvprefix.logs import x\n")
+    problems = [p for p in check(root, read_table(), KNOWN_VIOLATIONS) if "__main__" in p]
+    assert problems == ["kvprefix.router.__main__ (line 2) imports kvprefix.logs: cli may not import logs "
+                        "(allowed: doctor, engine, router, server, sim)"], problems
