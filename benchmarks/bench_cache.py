@@ -10,10 +10,10 @@ registered and freed through the real KVCacheManager.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
-from pathlib import Path
+
+from harness import write_results
 
 from kvprefix.cache import HASH_ALGOS, BlockHasher, CacheRequest, KVCacheManager
 
@@ -136,10 +136,7 @@ def main() -> None:
     for size, us in evict.items():
         print(f"| {size:,} | {us:.2f} |")
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"w1": w1, "hash_blocks_per_s": hashing, "evicting_alloc_us": evict}, indent=2))
-    print(f"\nwrote {out}")
+    write_results(args.out, {"w1": w1, "hash_blocks_per_s": hashing, "evicting_alloc_us": evict})
 
 
 if __name__ == "__main__":

@@ -26,9 +26,9 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import torch
+from harness import write_results
 
 # name -> (model dtype, --quantization)
 VARIANTS = {
@@ -262,12 +262,10 @@ def main() -> None:
                 for key, w in workers.items()}
 
     def write(results: dict, rounds_done: int) -> None:  # after every round: a long run's rounds so far survive
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(dict(bandwidth_bytes_per_s=bandwidth, threads=args.threads,
-                                                  prompt_tokens=PROMPT_TOKENS, output_tokens=OUTPUT_TOKENS,
-                                                  prefill_tokens=args.prefill_tokens, against=args.against,
-                                                  rounds_done=rounds_done, load_averages=loads,
-                                                  results=list(results.values())), indent=2))
+        write_results(args.out, dict(bandwidth_bytes_per_s=bandwidth, threads=args.threads,
+                                     prompt_tokens=PROMPT_TOKENS, output_tokens=OUTPUT_TOKENS,
+                                     prefill_tokens=args.prefill_tokens, against=args.against,
+                                     rounds_done=rounds_done, load_averages=loads, results=list(results.values())))
 
     try:
         for r in range(args.rounds):

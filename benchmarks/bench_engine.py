@@ -31,28 +31,17 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import random
 import statistics
 import time
-from pathlib import Path
 
 import torch
+from harness import QWEN25_05B, ensure_checkpoint, percentile, write_results
 
 from kvprefix import LLM, SamplingParams
 
-QWEN25_05B = dict(
-    hidden_size=896,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    intermediate_size=4864,
-    vocab_size=151936,
-    tie_word_embeddings=True,
-    max_position_embeddings=32768,
-)
 SYSTEM_TOKENS = 1024
 OUTPUT_TOKENS = 16
 BLOCK_SIZE = 16
@@ -75,26 +64,8 @@ class Workload:
         return [self.system + s for s in self.suffixes_for(variant)]
 
 
-def ensure_checkpoint(path: str, layers: int = QWEN25_05B["num_hidden_layers"]) -> str:
-    """The random Qwen2.5-0.5B-shaped checkpoint, written once; with fewer ``layers``, a shallower copy of it (the
-    issue-12 scenarios count tokens, so a shallower model gives the same counts, faster)."""
-    from kvprefix.model import write_random_checkpoint
-
-    shape = dict(QWEN25_05B)
-    if layers != shape["num_hidden_layers"]:
-        path, shape["num_hidden_layers"] = f"{path}-{layers}-layers", layers
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        print(f"writing a random Qwen2.5-0.5B-shaped checkpoint ({layers} layers) to {path} (once)")
-        write_random_checkpoint(path, "qwen2", seed=0, dtype=torch.bfloat16, **shape)
-    return path
-
-
-def pct(values: list[float], q: int) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
-
-
 def ttft_summary(ttfts: list[float]) -> dict:
-    return {"ttft_p50_s": pct(ttfts, 50), "ttft_p90_s": pct(ttfts, 90), "ttfts_s": ttfts}
+    return {"ttft_p50_s": percentile(ttfts, 50), "ttft_p90_s": percentile(ttfts, 90), "ttfts_s": ttfts}
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
@@ -335,13 +306,13 @@ def timed_generate(llm: LLM, prompts: list[list[int]], params: SamplingParams) -
     ttft_tokens = [max(n for t, n in llm.token_clock if t <= o.metrics.first_token_time) - clock_start for o in outs]
     return {
         "total_s": total,
-        "ttft_p50_s": pct(ttfts, 50),
+        "ttft_p50_s": percentile(ttfts, 50),
         "ttft_mean_s": statistics.mean(ttfts),
-        "ttft_p99_s": pct(ttfts, 99),
+        "ttft_p99_s": percentile(ttfts, 99),
         "ttfts_s": ttfts,
-        "ttft_tokens_p50": pct(ttft_tokens, 50),
+        "ttft_tokens_p50": percentile(ttft_tokens, 50),
         "ttft_tokens_mean": statistics.mean(ttft_tokens),
-        "ttft_tokens_p99": pct(ttft_tokens, 99),
+        "ttft_tokens_p99": percentile(ttft_tokens, 99),
         "ttft_tokens": ttft_tokens,
         "prompt_tokens_computed": after["prompt_tokens_computed"] - before["prompt_tokens_computed"],
         "num_preemptions": after["num_preemptions"] - before["num_preemptions"],
@@ -605,9 +576,8 @@ def main() -> int:
         "kvprefix (caching off) vs transformers batched": agreement(off["token_ids"], hf["token_ids"]),
     }
     print("\n".join(report(r)))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(r, indent=2))
-    print(f"\nwall time {r['wall_s']:.0f} s; JSON written to {args.out}")
+    write_results(args.out, r)
+    print(f"wall time {r['wall_s']:.0f} s")
     return 0
 
 
@@ -619,10 +589,8 @@ def run_scenario(args: argparse.Namespace, path: str) -> int:
                    "torch": torch.__version__, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs"}
     r["wall_s"] = time.perf_counter() - start
     print("\n".join(report_fn(r)))
-    out = Path(args.out or f"results/bench_engine_{args.scenario}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(r, indent=2))
-    print(f"\nwall time {r['wall_s']:.0f} s; JSON written to {out}")
+    write_results(args.out or f"results/bench_engine_{args.scenario}.json", r)
+    print(f"wall time {r['wall_s']:.0f} s")
     return 0
 
 

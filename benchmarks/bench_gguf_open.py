@@ -8,10 +8,10 @@ model opens it once; GGUFReader spends its time making numpy views of each metad
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
+
+from harness import write_results
 
 
 def main() -> None:
@@ -41,9 +41,7 @@ def main() -> None:
         print(f"{name:<20} {median[name]:>9.2f}  {', '.join(f'{x:.2f}' for x in s)}")
     ratio = median["GGUFReader"] / median["kvprefix GGUFFile"]
     print(f"GGUFReader / kvprefix GGUFFile: {ratio:.1f}x")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"model": path, "seconds": seconds, "median": median, "ratio": ratio},
-                                         indent=2))
+    write_results(args.out, {"model": path, "seconds": seconds, "median": median, "ratio": ratio})
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ gives each dtype's time relative to the first. Default model: the built-in defau
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -25,6 +24,7 @@ from kvprefix.model.loader import resolve_dtype
 
 # The reference driver the model tests use: builds AttentionMetadata for a list of sequence chunks.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' support package
+from harness import write_results
 from support.paged import Chunk, run_batch  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -95,8 +95,7 @@ def main() -> None:
                             "tokens_per_s": num_tokens / s, "relative": s / medians[0]})
         print(f"{name:32} " + " ".join(f"{1000 * s:14.1f}" for s in medians) + " " +
               " ".join(f"{s / medians[0]:20.2f}" for s in medians[1:]), flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"model": path, "results": results}, indent=2))
+    write_results(args.out, {"model": path, "results": results})
 
 
 if __name__ == "__main__":

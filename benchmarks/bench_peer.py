@@ -1,7 +1,7 @@
 """kvprefix serve against llama.cpp's own C++ llama-server on the same GGUF file, side by side in one run.
 
 Builds llama-server once from the llama.cpp sources that the registry's llama-cpp-python sdist vendors (cached under
-~/.cache/kvprefix, see llama_server.py), starts it with --parallel 8 and its prompt cache on, starts `kvprefix serve
+~/.cache/kvprefix, see peers/llama_server.py), starts it with --parallel 8 and its prompt cache on, starts `kvprefix serve
 --model FILE.gguf`, checks that both answer a factual question correctly, then drives both with the same workload:
 one shared ~1,000-token system prompt plus a unique question per request, greedy, a fixed number of output tokens
 (ignore_eos), closed-loop users (each sends its next request when the previous one finished). The two servers are
@@ -24,13 +24,14 @@ import itertools
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
-from bench_server import _free_port, start_server, system_prompt
-from llama_server import LLAMA_CPP_PYTHON_VERSION, LlamaServer, PeerError, build_server
+from harness import free_port, percentile, start_serve, system_prompt, write_results
+from peers.llama_server import LLAMA_CPP_PYTHON_VERSION, LlamaServer, PeerError, build_server
 
 # The bare "What is the capital of France?" is a near-tie at the first greedy token for this 135M model even in
 # float32 ("The" -1.88 vs "L" -1.96 nats): llama.cpp's 8-bit activations flip it to "L'Étoile...". With "Answer in
@@ -125,26 +126,21 @@ def check(name: str, url: str, model: str, max_tokens: int) -> dict:
     return {"answer": r["text"], "ok": ok, "decode_ms_per_token": r["decode_ms_per_token"]}
 
 
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
-
-
 def summarize(rounds: list[dict]) -> dict:
     reqs = [r for rnd in rounds for r in rnd["requests"]]
     ttfts = [1000 * r["ttft"] for r in reqs]
     decode = [r["decode_ms_per_token"] for r in reqs if r["decode_ms_per_token"] is not None]
     return {
         "requests": len(reqs),
-        "ttft_p50_ms": statistics.median(ttfts), "ttft_p99_ms": pct(ttfts, 0.99),
+        "ttft_p50_ms": percentile(ttfts, 50), "ttft_p99_ms": percentile(ttfts, 99),
         "output_tok_s": sum(r["completion_tokens"] for r in reqs) / sum(rnd["span_s"] for rnd in rounds),
         "output_tok_s_per_round": [sum(r["completion_tokens"] for r in rnd["requests"]) / rnd["span_s"]
                                    for rnd in rounds],
-        "ttft_p50_ms_per_round": [1000 * statistics.median(r["ttft"] for r in rnd["requests"]) for rnd in rounds],
+        "ttft_p50_ms_per_round": [1000 * percentile((r["ttft"] for r in rnd["requests"]), 50) for rnd in rounds],
         "prompt_tokens": statistics.mean(r["prompt_tokens"] for r in reqs),
         "computed_prompt_tokens": statistics.mean(r["prompt_tokens"] - r["cached_tokens"] for r in reqs),
         "completion_tokens": statistics.mean(r["completion_tokens"] for r in reqs),
-        "decode_ms_per_token_p50": statistics.median(decode) if decode else None,
+        "decode_ms_per_token_p50": percentile(decode, 50) if decode else None,
     }
 
 
@@ -197,12 +193,13 @@ def run(args: argparse.Namespace) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # torch's intra-op threads in the kvprefix server
     args.model = str(gguf)
-    args.serve_args = args.kvprefix_args.split()
-    llama = LlamaServer(binary, gguf, _free_port(), llama_args(args), out.with_suffix(".llama-server.log"))
-    kv_proc = None
+    llama = LlamaServer(binary, gguf, free_port(), llama_args(args), out.with_suffix(".llama-server.log"))
+    kv = None
     try:
         try:
-            kv_proc, kv_url = start_server(True, args)
+            kv = start_serve(["--num-gpu-blocks", str(args.num_blocks), "--max-num-seqs", "64", "--model", args.model,
+                              *args.kvprefix_args.split()], stdout=subprocess.DEVNULL)
+            kv_url = kv.url
         except RuntimeError as e:
             raise PeerError(f"kvprefix serve --model {gguf} did not start: {str(e).strip().splitlines()[-1]}") from e
         llama.wait_ready()
@@ -234,9 +231,8 @@ def run(args: argparse.Namespace) -> None:
                           f"{s['prompt_tokens']:.0f} prompt tokens", file=sys.stderr)
     finally:
         llama.stop()
-        if kv_proc is not None:
-            kv_proc.terminate()
-            kv_proc.wait(60)
+        if kv is not None:
+            kv.stop()
     report(args, gguf, checks, rounds, users_list, out)
 
 
@@ -245,24 +241,25 @@ def report(args, gguf: Path, checks: dict, rounds: dict, users_list: list[int], 
     print(f"\n{gguf.name}, ~{summary['kvprefix'][users_list[0]]['prompt_tokens']:.0f} prompt tokens "
           f"(shared system prompt + unique question), {args.max_tokens} output tokens, greedy, ignore_eos, "
           f"{args.rounds} rounds x {args.requests_per_user} requests per user, {args.threads} threads each\n")
-    print("| users | server | TTFT p50 (ms) | TTFT p99 (ms) | output tok/s | prompt tokens computed / request "
-          "| decode ms/token p50 | kvprefix/llama.cpp TTFT p50 | kvprefix/llama.cpp tok/s |")
-    print("|" + "---|" * 9)
+    rows = []
     for users in users_list:
         kv, ll = summary["kvprefix"][users], summary["llama.cpp"][users]
         for name, s in (("kvprefix", kv), ("llama.cpp", ll)):
-            ratios = (f"{kv['ttft_p50_ms'] / ll['ttft_p50_ms']:.2f}x | {kv['output_tok_s'] / ll['output_tok_s']:.2f}x"
-                      if name == "kvprefix" else " | ")
-            print(f"| {users} | {name} | {s['ttft_p50_ms']:.0f} | {s['ttft_p99_ms']:.0f} | {s['output_tok_s']:.1f} "
-                  f"| {s['computed_prompt_tokens']:.0f} of {s['prompt_tokens']:.0f} "
-                  f"| {s['decode_ms_per_token_p50']:.1f} | {ratios} |")
+            mine = name == "kvprefix"
+            rows.append({"users": users, "server": name, "TTFT p50 (ms)": s["ttft_p50_ms"],
+                         "TTFT p99 (ms)": s["ttft_p99_ms"], "output tok/s": s["output_tok_s"],
+                         "prompt tokens computed / request": f"{s['computed_prompt_tokens']:.0f} of "
+                                                             f"{s['prompt_tokens']:.0f}",
+                         "decode ms/token p50": s["decode_ms_per_token_p50"],
+                         "kvprefix/llama.cpp TTFT p50": f"{kv['ttft_p50_ms'] / ll['ttft_p50_ms']:.2f}x" if mine else "",
+                         "kvprefix/llama.cpp tok/s": f"{kv['output_tok_s'] / ll['output_tok_s']:.2f}x" if mine else ""})
     raw = {n: {str(u): [[{k: v for k, v in r.items() if k != "text"} for r in rnd["requests"]] for rnd in rs]
                for u, rs in by_users.items()} for n, by_users in rounds.items()}
-    out.write_text(json.dumps({"config": {k: v for k, v in vars(args).items() if k != "out"}, "gguf": str(gguf),
-                               "checks": checks,
-                               "summary": {n: {str(u): s for u, s in by.items()} for n, by in summary.items()},
-                               "requests": raw}, indent=2))
-    print(f"\nwrote {out}")
+    write_results(out, {"config": {k: v for k, v in vars(args).items() if k != "out"}, "gguf": str(gguf),
+                        "checks": checks, "summary": {n: {str(u): s for u, s in by.items()} for n, by in summary.items()},
+                        "requests": raw},
+                  rows, formats={"TTFT p50 (ms)": ".0f", "TTFT p99 (ms)": ".0f", "output tok/s": ".1f",
+                                 "decode ms/token p50": ".1f"})
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import sys
 import time
@@ -30,6 +29,7 @@ from kvprefix.model import allocate_kv_cache, default_model_path, load_model
 from kvprefix.model.loader import resolve_dtype
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' support package
+from harness import write_results
 from support.paged import Chunk, run_batch  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -40,7 +40,7 @@ def model_path(name: str) -> str:
     if name == "default":
         return default_model_path()
     if name == QWEN_SHAPE:
-        from bench_engine import ensure_checkpoint
+        from harness import ensure_checkpoint
 
         return ensure_checkpoint("results/qwen2.5-0.5b-random")
     return name
@@ -93,8 +93,7 @@ def main() -> None:
                 rows.append(measure(model_name, ours, theirs, dtype, n, args.repeats))
             del ours, theirs
             gc.collect()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"threads": args.threads, "rows": rows}, indent=2))
+    write_results(args.out, {"threads": args.threads, "rows": rows})
 
 
 def measure(model_name: str, ours, theirs, dtype: torch.dtype, n: int, repeats: int) -> dict:

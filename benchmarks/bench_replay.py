@@ -13,10 +13,11 @@ The default trace is the repository's own copy (tests/data/traces), so the scrip
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
+
+from harness import write_results
 
 from kvprefix.sim.formats import load_trace
 from kvprefix.sim.metrics import summarize
@@ -69,11 +70,8 @@ def main() -> None:
     span = f"{SWEEP_TOKENS[0]:.0e}..{SWEEP_TOKENS[-1]:.0e} tokens"
     print(f"\n10-point capacity sweep (1 pool, order, {span}): {sweep_s:.2f} s")
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"trace": trace.name, "block_refs": refs, "parse_s": load_s, "configs": rows, "sweep_10_points_s": sweep_s}
-    out.write_text(json.dumps(doc, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_results(args.out, {"trace": trace.name, "block_refs": refs, "parse_s": load_s, "configs": rows,
+                             "sweep_10_points_s": sweep_s})
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ import itertools
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,7 +35,7 @@ import time
 from pathlib import Path
 
 import httpx
-from server_process import wait_healthy
+from harness import Process, free_port, percentile, start_route, start_serve, wait_healthy, write_results
 
 from kvprefix.router.policies import POLICIES
 from kvprefix.sim.formats import load_trace
@@ -138,12 +137,6 @@ def null_backend(port: int, model: str) -> None:
         loop.run_until_complete(server.serve_forever())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _pinned(core: int | None) -> list[str]:
     """taskset for ``core``; nothing for None (--no-pin: a machine whose cores someone else pins)."""
     usable = core is not None and os.path.exists("/usr/bin/taskset") and (os.cpu_count() or 1) > 1
@@ -206,7 +199,7 @@ def load(port: int, concurrency: int, seconds: float) -> dict:
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         elapsed = time.perf_counter() - start
-        return {"requests_per_s": len(latencies) / elapsed, "p50_ms": 1000 * statistics.median(latencies),
+        return {"requests_per_s": len(latencies) / elapsed, "p50_ms": 1000 * percentile(latencies, 50),
                 "requests": len(latencies)}
 
     loop = _event_loop()
@@ -242,31 +235,28 @@ def proxy(model: str, seconds: float = 5.0, concurrency: int = 32, rounds: int =
     main) whose routers run beside these, each policy's two measured one after the other in every round (which
     goes first alternates), for a ratio that holds on a busy machine. ``pin=False``: no process pinned."""
     router_core, other_core = (0, 1) if pin else (None, None)
-    backend_port = _free_port()
+    backend_port = free_port()
     backend = subprocess.Popen([*_pinned(other_core), sys.executable, __file__, "--null-backend", str(backend_port),
                                 "--model", model])
     backend_url = f"http://127.0.0.1:{backend_port}"
     trees = {"": None, **({BASELINE: str(Path(baseline_src).resolve() / "src")} if baseline_src else {})}
     names = [p + suffix for p in PROXY_POLICIES for suffix in trees]
-    routers: dict[str, tuple[subprocess.Popen, int]] = {}
+    routers: dict[str, Process] = {}
     samples: dict[str, list[dict]] = {"direct": [], **{name: [] for name in names}}
     try:
         wait_healthy(backend_url, backend)
         for policy in PROXY_POLICIES:
             for suffix, src in trees.items():
-                port = _free_port()
                 env = None if src is None else {**os.environ, "PYTHONPATH": src}
-                routers[policy + suffix] = (subprocess.Popen(
-                    [*_pinned(router_core), sys.executable, "-m", "kvprefix.cli", "route", "--replica", backend_url,
-                     "--policy", policy, "--model", model, "--port", str(port), "--log-level", "warning"], env=env),
-                    port)
-        for proc, port in routers.values():
-            wait_healthy(f"http://127.0.0.1:{port}", proc, timeout_s=300)  # loading the tokenizer, on a busy core
-            _load_in(other_core, port, 4, 3.0, model)  # warm: the tokenizer cache checks its first encodings
+                routers[policy + suffix] = start_route(["--replica", backend_url, "--policy", policy, "--model", model],
+                                                       prefix=_pinned(router_core), env=env, wait=False)
+        for router in routers.values():
+            wait_healthy(router.url, router.proc, timeout_s=300)  # loading the tokenizer, on a busy core
+            _load_in(other_core, router.port, 4, 3.0, model)  # warm: the tokenizer cache checks its first encodings
         for k in range(rounds):
             order = [n for p in PROXY_POLICIES for n in [p + suffix for suffix in trees][:: -1 if k % 2 else 1]]
-            for name, port in [("direct", backend_port), *((n, routers[n][1]) for n in order)]:
-                pid = backend.pid if name == "direct" else routers[name][0].pid
+            for name, port in [("direct", backend_port), *((n, routers[n].port) for n in order)]:
+                pid = backend.pid if name == "direct" else routers[name].proc.pid
                 seq = _load_in(other_core, port, 1, seconds / 2, model)
                 cpu = _cpu_seconds(pid)
                 par = _load_in(other_core, port, concurrency, seconds, model)
@@ -274,11 +264,9 @@ def proxy(model: str, seconds: float = 5.0, concurrency: int = 32, rounds: int =
                 samples[name].append({"p50_ms": seq["p50_ms"], "requests_per_s": par["requests_per_s"],
                                       "cpu_ms_per_request": cpu_ms})
     finally:
-        for proc, _ in routers.values():
-            proc.terminate()
-            proc.wait(timeout=30)
-        backend.terminate()
-        backend.wait(timeout=30)
+        for router in routers.values():
+            router.stop(30)
+        Process(backend, backend_url, backend_port).stop(30)
 
     def med(name: str, key: str) -> float:
         return statistics.median(s[key] for s in samples[name])
@@ -370,7 +358,7 @@ async def _open_loop(url: str, model_id: str, traffic: list[list[dict]], rate: f
         await asyncio.gather(*tasks)
     elapsed = time.perf_counter() - started
     ttft.sort()
-    return {"ttft_p50_ms": 1000 * statistics.median(ttft), "ttft_p99_ms": 1000 * ttft[int(0.99 * (len(ttft) - 1))],
+    return {"ttft_p50_ms": 1000 * percentile(ttft, 50), "ttft_p99_ms": 1000 * percentile(ttft, 99),
             "hit_rate": cached / prompt if prompt else 0.0, "achieved_rps": len(traffic) / elapsed,
             "seconds": elapsed}
 
@@ -447,7 +435,7 @@ def live(model: str | None, rates: list[str], requests: int, replicas: int = 4, 
         from kvprefix.model import default_model_path
 
         tokenizer_dir = default_model_path()
-    procs: list[subprocess.Popen] = []
+    procs: list[Process] = []
     urls = []
     rows = []
     began = time.perf_counter()
@@ -458,24 +446,18 @@ def live(model: str | None, rates: list[str], requests: int, replicas: int = 4, 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stopped run stops its replicas and routers too
     try:
         for _ in range(replicas):
-            port = _free_port()
-            procs.append(subprocess.Popen([sys.executable, "-m", "kvprefix.cli", "serve", "--port", str(port),
-                                           "--log-level", "warning", "--num-gpu-blocks", str(blocks),
-                                           "--max-num-seqs", "16", *(["--model", model] if model else [])]))
-            urls.append(f"http://127.0.0.1:{port}")
-        for url, proc in zip(urls, procs, strict=True):
-            wait_healthy(url, proc, timeout_s=900)  # four engines loading on one core
+            procs.append(start_serve(["--num-gpu-blocks", str(blocks), "--max-num-seqs", "16",
+                                      *(["--model", model] if model else [])], wait=False))
+            urls.append(procs[-1].url)
+        for replica in procs:
+            wait_healthy(replica.url, replica.proc, timeout_s=900)  # four engines loading on one core
         say(f"{replicas} replicas up")
         model_id = httpx.get(urls[0] + "/v1/models", timeout=10).json()["data"][0]["id"]
         routers = {}
         for policy in LIVE_POLICIES:
-            port = _free_port()
-            proc = subprocess.Popen([sys.executable, "-m", "kvprefix.cli", "route", "--policy", policy, "--model",
-                                     tokenizer_dir, "--port", str(port), "--log-level", "warning",
-                                     *[a for u in urls for a in ("--replica", u)]])
-            procs.append(proc)
-            routers[policy] = f"http://127.0.0.1:{port}"
-            wait_healthy(routers[policy], proc, timeout_s=300)
+            procs.append(start_route(["--policy", policy, "--model", tokenizer_dir,
+                                      *[a for u in urls for a in ("--replica", u)]], timeout_s=300))
+            routers[policy] = procs[-1].url
         time.sleep(2)  # kv-events: every replica's stream synced
         hasher = _live_hasher(urls[0], tokenizer_dir)
         cold, hit = _request_seconds(urls[0], model_id)
@@ -512,9 +494,9 @@ def live(model: str | None, rates: list[str], requests: int, replicas: int = 4, 
                   f"{result['achieved_rps']:8.3f} {result['hit_rate']:8.3f} {ratio:7.2f} {imbalance:6.2f}")
     finally:
         for proc in procs:
-            proc.terminate()
+            proc.proc.terminate()
         for proc in procs:
-            proc.wait(timeout=60)
+            proc.stop(60)
     return rows
 
 
@@ -559,9 +541,7 @@ def main() -> None:
                                                      baseline_src=args.baseline_src, pin=not args.no_pin),
            "live": live(args.live_model, args.rates.split(","), args.requests, blocks=args.live_blocks)
            if args.live else []}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2))
-    print(f"\nwrote {args.out}")
+    write_results(args.out, out)
 
 
 if __name__ == "__main__":

@@ -13,60 +13,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
-
-WORDS = ("policy customer refund account order shipping invoice support agent escalate verify identity warranty "
-         "return exchange damaged delivery address billing cycle premium plan cancel renewal discount").split()
+from harness import Process, counters, percentile, start_serve, system_prompt, write_results
 
 
-def system_prompt(num_words: int, seed: int = 0) -> str:
-    rng = random.Random(seed)
-    return "You are a support assistant. Rules: " + " ".join(rng.choice(WORDS) for _ in range(num_words))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(caching: bool, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "kvprefix.cli", "serve", "--port", str(port), "--log-level", "warning",
-           "--num-gpu-blocks", str(args.num_blocks), "--max-num-seqs", "64",
-           "--enable-prefix-caching" if caching else "--no-enable-prefix-caching"]
-    if args.model:
-        cmd += ["--model", args.model]
-    cmd += getattr(args, "serve_args", [])  # more `kvprefix serve` options, from a script that takes them
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=os.environ.copy())
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stderr.read().decode()}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("server did not start")
-
-
-def counters(url: str) -> dict[str, float]:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+def start_server(caching: bool, args: argparse.Namespace) -> Process:
+    serve = ["--num-gpu-blocks", str(args.num_blocks), "--max-num-seqs", "64",
+             "--enable-prefix-caching" if caching else "--no-enable-prefix-caching"]
+    return start_serve([*serve, *(["--model", args.model] if args.model else [])], stdout=subprocess.DEVNULL)
 
 
 async def one_request(client: httpx.AsyncClient, url: str, model: str, system: str, question: str,
@@ -102,12 +62,12 @@ async def run_rate(url: str, model: str, rate: float, requests: int, max_tokens:
             tasks.append(asyncio.create_task(one_request(client, url, model, system, question, max_tokens)))
             await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
-    ttfts = sorted(r["ttft"] for r in results)
+    ttfts = [r["ttft"] for r in results]
     span = max(r["end"] for r in results) - min(r["start"] for r in results)
     return {
-        "ttft_p50_ms": 1000 * statistics.median(ttfts),
-        "ttft_p99_ms": 1000 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
-        "e2e_p50_ms": 1000 * statistics.median(r["e2e"] for r in results),
+        "ttft_p50_ms": 1000 * percentile(ttfts, 50),
+        "ttft_p99_ms": 1000 * percentile(ttfts, 99),
+        "e2e_p50_ms": 1000 * percentile((r["e2e"] for r in results), 50),
         "throughput_rps": len(results) / span,
         "output_tok_s": sum(r["completion_tokens"] for r in results) / span,
         "prompt_tokens": statistics.mean(r["prompt_tokens"] for r in results),
@@ -116,7 +76,8 @@ async def run_rate(url: str, model: str, rate: float, requests: int, max_tokens:
 
 
 def bench_mode(caching: bool, args: argparse.Namespace, system: str) -> dict[float, dict]:
-    proc, url = start_server(caching, args)
+    server = start_server(caching, args)
+    url = server.url
     try:
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
         asyncio.run(run_rate(url, model, 100.0, 4, args.max_tokens, system))  # warm-up
@@ -134,8 +95,7 @@ def bench_mode(caching: bool, args: argparse.Namespace, system: str) -> dict[flo
                   f"hit rate {res['hit_rate']:.3f}", file=sys.stderr)
         return out
     finally:
-        proc.terminate()
-        proc.wait(60)
+        server.stop()
 
 
 def main() -> None:
@@ -155,22 +115,20 @@ def main() -> None:
     prompt_tokens = results["on"][args.rates[0]]["prompt_tokens"]
     print(f"\nshared-system-prompt chat, {args.requests} requests per rate, ~{prompt_tokens:.0f} prompt tokens "
           f"({args.max_tokens} output tokens each), Poisson arrivals\n")
-    header = ("| rate (req/s) | caching | TTFT p50 (ms) | TTFT p99 (ms) | e2e p50 (ms) | throughput (req/s) "
-              "| output tok/s | hit rate | TTFT p50 off/on |")
-    print(header)
-    print("|" + "---|" * 9)
+    rows = []
     for rate in args.rates:
         on, off = results["on"][rate], results["off"][rate]
         for mode, r in (("on", on), ("off", off)):
-            ratio = f"{off['ttft_p50_ms'] / on['ttft_p50_ms']:.1f}x" if mode == "on" else ""
-            print(f"| {rate:g} | {mode} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['e2e_p50_ms']:.0f} "
-                  f"| {r['throughput_rps']:.2f} | {r['output_tok_s']:.0f} | {r['hit_rate']:.3f} | {ratio} |")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"config": {k: v for k, v in vars(args).items() if k != "out"},
-                               "results": {m: {str(k): v for k, v in r.items()} for m, r in results.items()}},
-                              indent=2))
-    print(f"\nwrote {out}")
+            rows.append({"rate (req/s)": rate, "caching": mode, "TTFT p50 (ms)": r["ttft_p50_ms"],
+                         "TTFT p99 (ms)": r["ttft_p99_ms"], "e2e p50 (ms)": r["e2e_p50_ms"],
+                         "throughput (req/s)": r["throughput_rps"], "output tok/s": r["output_tok_s"],
+                         "hit rate": r["hit_rate"],
+                         "TTFT p50 off/on": f"{off['ttft_p50_ms'] / on['ttft_p50_ms']:.1f}x" if mode == "on" else ""})
+    write_results(args.out, {"config": {k: v for k, v in vars(args).items() if k != "out"},
+                             "results": {m: {str(k): v for k, v in r.items()} for m, r in results.items()}},
+                  rows, formats={"rate (req/s)": "g", "TTFT p50 (ms)": ".0f", "TTFT p99 (ms)": ".0f",
+                                 "e2e p50 (ms)": ".0f", "throughput (req/s)": ".2f", "output tok/s": ".0f",
+                                 "hit rate": ".3f"})
 
 
 if __name__ == "__main__":

@@ -20,12 +20,11 @@ import asyncio
 import collections
 import json
 import socket
-import statistics
+import subprocess
 import time
-from pathlib import Path
 
 import httpx
-from bench_server import counters, start_server, system_prompt
+from harness import counters, percentile, start_serve, system_prompt, table, write_results
 
 MODEL = "default-model-v1"
 SYSTEM = system_prompt(120)
@@ -130,10 +129,6 @@ async def phase(url: str, seconds: float, clients: int, mixed: bool) -> tuple[li
     return ttfts, status
 
 
-def pct(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=100)[q - 1] if len(values) >= 2 else float("nan")
-
-
 def wait_idle(url: str, timeout: float = 60) -> dict[str, float]:
     deadline = time.monotonic() + timeout
     while True:
@@ -154,7 +149,10 @@ def main() -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--out", default="results/bench_soak.json")
     args = p.parse_args()
-    proc, url = start_server(True, args)
+    server = start_serve(["--num-gpu-blocks", str(args.num_blocks), "--max-num-seqs", "64",
+                          *(["--model", args.model, "--served-model-name", MODEL] if args.model else [])],
+                         stdout=subprocess.DEVNULL)
+    url, proc = server.url, server.proc
     try:
         results = {"alone": ([], collections.Counter()), "mixed": ([], collections.Counter())}
         kinds = ["alone", "mixed"]
@@ -163,33 +161,31 @@ def main() -> None:
             ttfts, status = asyncio.run(phase(url, args.phase, args.clients, kind == "mixed"))
             results[kind][0].extend(ttfts)
             results[kind][1].update(status)
-            print(f"phase {i + 1} ({kind}): {len(ttfts)} valid requests, p99 TTFT {pct(ttfts, 99) * 1e3:.0f} ms",
+            print(f"phase {i + 1} ({kind}): {len(ttfts)} valid requests, p99 TTFT {percentile(ttfts, 99) * 1e3:.0f} ms",
                   flush=True)
         m = wait_idle(url)
         alive = proc.poll() is None and httpx.get(url + "/health", timeout=5).status_code == 200
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        server.stop()
     leaked = int(m["kvprefix:kv_cache_blocks"] - m["kvprefix:kv_cache_free_blocks"])
     summary = {
-        kind: {"valid_served": len(t), "ttft_p50_ms": pct(t, 50) * 1e3, "ttft_p99_ms": pct(t, 99) * 1e3,
+        kind: {"valid_served": len(t), "ttft_p50_ms": percentile(t, 50) * 1e3, "ttft_p99_ms": percentile(t, 99) * 1e3,
                "responses": dict(sorted(s.items()))}
         for kind, (t, s) in results.items()
     }
     summary["p99_ttft_mixed_over_alone"] = summary["mixed"]["ttft_p99_ms"] / summary["alone"]["ttft_p99_ms"]
     summary["blocks_leaked"] = leaked
     summary["server_alive_after"] = alive
-    print(f"\n{'phase':<8}{'valid served':>14}{'TTFT p50 ms':>14}{'TTFT p99 ms':>14}")
-    for kind in ("alone", "mixed"):
-        s = summary[kind]
-        print(f"{kind:<8}{s['valid_served']:>14}{s['ttft_p50_ms']:>14.0f}{s['ttft_p99_ms']:>14.0f}")
+    rows = [{"phase": kind, "valid served": summary[kind]["valid_served"], "TTFT p50 ms": summary[kind]["ttft_p50_ms"],
+             "TTFT p99 ms": summary[kind]["ttft_p99_ms"]} for kind in ("alone", "mixed")]
+    print()
+    print(table(rows, formats={"TTFT p50 ms": ".0f", "TTFT p99 ms": ".0f"}))
     print(f"\np99 TTFT mixed / alone: {summary['p99_ttft_mixed_over_alone']:.2f}")
     print("responses in mixed phases (kind status: count):")
     for key, count in summary["mixed"]["responses"].items():
         print(f"  {key}: {count}")
     print(f"blocks leaked: {leaked}; server alive after: {alive}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(summary, indent=2))
+    write_results(args.out, summary)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+from harness import percentile, write_results
 
 SCHEMA = {
     "type": "object",
@@ -142,7 +143,7 @@ def main() -> None:
                 rows.append({"tokenizer": label, "vocab": vocab, "engine": e.name, "tokens": len(tokens),
                              "compile_ms": 1000 * statistics.median(compile_s[e.name]),
                              "per_token_us_median": 1e6 * statistics.median(per_token[e.name]),
-                             "per_token_us_p90": 1e6 * statistics.quantiles(per_token[e.name], n=10)[-1]})
+                             "per_token_us_p90": 1e6 * percentile(per_token[e.name], 90)})
     print(f"{'tokenizer':14} {'vocab':>6} {'engine':11} {'compile ms':>10} {'µs/token p50':>12} {'p90':>8}")
     for r in rows:
         print(f"{r['tokenizer']:14} {r['vocab']:6d} {r['engine']:11} {r['compile_ms']:10.1f} "
@@ -153,8 +154,7 @@ def main() -> None:
         print(f"{label}: llguidance / xgrammar per-token time = "
               f"{ll['per_token_us_median'] / x['per_token_us_median']:.2f}")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"python": sys.version, "rows": rows}, indent=2))
+        write_results(args.out, {"python": sys.version, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -12,24 +12,17 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from harness import start_serve, write_results
 from openai import OpenAI
-from server_process import wait_healthy
 
 SYSTEM = ("You are the support assistant of a company that runs a prefix cache for language models. Answer in two "
           "sentences, cite the documentation page you used, and never invent a configuration option.")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:
@@ -39,15 +32,12 @@ def main() -> None:
     parser.add_argument("--out", default="results/doctor_example.json")
     args = parser.parse_args()
     model = ["--model", args.model] if args.model else []
-    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "requests.jsonl"
-        server = subprocess.Popen([sys.executable, "-m", "kvprefix.cli", "serve", "--port", str(port), *model,
-                                   "--request-log", str(log), "--request-log-prompts"],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        server = start_serve([*model, "--request-log", str(log), "--request-log-prompts"], log_level="info",
+                             timeout_s=150, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            url = f"http://127.0.0.1:{port}"
-            wait_healthy(url, server, timeout_s=150)
+            url = server.url
             client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
             served = client.models.list().data[0].id
             cached = []
@@ -59,15 +49,13 @@ def main() -> None:
                 cached.append((r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens))
                 time.sleep(1.1)  # the next request sees another second
         finally:
-            server.terminate()
-            server.wait(timeout=60)
+            server.stop()
         print("server: (prompt tokens, cached tokens) per request:", cached)
         print(f"server: {sum(c for _, c in cached)} of {sum(p for p, _ in cached)} prompt tokens cached")
         doctor = [sys.executable, "-m", "kvprefix.cli", "doctor", str(log), *model, "--no-progress"]
         print(subprocess.run(doctor, check=True, capture_output=True, text=True).stdout)
         report = json.loads(subprocess.run([*doctor, "--json"], check=True, capture_output=True, text=True).stdout)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"server_cached": cached, "doctor": report}, indent=2))
+    write_results(args.out, {"server_cached": cached, "doctor": report})
 
 
 if __name__ == "__main__":

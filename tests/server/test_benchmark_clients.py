@@ -70,7 +70,8 @@ class ServerWindow:
         return delta, records
 
 
-def test_aiperf_reports_the_servers_cached_share(server: Server, default_model_dir: str, tmp_path: Path) -> None:
+def test_aiperf_reports_the_servers_cached_share(server_process: Server, default_model_dir: str, tmp_path: Path) -> None:
+    server = server_process  # external tools load a `kvprefix serve` process by its URL
     aiperf = tool("aiperf")
     window = ServerWindow(server)
     run_tool([aiperf, "profile", "--model", MODEL, "--url", server.url, "--endpoint-type", "chat", "--streaming",
@@ -100,7 +101,8 @@ def test_aiperf_reports_the_servers_cached_share(server: Server, default_model_d
     assert scraped["kvprefix:prefix_cache_hits"]["series"][0]["stats"]["total"] == delta[HITS]
 
 
-def test_guidellm_reports_the_servers_cached_share(server: Server, default_model_dir: str, tmp_path: Path) -> None:
+def test_guidellm_reports_the_servers_cached_share(server_process: Server, default_model_dir: str, tmp_path: Path) -> None:
+    server = server_process  # external tools load a `kvprefix serve` process by its URL
     guidellm = tool("guidellm")
     window = ServerWindow(server)
     run_tool([guidellm, "run", "--backend", f"kind=openai_http,target={server.url},model={MODEL}",

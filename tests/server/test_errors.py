@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import httpx
 import pytest
 from support.servers import Server
 
@@ -98,9 +97,9 @@ def test_bad_input(server: Server, case) -> None:
 
 
 def test_not_found_and_method(server: Server) -> None:
-    r = httpx.get(server.url + "/v1/nope")
+    r = server.get("/v1/nope")
     assert r.status_code == 404 and "error" in r.json()
-    r = httpx.get(server.url + "/v1/completions")
+    r = server.get("/v1/completions")
     assert r.status_code == 405 and "error" in r.json()
     r = server.post("/reset_prefix_cache?timeout=-1")
     assert r.status_code == 400 and r.json()["error"]["param"] == "timeout"
@@ -115,7 +114,7 @@ def test_oversized_body(server: Server) -> None:
         for _ in range(17):
             yield b"a" * 2**20
 
-    r = httpx.post(server.url + C, content=chunked(), headers={"content-type": "application/json"}, timeout=60)
+    r = server.post(C, chunked())
     assert r.status_code == 413
 
 

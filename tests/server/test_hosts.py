@@ -11,7 +11,7 @@ OK_C = {"model": "default-model-v1", "prompt": "hello", "max_tokens": 1}
 
 
 def _get(server: Server, **headers: str) -> httpx.Response:
-    return httpx.get(server.url + "/v1/models", headers=headers, timeout=10)
+    return server.get("/v1/models", headers=headers, timeout=10)
 
 
 @pytest.mark.parametrize("host", ["localhost", "localhost:1234", "127.0.0.1:8000", "[::1]:8000", "LOCALHOST"])
@@ -41,7 +41,7 @@ def test_same_site_origin_and_no_origin_are_served(server: Server) -> None:
 def test_more_than_one_authorization_header_is_refused(server: Server, tenant_server: Server) -> None:
     two = [("authorization", "Bearer key-alice"), ("authorization", "Bearer key-bob")]
     for s in (server, tenant_server):
-        r = httpx.get(s.url + "/v1/models", headers=two, timeout=10)
+        r = s.get("/v1/models", headers=two, timeout=10)
         assert r.status_code == 400 and "Authorization" in r.json()["error"]["message"], r.text
 
 

@@ -142,7 +142,8 @@ def test_a_stalled_subscriber_does_not_stall_generation(events_server: Server, l
         stalled.close()
 
 
-def test_events_need_the_admin_key_when_tenants_exist(tenant_server: Server):
+def test_events_need_the_admin_key_when_tenants_exist(tenant_server_process: Server):
+    tenant_server = tenant_server_process  # the event stream is read over a socket (support/kv_events.py)
     url = tenant_server.url + "/v1/kv_events"
     assert httpx.get(url, timeout=10).status_code == 401
     assert httpx.get(url, headers={"authorization": "Bearer key-alice"}, timeout=10).status_code == 401

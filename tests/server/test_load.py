@@ -38,7 +38,9 @@ async def _client(server: Server, i: int, disconnect: bool) -> dict:
 
 
 @pytest.mark.slow
-def test_64_streaming_clients_some_disconnecting(server: Server) -> None:
+def test_64_streaming_clients_some_disconnecting(server_process: Server) -> None:
+    """On a `kvprefix serve` process: the clients load a server, not the test's own interpreter."""
+    server = server_process
     before = server.wait_idle()
 
     async def run() -> list[dict]:
@@ -73,7 +75,6 @@ def test_non_streaming_client_that_gives_up_is_aborted(server: Server) -> None:
     """4,000 tokens would take many seconds; the client leaves after 0.5 s and the server must notice."""
     before = server.wait_idle()
     with pytest.raises(httpx.TimeoutException):
-        httpx.post(server.url + "/v1/completions", timeout=0.5,
-                   json={"prompt": "never read", "max_tokens": 4000, "ignore_eos": True})
+        server.post("/v1/completions", {"prompt": "never read", "max_tokens": 4000, "ignore_eos": True}, timeout=0.5)
     after = server.wait_idle(timeout=5)
     assert after["kvprefix:request_success_total{abort}"] == before["kvprefix:request_success_total{abort}"] + 1

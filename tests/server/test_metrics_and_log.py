@@ -7,7 +7,6 @@ import json
 import subprocess
 import sys
 
-import httpx
 import pytest
 from support.servers import LONG_PREFIX, Server, start_server, stop_server
 
@@ -73,7 +72,7 @@ def test_request_log_records_and_planner_reads_it(server: Server) -> None:
 
 
 def test_openapi_lists_the_request_bodies(server: Server) -> None:
-    schema = httpx.get(server.url + "/openapi.json").json()
+    schema = server.get("/openapi.json").json()
     assert "CompletionRequest" in schema["components"]["schemas"]
     body = schema["paths"]["/v1/chat/completions"]["post"]["requestBody"]
     assert body["content"]["application/json"]["schema"]["$ref"].endswith("ChatCompletionRequest")

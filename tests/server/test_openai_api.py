@@ -3,7 +3,6 @@ cached tokens that change nothing in the output."""
 
 from __future__ import annotations
 
-import httpx
 import openai
 import pytest
 from support.servers import LONG_PREFIX, Server, start_server, stop_server
@@ -16,7 +15,7 @@ def test_models_and_health(server: Server) -> None:
     assert client.models.retrieve("default-model-v1").id == "default-model-v1"
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.models.retrieve("gpt-4o")
-    assert httpx.get(server.url + "/health").status_code == 200
+    assert server.get("/health").status_code == 200
 
 
 def test_chat_history_from_model_dump(server: Server) -> None:

@@ -17,14 +17,14 @@ PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 @pytest.fixture(scope="session")
-def api_schema(server: Server):
-    return schemathesis.openapi.from_url(server.url + "/openapi.json")
+def api_schema(server_process: Server):
+    return schemathesis.openapi.from_url(server_process.url + "/openapi.json")
 
 
 @pytest.mark.slow
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(data=st.data())
-def test_schema_driven_no_5xx(server: Server, api_schema, data: st.DataObject) -> None:
+def test_schema_driven_no_5xx(server_process: Server, api_schema, data: st.DataObject) -> None:
     path = data.draw(st.sampled_from(PATHS))
     case = data.draw(api_schema[path]["POST"].as_strategy())
     if isinstance(case.body, dict):
@@ -32,10 +32,11 @@ def test_schema_driven_no_5xx(server: Server, api_schema, data: st.DataObject) -
             value = case.body.get(key)
             if value is None or (isinstance(value, int) and not isinstance(value, bool) and value > MAX_NEW_TOKENS):
                 case.body[key] = MAX_NEW_TOKENS
-    response = case.call(base_url=server.url, timeout=120)
+    response = case.call(base_url=server_process.url, timeout=120)
     assert response.status_code < 500, (case.body, response.text)
 
 
-def test_no_leak_after_schema_fuzz(server: Server) -> None:
-    server.wait_idle()
+@pytest.mark.slow  # the check of the fuzz above, on its `kvprefix serve` process (schemathesis calls a URL)
+def test_no_leak_after_schema_fuzz(server_process: Server) -> None:
+    server_process.wait_idle()
 

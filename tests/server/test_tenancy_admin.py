@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import threading
 
-import httpx
 import openai
 import pytest
 from support.servers import ADMIN, LONG_PREFIX, Server
@@ -65,8 +64,8 @@ def test_auth_errors(tenant_server: Server) -> None:
     assert r.status_code == 401  # authentication comes before any parsing
     r = tenant_server.post("/reset_prefix_cache", headers={"authorization": f"Bearer {ALICE}"})
     assert r.status_code == 401  # a tenant key is not the admin key
-    assert httpx.get(tenant_server.url + "/metrics").status_code == 401
-    assert httpx.get(tenant_server.url + "/metrics", headers=ADMIN).status_code == 200
+    assert tenant_server.get("/metrics").status_code == 401
+    assert tenant_server.get("/metrics", headers=ADMIN).status_code == 200
 
 
 @pytest.mark.slow

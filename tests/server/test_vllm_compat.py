@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 
-import httpx
 import pytest
 from support.servers import LONG_PREFIX, Server
 
@@ -89,8 +88,7 @@ def test_tokenize_and_detokenize_match_what_requests_run(server: Server) -> None
     assert server.post("/tokenize", {"prompt": "x", "model": "gpt-4"}).status_code == 404
     assert server.post("/tokenize", {"prompt": "x", "frobnicate": 1}).status_code == 400
     deep = "[" * 200_000 + "]" * 200_000  # nested deeper than a parser recurses: a 400, not a server error
-    assert httpx.post(server.url + "/tokenize", content=deep, headers={"content-type": "application/json"},
-                      timeout=30).status_code == 400
+    assert server.post("/tokenize", deep.encode(), timeout=30).status_code == 400
 
 
 def test_chat_template_fields(server: Server) -> None:
@@ -115,11 +113,11 @@ def test_chat_template_fields(server: Server) -> None:
 
 
 def test_version_ping_and_request_ids(server: Server) -> None:
-    assert httpx.get(server.url + "/version").json()["version"]
-    assert httpx.get(server.url + "/ping").status_code == 200 and httpx.post(server.url + "/ping").status_code == 200
-    r = httpx.get(server.url + "/v1/models")
+    assert server.get("/version").json()["version"]
+    assert server.get("/ping").status_code == 200 and server.post("/ping").status_code == 200
+    r = server.get("/v1/models")
     generated = r.headers["x-request-id"]
-    assert len(generated) == 32 and httpx.get(server.url + "/v1/models").headers["x-request-id"] != generated
+    assert len(generated) == 32 and server.get("/v1/models").headers["x-request-id"] != generated
     client = server.client(default_headers={"x-request-id": "trace-42"})
     raw = client.chat.completions.with_raw_response.create(model=M, messages=[{"role": "user", "content": "id"}],
                                                            max_tokens=2)

@@ -34,28 +34,26 @@ class _HttpClient(openai.DefaultHttpxClient):
             self.close()
 
 
-@dataclass
-class Server:
+class Endpoint:
+    """What the tests do with a server, in-process (`support.app_server.AppServer`) or a process (`Server`): GET and
+    POST a path, read /metrics, wait until idle."""
+
     url: str
-    proc: subprocess.Popen
-    log_path: Path
-    request_log: Path | None
 
-    def client(self, api_key: str = "none", **kwargs) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=60,
-                             http_client=_HttpClient(verify=TLS), **kwargs)
-
-    def async_client(self, api_key: str = "none") -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=120)
+    def get(self, path: str, headers: dict | list | None = None, **kw) -> httpx.Response:
+        raise NotImplementedError
 
     def post(self, path: str, body: bytes | dict | None = None, headers: dict | None = None, **kw) -> httpx.Response:
+        raise NotImplementedError
+
+    @staticmethod
+    def post_args(body: bytes | dict | None, headers: dict | None) -> dict:
         content = json.dumps(body).encode() if isinstance(body, dict) else body
-        hdrs = {"content-type": "application/json", **(headers or {})}
-        return httpx.post(self.url + path, content=content, headers=hdrs, timeout=60, verify=TLS, **kw)
+        return {"content": content, "headers": {"content-type": "application/json", **(headers or {})}}
 
     def metrics(self, headers: dict | None = None) -> dict[str, float]:
         """Every sample of /metrics by name plus its non-model labels, e.g. 'kvprefix:request_success_total{stop}'."""
-        text = httpx.get(self.url + "/metrics", headers=headers or {}, timeout=10, verify=TLS).text
+        text = self.get("/metrics", headers=headers or {}, timeout=10).text
         out: dict[str, float] = {}
         for family in text_string_to_metric_families(text):
             for s in family.samples:
@@ -76,6 +74,29 @@ class Server:
             if time.monotonic() > deadline:
                 raise AssertionError(f"server not idle or blocks leaked: {m}")
             time.sleep(0.05)
+
+
+@dataclass
+class Server(Endpoint):
+    """A `kvprefix serve` process on a loopback port."""
+
+    url: str
+    proc: subprocess.Popen
+    log_path: Path
+    request_log: Path | None
+
+    def client(self, api_key: str = "none", **kwargs) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=60,
+                             http_client=_HttpClient(verify=TLS), **kwargs)
+
+    def async_client(self, api_key: str = "none") -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=120)
+
+    def get(self, path: str, headers: dict | list | None = None, **kw) -> httpx.Response:
+        return httpx.get(self.url + path, headers=headers, verify=TLS, **{"timeout": 60, **kw})
+
+    def post(self, path: str, body: bytes | dict | None = None, headers: dict | None = None, **kw) -> httpx.Response:
+        return httpx.post(self.url + path, **self.post_args(body, headers), verify=TLS, **{"timeout": 60, **kw})
 
 
 def free_port() -> int:
