@@ -176,8 +176,8 @@ def run_round(llm, timer: StepTimer, seed: int, prefill_tokens: int) -> dict:
 def serve_variant(name: str, threads: int, prefill_tokens: int) -> None:
     """Worker: builds the variant on the kvprefix this process imports, then answers each "round SEED" line on
     stdin with one JSON line."""
+    from kvprefix.cache.default_model import default_model_path
     from kvprefix.engine import LLM, SamplingParams
-    from kvprefix.model import default_model_path
 
     torch.set_num_threads(threads)
     dtype, quantization = VARIANTS[name]

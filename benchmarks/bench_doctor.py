@@ -114,7 +114,7 @@ def main() -> None:
     args = parser.parse_args()
     model = args.model
     if model is None:
-        from kvprefix.model import default_model_path
+        from kvprefix.cache.default_model import default_model_path
 
         model = default_model_path()
     rows = []

@@ -17,7 +17,7 @@ from harness import write_results
 def main() -> None:
     from gguf import GGUFReader
 
-    from kvprefix.model.default_model import default_model_path
+    from kvprefix.cache.default_model import default_model_path
     from kvprefix.tokenizer import Tokenizer, gguf_file
     from kvprefix.tokenizer.gguf_file import GGUFFile
 

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from kvprefix.model import allocate_kv_cache, default_model_path, load_model
+from kvprefix.cache.default_model import default_model_path
+from kvprefix.model import allocate_kv_cache, load_model
 from kvprefix.model.loader import resolve_dtype
 
 # The reference driver the model tests use: builds AttentionMetadata for a list of sequence chunks.

@@ -48,7 +48,7 @@ def find_gguf(path: str | None) -> Path:
         if not Path(path).is_file():
             raise PeerError(f"--gguf {path}: no such file")
         return Path(path)
-    from kvprefix.model.default_model import default_model_path  # imports torch: only when it is needed
+    from kvprefix.cache.default_model import default_model_path
     try:
         default = Path(default_model_path())
     except FileNotFoundError as e:

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from kvprefix.model import allocate_kv_cache, default_model_path, load_model
+from kvprefix.cache.default_model import default_model_path
+from kvprefix.model import allocate_kv_cache, load_model
 from kvprefix.model.loader import resolve_dtype
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' support package

@@ -432,7 +432,7 @@ def live(model: str | None, rates: list[str], requests: int, replicas: int = 4, 
     saturates; rates given as ``Nx`` are multiples of it."""
     tokenizer_dir = model
     if tokenizer_dir is None:
-        from kvprefix.model import default_model_path
+        from kvprefix.cache.default_model import default_model_path
 
         tokenizer_dir = default_model_path()
     procs: list[Process] = []
@@ -527,7 +527,7 @@ def main() -> None:
     if args.cpus is not None:  # the replicas and routers started later inherit it
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
     if args.model is None:
-        from kvprefix.model import default_model_path
+        from kvprefix.cache.default_model import default_model_path
 
         args.model = default_model_path()
     if args.null_backend is not None:

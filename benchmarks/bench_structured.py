@@ -118,7 +118,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    from kvprefix.model import default_model_path
+    from kvprefix.cache.default_model import default_model_path
     from kvprefix.tokenizer import Tokenizer
 
     with tempfile.TemporaryDirectory() as cache:

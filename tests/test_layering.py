@@ -31,8 +31,6 @@ KNOWN_VIOLATIONS = {
     ("kvprefix.router.ray_serve", "kvprefix.server.app"),
     ("kvprefix.router.ray_serve", "kvprefix.engine"),
     ("kvprefix.router.ray_serve", "kvprefix.cli"),
-    # being removed by the reshape: the doctor finds the default model's path in model/ (which imports torch).
-    ("kvprefix.doctor.cli", "kvprefix.model"),
 }
 
 

@@ -4,10 +4,9 @@ one-line error with the command that installs it; the model answers a factual qu
 import pytest
 
 from kvprefix import LLM, SamplingParams
+from kvprefix.cache import default_model as default_model_module
+from kvprefix.cache.default_model import INSTALL_COMMAND, default_model_path
 from kvprefix.cli import main
-from kvprefix.model import default_model as default_model_module
-from kvprefix.model import default_model_path
-from kvprefix.model.default_model import INSTALL_COMMAND
 
 
 def test_default_model_is_the_wheels_gguf() -> None:

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 
-from kvprefix.model.default_model import default_model_path
+from kvprefix.cache.default_model import default_model_path
 from kvprefix.tokenizer.gguf_file import GGUFFile
 
 

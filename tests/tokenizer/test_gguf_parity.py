@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kvprefix import LLM, SamplingParams
-from kvprefix.model import default_model_path, load_model
+from kvprefix.cache.default_model import default_model_path
+from kvprefix.model import load_model
 from kvprefix.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow

@@ -6,7 +6,7 @@ import pytest
 from gguf import GGUFWriter
 from support.llama_cpp_bpe import PARITY_STRINGS, encode
 
-from kvprefix.model.default_model import default_model_path
+from kvprefix.cache.default_model import default_model_path
 from kvprefix.tokenizer import Tokenizer
 from kvprefix.tokenizer.gguf_file import open_gguf
 

@@ -59,7 +59,7 @@ def load_tokenizer(model: str | None):
     from kvprefix.sim.openai_bodies import load_tokenizer as load
 
     if model is None:
-        from kvprefix.model import default_model_path
+        from kvprefix.cache.default_model import default_model_path
 
         model = default_model_path()
     return load(model)

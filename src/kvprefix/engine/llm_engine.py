@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from kvprefix.cache import BlockHasher, KVCacheManager, context_for_checkpoint, kv_label
+from kvprefix.cache.default_model import DEFAULT_MODEL_NAME, default_model_path
 from kvprefix.engine.args import EngineArgs
 from kvprefix.engine.metrics import ITERATION_TOKEN_BUCKETS, engine_metrics
 from kvprefix.engine.model_runner import ModelRunner, num_kv_blocks
@@ -21,8 +22,7 @@ from kvprefix.engine.request import Request
 from kvprefix.engine.sampler import Sampler
 from kvprefix.engine.sampling_params import SamplingParams
 from kvprefix.engine.scheduler import Scheduler
-from kvprefix.model import ModelConfig, default_model_path, load_model
-from kvprefix.model.default_model import DEFAULT_MODEL_NAME
+from kvprefix.model import ModelConfig, load_model
 from kvprefix.model.loader import default_dtype, resolve_dtype, resolve_model_path
 from kvprefix.model.quantized_linear import check_quantization, quantize_model
 from kvprefix.tokenizer import Tokenizer

