@@ -11,10 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from kvprefix.cache import namespace_salt
-from kvprefix.logs import RequestLogError, RequestRecord, iter_records
+from kvprefix.logs import LogError, RequestRecord, detect_format, iter_records, iter_rows
 from kvprefix.prompts import PromptError, completion_prompts
-from kvprefix.sim.formats import detect_format
-from kvprefix.sim.trace import TraceError, iter_rows
 
 BODIES, REQUEST_LOG = "openai", "request-log"
 
@@ -47,7 +45,7 @@ class LogEntry:
 def log_format(path: str | Path) -> str:
     try:
         fmt = detect_format(path)
-    except TraceError as exc:
+    except LogError as exc:
         raise DoctorInputError(str(exc)) from None
     if fmt not in (BODIES, REQUEST_LOG):
         raise DoctorInputError(f"{path}: kvprefix doctor reads OpenAI request bodies (JSONL with 'messages' or "
@@ -95,7 +93,7 @@ def _iter_bodies(path: str | Path, tools: SharedTools) -> Iterator[LogEntry]:
     try:
         for line, row in iter_rows(path):
             yield from _body_entries(path, line, row, tools)
-    except TraceError as exc:  # not JSON, not an object
+    except LogError as exc:  # not JSON, not an object
         raise DoctorInputError(str(exc)) from None
 
 
@@ -135,7 +133,7 @@ def _iter_request_log(path: str | Path) -> Iterator[LogEntry]:
     try:
         for line, rec in iter_records(path):
             yield _record_entry(path, line, rec)
-    except RequestLogError as exc:
+    except LogError as exc:
         raise DoctorInputError(str(exc)) from None
 
 
