@@ -189,7 +189,7 @@ def test_equal_tools_lists_are_read_as_one_and_only_equal_ones(tmp_path):
     as JSON does (key order, 1 / 1.0 / true, another string) stay their own, and JSON is json.dumps'."""
     import json
 
-    from kvprefix.doctor.readers import BODIES, SharedTools, iter_entries
+    from kvprefix.logs import BODIES, SharedTools, iter_entries
 
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "n": 1}}}
     variants = [[tool], [json.loads(json.dumps(tool).replace('"n": 1', '"n": 1.0'))],

@@ -18,10 +18,10 @@ from kvprefix.doctor.chains import BlockTree, Variant
 from kvprefix.doctor.divergence import Divergence, Rendered, VolatileSite, classify, common_tokens
 from kvprefix.doctor.fixes import MoveVolatileToEnd, OneOrder, OneSpelling, OneSystemPrompt
 from kvprefix.doctor.kinds import KINDS
-from kvprefix.doctor.readers import BODIES, DoctorInputError, LogEntry, SharedTools, iter_entries, log_format
 from kvprefix.doctor.rendering import Renderer
 from kvprefix.doctor.replaying import Replayer, Setting, Timing
-from kvprefix.sim.trace import TraceError, coarsen, coarsening_factor
+from kvprefix.logs import BODIES, REQUEST_LOG, LogEntry, LogError, SharedTools, detect_format, iter_entries
+from kvprefix.sim.trace import coarsen, coarsening_factor
 from kvprefix.tokenizer import Tokenizer
 
 DEFAULT_BLOCK_SIZE = 16
@@ -138,7 +138,7 @@ class _Doctor:
     def _logged_block_size(self) -> int:
         for entry in iter_entries(self.path, self.fmt):
             return entry.source_block_size or DEFAULT_BLOCK_SIZE
-        raise DoctorInputError(f"{self.path}: the log is empty")
+        raise LogError(self.path, None, "the log is empty")
 
     def _variant(self, name: str, block_size: int | None = None) -> Variant:
         if name not in self.variants:
@@ -176,7 +176,7 @@ class _Doctor:
                     chunk.append(e)
                     if len(chunk) == _BATCH:
                         break
-            except DoctorInputError as exc:
+            except LogError as exc:
                 error = exc
             if chunk:
                 yield chunk
@@ -240,9 +240,8 @@ class _Doctor:
                 elif self.text_ok:
                     rendered = self._render(e, ahead)
                     if len(rendered.token_ids) != e.prompt_tokens:
-                        raise DoctorInputError(
-                            f"{self.path}:{e.line}: the prompt text tokenizes to {len(rendered.token_ids)} tokens, "
-                            f"the log says {e.prompt_tokens}: give --model the checkpoint the server ran")
+                        raise LogError(self.path, e.line, f"the prompt text tokenizes to {len(rendered.token_ids)} "
+                                   f"tokens, the log says {e.prompt_tokens}: give --model the checkpoint the server ran")
                     text = self._variant("text")
                     text.add(self._hashes(rendered, space), e.prompt_tokens)
                     self._one_namespace(i, space, rendered, text)
@@ -254,7 +253,7 @@ class _Doctor:
             if rendered is not None:
                 self._compare(i, e, rendered, base)
         if not self.lines:
-            raise DoctorInputError(f"{self.path}: the log is empty")
+            raise LogError(self.path, None, "the log is empty")
 
     def _one_namespace(self, i: int, space: tuple[str, str], rendered: Rendered, same: Variant) -> None:
         """The namespace fix: every request in the first request's namespace (requests already there are as in
@@ -268,10 +267,7 @@ class _Doctor:
             shared.add(self._hashes(rendered, self.shared_namespace), len(rendered.token_ids))
 
     def _logged(self, e: LogEntry) -> list[str]:
-        try:
-            factor = coarsening_factor(self.path, e.source_block_size, self.bs, e.line)
-        except TraceError as exc:
-            raise DoctorInputError(str(exc)) from None
+        factor = coarsening_factor(self.path, e.source_block_size, self.bs, e.line)
         return coarsen(e.block_hashes, factor, e.prompt_tokens // self.bs)
 
     def _compare(self, i: int, e: LogEntry, rendered: Rendered, base: Variant) -> None:
@@ -551,6 +547,15 @@ class _Doctor:
         return {"line": self.lines[i], "other_line": None, "token": ideal.tokens[i] - unique[i], "field": None,
                 "detail": f"line {self.lines[i]}: {unique[i]} of {ideal.tokens[i]} prompt tokens appear in no "
                           f"earlier request, even with every fix", "this": None, "other": None}
+
+
+def log_format(path: str) -> str:
+    """``BODIES`` or ``REQUEST_LOG``; any other trace is refused."""
+    fmt = detect_format(path)
+    if fmt not in (BODIES, REQUEST_LOG):
+        raise LogError(path, None, f"kvprefix doctor reads OpenAI request bodies (JSONL with 'messages' or "
+                                   f"'prompt') or a kvprefix request log, not a {fmt} trace")
+    return fmt
 
 
 def _progress_lines(entries: Iterator[LogEntry], desc: str, lines: int, path: str,

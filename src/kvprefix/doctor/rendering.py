@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvprefix.doctor.divergence import Rendered
-from kvprefix.doctor.readers import DoctorInputError, LogEntry
+from kvprefix.logs import LogEntry, LogError
 from kvprefix.prompts import PromptError, render_bodies, render_body
 from kvprefix.tokenizer import SegmentCachedTokenizer, Tokenizer
 
@@ -17,14 +17,14 @@ class Renderer:
 
     def body(self, body: dict[str, Any], line: int) -> Rendered:
         try:
-            prompt = render_body(self.tokenizer, body)[0]  # the readers give one prompt per entry
+            prompt = render_body(self.tokenizer, body)[0]  # kvprefix.logs gives one prompt per entry
         except PromptError as exc:
-            raise DoctorInputError(f"{self.path}:{line}: {exc}") from None
+            raise LogError(self.path, line, str(exc)) from None
         return self._rendered(body, prompt, line)
 
     def _rendered(self, body: dict[str, Any], prompt, line: int) -> Rendered:
         if not prompt.token_ids:
-            raise DoctorInputError(f"{self.path}:{line}: the prompt renders to zero tokens")
+            raise LogError(self.path, line, "the prompt renders to zero tokens")
         if "messages" in body:
             fields = [(f"messages[{i}].content", *span) for i, span in enumerate(prompt.message_spans) if span]
         else:
@@ -50,7 +50,7 @@ class Renderer:
             prompts = render_bodies(self.tokenizer, [entries[k].body for k in with_body])
             for k, prompt in zip(with_body, prompts, strict=True):
                 out[k] = self._rendered(entries[k].body, prompt[0], entries[k].line)
-        except (PromptError, DoctorInputError):
+        except (PromptError, LogError):
             return [None] * len(entries)
         for special in (False, True):
             with_text = [k for k, e in enumerate(entries)

@@ -1,5 +1,9 @@
-"""The two logs the doctor reads, as one stream of ``LogEntry``: JSONL of OpenAI request bodies as clients send
-them, and kvprefix's own server request log (``kvprefix.logs``). Errors name the file and the line."""
+"""The one reader of the logs the planner and the doctor read, as a stream of ``LogEntry``: JSONL of OpenAI
+request bodies as clients send them, and kvprefix's own request log. Errors are ``LogError`` (file and line).
+
+A body's namespace is derived as the server derives it (``cache.namespace_salt`` of ``tenant`` and
+``cache_salt``); a request log names it by its public id. Either way, requests share blocks only within one
+``namespace``."""
 
 from __future__ import annotations
 
@@ -11,14 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from kvprefix.cache import namespace_salt
-from kvprefix.logs import LogError, RequestRecord, detect_format, iter_records, iter_rows
+from kvprefix.logs.request_log import RequestRecord, iter_records
+from kvprefix.logs.rows import BODIES, LogError, iter_rows
 from kvprefix.prompts import PromptError, completion_prompts
-
-BODIES, REQUEST_LOG = "openai", "request-log"
-
-
-class DoctorInputError(ValueError):
-    """Bad input: the message names the file and the 1-based line."""
 
 
 @dataclass
@@ -40,25 +39,14 @@ class LogEntry:
     prompt_tokens: int = 0
     miss_reason: str | None = None
     model: str = ""  # the model (or adapter) the request named
-
-
-def log_format(path: str | Path) -> str:
-    try:
-        fmt = detect_format(path)
-    except LogError as exc:
-        raise DoctorInputError(str(exc)) from None
-    if fmt not in (BODIES, REQUEST_LOG):
-        raise DoctorInputError(f"{path}: kvprefix doctor reads OpenAI request bodies (JSONL with 'messages' or "
-                               f"'prompt') or a kvprefix request log, not a {fmt} trace")
-    return fmt
+    record: RequestRecord | None = None  # request log: the whole record
 
 
 class SharedTools:
     """Equal tools lists read as one list, which knows its JSON: a log sends a few lists again on every request,
-    and the doctor needs a list's JSON several times (grouping for the template, the tools fix, comparisons),
-    each a ``json.dumps`` as slow as parsing the whole body. Up to ``limit`` distinct lists and ``limit_chars``
-    characters of their JSON (a log whose every list differs gains nothing here); the lists are the doctor's own
-    (read from the log, never changed: a fix makes a new list)."""
+    and the doctor needs a list's JSON several times, each a ``json.dumps`` as slow as parsing the whole body.
+    Up to ``limit`` distinct lists and ``limit_chars`` characters of their JSON; the lists are the reader's own
+    (never changed: a fix makes a new list)."""
 
     def __init__(self, limit: int = 4096, limit_chars: int = 1 << 23) -> None:
         self.limit = limit
@@ -85,71 +73,63 @@ class SharedTools:
 
 
 def iter_entries(path: str | Path, fmt: str, tools: SharedTools | None = None) -> Iterator[LogEntry]:
-    """``tools``: where bodies' tools lists are shared (a fresh one per call otherwise)."""
-    return _iter_bodies(path, tools or SharedTools()) if fmt == BODIES else _iter_request_log(path)
+    """The entries of a log of format ``fmt`` (``BODIES`` or ``REQUEST_LOG``, as ``detect_format`` names them).
+    ``tools``: where bodies' tools lists are shared (a fresh one per call otherwise)."""
+    return iter_bodies(path, tools or SharedTools()) if fmt == BODIES else iter_request_log(path)
 
 
-def _iter_bodies(path: str | Path, tools: SharedTools) -> Iterator[LogEntry]:
-    try:
-        for line, row in iter_rows(path):
-            yield from _body_entries(path, line, row, tools)
-    except LogError as exc:  # not JSON, not an object
-        raise DoctorInputError(str(exc)) from None
+def iter_bodies(path: str | Path, tools: SharedTools) -> Iterator[LogEntry]:
+    """One entry per prompt: a batch of completions prompts is one request per prompt, as the server runs it."""
+    for line, row in iter_rows(path):
+        yield from _body_entries(path, line, row, tools)
 
 
 def _body_entries(path, line: int, row: dict[str, Any], tools: SharedTools) -> Iterator[LogEntry]:
-    def bad(message: str) -> DoctorInputError:
-        return DoctorInputError(f"{path}:{line}: {message}")
-
     ts = row.get("timestamp")
     if ts is not None and (isinstance(ts, bool) or not isinstance(ts, (int, float)) or ts < 0):
-        raise bad(f"field 'timestamp' must be a number of milliseconds >= 0, got {ts!r}")
+        raise LogError(path, line, f"field 'timestamp' must be a number of milliseconds >= 0, got {ts!r}")
     for key in ("tenant", "cache_salt", "replica", "model"):
         if row.get(key) is not None and not isinstance(row[key], str):
-            raise bad(f"field {key!r} must be a string, got {row[key]!r}")
+            raise LogError(path, line, f"field {key!r} must be a string, got {row[key]!r}")
     common = dict(line=line, timestamp=None if ts is None else ts / 1000.0,
                   namespace=namespace_salt(row.get("tenant"), row.get("cache_salt")),
                   replica=row.get("replica") or "", prefill_s=None, model=row.get("model") or "")
     if "messages" in row:
         if not isinstance(row["messages"], list) or not row["messages"]:
-            raise bad("'messages' must be a non-empty list")
+            raise LogError(path, line, "'messages' must be a non-empty list")
         if row.get("tools") is not None:
             if not isinstance(row["tools"], list):
-                raise bad("'tools' must be a list")
+                raise LogError(path, line, "'tools' must be a list")
             row["tools"] = tools.share(row["tools"])
         yield LogEntry(body=row, **common)
         return
     if "prompt" not in row:
-        raise bad("a request body needs 'messages' (chat) or 'prompt' (completions)")
+        raise LogError(path, line, "a request body needs 'messages' (chat) or 'prompt' (completions)")
     try:
         prompts = completion_prompts(row["prompt"])
     except PromptError as exc:
-        raise bad(str(exc)) from None
-    for prompt in prompts:  # a batch of prompts is one request per prompt, as the server runs it
+        raise LogError(path, line, str(exc)) from None
+    for prompt in prompts:
         yield LogEntry(body={**row, "prompt": prompt}, **common)
 
 
-def _iter_request_log(path: str | Path) -> Iterator[LogEntry]:
-    try:
-        for line, rec in iter_records(path):
-            yield _record_entry(path, line, rec)
-    except LogError as exc:
-        raise DoctorInputError(str(exc)) from None
-
-
-def _record_entry(path, line: int, rec: RequestRecord) -> LogEntry:
-    if rec.block_size is None:
-        raise DoctorInputError(f"{path}:{line}: missing field 'block_size'")
-    if len(rec.block_hashes) != rec.prompt_tokens // rec.block_size:
-        raise DoctorInputError(f"{path}:{line}: {len(rec.block_hashes)} block_hashes for {rec.prompt_tokens} "
-                               f"prompt tokens, but {rec.block_size}-token blocks give "
-                               f"{rec.prompt_tokens // rec.block_size}")
-    ttft = rec.timings.get("ttft_s") if isinstance(rec.timings, dict) else None
-    if not isinstance(ttft, (int, float)):
-        ttft = None if rec.finish_time is None else max(0.0, rec.finish_time - rec.timestamp)
-    return LogEntry(
-        line=line, timestamp=float(rec.timestamp), namespace=rec.namespace, replica=rec.replica, prefill_s=ttft,
-        text=rec.prompt, message_spans=rec.message_spans, add_special_tokens=rec.endpoint != "chat",
-        block_hashes=rec.block_hashes, source_block_size=rec.block_size, prompt_tokens=rec.prompt_tokens,
-        miss_reason=rec.miss_reason, model=rec.model,
-    )
+def iter_request_log(path: str | Path, torn: list[int] | None = None, default_block_size: int | None = None,
+                     block_size_hint: str = "") -> Iterator[LogEntry]:
+    """The records of a request log, each checked to have its block size (``default_block_size`` for hand-made
+    logs without one; ``block_size_hint`` ends the error where neither is there) and one hash per full block.
+    Torn lines are skipped (their numbers appended to ``torn``)."""
+    for line, rec in iter_records(path, torn):
+        block_size = rec.block_size or default_block_size
+        if block_size is None:
+            raise LogError(path, line, f"missing field 'block_size'{block_size_hint}")
+        if len(rec.block_hashes) != rec.prompt_tokens // block_size:
+            raise LogError(path, line, f"{len(rec.block_hashes)} block_hashes for {rec.prompt_tokens} prompt "
+                                       f"tokens, but {block_size}-token blocks give {rec.prompt_tokens // block_size}")
+        ttft = rec.timings.get("ttft_s") if isinstance(rec.timings, dict) else None
+        if not isinstance(ttft, (int, float)):
+            ttft = None if rec.finish_time is None else max(0.0, rec.finish_time - rec.timestamp)
+        yield LogEntry(
+            line=line, timestamp=float(rec.timestamp), namespace=rec.namespace, replica=rec.replica,
+            prefill_s=ttft, text=rec.prompt, message_spans=rec.message_spans,
+            add_special_tokens=rec.endpoint != "chat", block_hashes=rec.block_hashes, source_block_size=block_size,
+            prompt_tokens=rec.prompt_tokens, miss_reason=rec.miss_reason, model=rec.model, record=rec)
