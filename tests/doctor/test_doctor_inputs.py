@@ -142,8 +142,9 @@ def test_other_traces_and_empty_files_are_refused(capsys, tmp_path):
 
 def test_progress_off_a_terminal_is_a_line_now_and_then(capsys, tmp_path, tokenizer_dir):
     """A job whose stderr is a file gets progress lines (every 10 s by default; here every time it looks)."""
-    from kvprefix.doctor.analysis import Options, diagnose
+    from kvprefix.doctor.analysis import diagnose
     from kvprefix.doctor.cli import load_tokenizer
+    from kvprefix.doctor.diagnosis import Options
 
     log = logs.write_jsonl(tmp_path / "log.jsonl", logs.volatile(600))
     quiet = diagnose(str(log), lambda: load_tokenizer(str(tokenizer_dir)), Options())

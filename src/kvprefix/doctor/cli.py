@@ -35,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvprefix.doctor.analysis import Options, diagnose
+    from kvprefix.doctor.analysis import diagnose
+    from kvprefix.doctor.diagnosis import Options
     from kvprefix.doctor.report import format_report
 
     progress = "off" if args.no_progress else "bar" if sys.stderr.isatty() else "lines"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 from kvprefix.doctor.divergence import Rendered
@@ -11,13 +13,20 @@ from kvprefix.tokenizer import SegmentCachedTokenizer, Tokenizer
 
 
 class Renderer:
-    def __init__(self, tokenizer: Tokenizer, path: str):
-        self.tokenizer = SegmentCachedTokenizer(tokenizer)
+    """Renders with the tokenizer ``load_tokenizer`` gives, loaded when first needed (a hashes-only log never
+    needs it)."""
+
+    def __init__(self, load_tokenizer: Callable[[], Tokenizer], path: str):
+        self._load_tokenizer = load_tokenizer
         self.path = path
+
+    @functools.cached_property
+    def tokenizer(self) -> SegmentCachedTokenizer:
+        return SegmentCachedTokenizer(self._load_tokenizer())
 
     def body(self, body: dict[str, Any], line: int) -> Rendered:
         try:
-            prompt = render_body(self.tokenizer, body)[0]  # kvprefix.logs gives one prompt per entry
+            prompt = render_body(self.tokenizer, body)[0]  # the readers give one prompt per entry
         except PromptError as exc:
             raise LogError(self.path, line, str(exc)) from None
         return self._rendered(body, prompt, line)
@@ -39,6 +48,12 @@ class Renderer:
         fields = [(f"messages[{i}].content", span[0], span[1]) for i, span in enumerate(message_spans or [])
                   if isinstance(span, list) and len(span) == 2]
         return Rendered(ids, text, fields or [("prompt", 0, len(text))])
+
+    def entry(self, entry: LogEntry) -> Rendered:
+        """The entry's ``body`` (else its ``text``) as it renders."""
+        if entry.body is not None:
+            return self.body(entry.body, entry.line)
+        return self.text(entry.text, entry.add_special_tokens, entry.message_spans)
 
     def entries(self, entries: list[LogEntry]) -> list[Rendered | None]:
         """``body`` or ``text`` of each entry (None for an entry with neither) as those render it, in batches
