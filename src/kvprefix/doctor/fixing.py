@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from kvprefix.cache import BlockHasher
 from kvprefix.doctor.chains import Variant
 from kvprefix.doctor.divergence import Rendered
 from kvprefix.doctor.fixes import MoveVolatileToEnd, OneOrder, OneSpelling, OneSystemPrompt
@@ -27,6 +28,7 @@ class _Plan:
     short: Variant | None
     source: Variant  # the rendering a fix that changed nothing copies
     shared: Variant | None  # ``one namespace``: what ``ideal`` copies
+    short_hasher: BlockHasher | None
 
 
 def fix(log: Log, obs: Observation) -> dict[str, Variant]:
@@ -34,7 +36,6 @@ def fix(log: Log, obs: Observation) -> dict[str, Variant]:
     plan = _plan(log, obs)
     if plan is None:
         return {}
-    short_hasher = doctor_hasher(plan.short.block_size) if plan.short is not None else None
     i = 0
     for chunk in log.chunks("fixing"):
         # The fixes run entry by entry (a fix keeps the first order it saw); their outputs render as a batch.
@@ -42,7 +43,7 @@ def fix(log: Log, obs: Observation) -> dict[str, Variant]:
         plans = [_jobs(plan, e, jobs) for e in chunk]
         rendered = _render_jobs(log, jobs)
         for e, (short_job, fixed_jobs) in zip(chunk, plans, strict=True):
-            _add(log, obs, plan, i, e, rendered, short_job, fixed_jobs, short_hasher)
+            _add(log, obs, plan, i, e, rendered, short_job, fixed_jobs)
             i += 1
     made = [v for _, v in plan.single.values()] + [v for v in (plan.ideal, plan.short) if v is not None]
     return {v.name: v for v in made}
@@ -79,7 +80,7 @@ def _plan(log: Log, obs: Observation) -> _Plan | None:
     ideal = variants.get_or_add("all fixed") if makers else None
     short_variant = variants.get_or_add("short-prefix", short_bs) if short else None
     return _Plan(single, composed, ideal, short_variant, variants["text" if texts else "as is"],
-                 variants.get("one namespace"))
+                 variants.get("one namespace"), doctor_hasher(short_bs) if short else None)
 
 
 def _jobs(plan: _Plan, e: LogEntry, jobs: list[LogEntry]) -> tuple[int | None, list[int | None]]:
@@ -96,12 +97,12 @@ def _jobs(plan: _Plan, e: LogEntry, jobs: list[LogEntry]) -> tuple[int | None, l
 
 
 def _add(log: Log, obs: Observation, plan: _Plan, i: int, e: LogEntry, rendered: list[Rendered],
-         short_job: int | None, fixed_jobs: list[int | None], short_hasher) -> None:
+         short_job: int | None, fixed_jobs: list[int | None]) -> None:
     """Adds request ``i`` to each variant the pass makes."""
     space = space_of(e, obs.requests.base_model)
     if short_job is not None:
         r = rendered[short_job]
-        plan.short.add(log.hashing(r, space, short_hasher), len(r.token_ids))
+        plan.short.add(log.hashing(r, space, plan.short_hasher), len(r.token_ids))
     for (_, variant), job in zip(plan.single.values(), fixed_jobs, strict=False):
         if job is None:
             variant.copy(plan.source, i)

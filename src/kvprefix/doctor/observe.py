@@ -49,6 +49,8 @@ class Requests:
 
 @dataclass
 class Observation:
+    """What the pass found, for the passes after it."""
+
     variants: Variants
     requests: Requests = field(default_factory=Requests)
     findings: Findings = field(default_factory=Findings)
@@ -57,6 +59,7 @@ class Observation:
 
 
 def observe(log: Log) -> Observation:
+    """Pass 1 over ``log`` (module docstring)."""
     obs = Observation(Variants(log.block_size))
     base = obs.variants.get_or_add("as is")
     comparer = Comparer(log.block_size, obs.variants.tree, log.tools, obs.findings)

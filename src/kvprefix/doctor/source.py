@@ -27,6 +27,8 @@ def log_format(path: str) -> str:
 
 @dataclass
 class Log:
+    """The log as every pass reads it."""
+
     path: str
     fmt: str
     block_size: int
