@@ -142,8 +142,9 @@ def test_other_traces_and_empty_files_are_refused(capsys, tmp_path):
 
 def test_progress_off_a_terminal_is_a_line_now_and_then(capsys, tmp_path, tokenizer_dir):
     """A job whose stderr is a file gets progress lines (every 10 s by default; here every time it looks)."""
-    from kvprefix.doctor.analysis import Options, diagnose
+    from kvprefix.doctor.analysis import diagnose
     from kvprefix.doctor.cli import load_tokenizer
+    from kvprefix.doctor.diagnosis import Options
 
     log = logs.write_jsonl(tmp_path / "log.jsonl", logs.volatile(600))
     quiet = diagnose(str(log), lambda: load_tokenizer(str(tokenizer_dir)), Options())
@@ -182,32 +183,3 @@ def test_the_doctor_on_the_default_model_never_imports_torch(tmp_path):
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["requests"] == 3
     assert done.stderr.strip().splitlines()[-1] == "False"
-
-
-def test_equal_tools_lists_are_read_as_one_and_only_equal_ones(tmp_path):
-    """The reader shares a tools list among bodies that send it again (its JSON written once); lists that differ
-    as JSON does (key order, 1 / 1.0 / true, another string) stay their own, and JSON is json.dumps'."""
-    import json
-
-    from kvprefix.doctor.readers import BODIES, SharedTools, iter_entries
-
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "n": 1}}}
-    variants = [[tool], [json.loads(json.dumps(tool).replace('"n": 1', '"n": 1.0'))],
-                [json.loads(json.dumps(tool).replace('"n": 1', '"n": true'))],
-                [{"function": tool["function"], "type": "function"}], [dict(tool, type="function ")]]
-    rows = [{"messages": [{"role": "user", "content": "q"}], "tools": v} for v in variants * 3]
-    path = tmp_path / "tools.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    shared = SharedTools()
-    lists = [e.body["tools"] for e in iter_entries(path, BODIES, shared)]
-    assert [json.dumps(t) for t in lists] == [json.dumps(r["tools"]) for r in rows]  # each body's own content
-    for k in range(len(variants)):
-        assert lists[k] is lists[k + len(variants)] is lists[k + 2 * len(variants)]
-        assert all(lists[k] is not lists[j] for j in range(len(variants)) if j != k)
-        assert shared.json(lists[k]) == json.dumps(variants[k])
-    full = SharedTools(limit=2)
-    lists = [e.body["tools"] for e in iter_entries(path, BODIES, full)]
-    assert lists[0] is lists[5] and lists[2] is not lists[7] and full.json(lists[7]) == json.dumps(variants[2])
-    few_chars = SharedTools(limit_chars=len(json.dumps(variants[0])) + 1)  # room for two lists' JSON, not three
-    lists = [e.body["tools"] for e in iter_entries(path, BODIES, few_chars)]
-    assert lists[1] is lists[6] and lists[2] is not lists[7]

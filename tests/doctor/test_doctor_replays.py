@@ -6,7 +6,11 @@ from array import array
 import pytest
 import support.doctor_logs as logs
 
-from kvprefix.doctor.analysis import Options, _Doctor
+from kvprefix.doctor.analysis import open_log
+from kvprefix.doctor.attribute import replay_order
+from kvprefix.doctor.diagnosis import Options
+from kvprefix.doctor.fixing import fix
+from kvprefix.doctor.observe import Observation, observe
 from kvprefix.doctor.replaying import PREFILL_TOKENS_PER_S, Replayer, Setting, Timing, planner_replay, unbounded_replay
 from kvprefix.tokenizer import Tokenizer
 
@@ -21,27 +25,27 @@ CORPUS = {
 }
 
 
-def _doctor(tmp_path, tokenizer_dir, rows, block_size: int | None = None) -> _Doctor:
-    """The doctor after both passes over ``rows``: every variant of the log, rendered and hashed."""
-    doctor = _Doctor(str(logs.write_jsonl(tmp_path / "log.jsonl", rows)), lambda: Tokenizer(str(tokenizer_dir)),
-                     Options(block_size))
-    doctor._first_pass()
-    doctor._second_pass()
-    return doctor
+def _passes(tmp_path, tokenizer_dir, rows, block_size: int | None = None) -> Observation:
+    """The observation after both passes over ``rows``: every variant of the log, rendered and hashed."""
+    log = open_log(str(logs.write_jsonl(tmp_path / "log.jsonl", rows)), lambda: Tokenizer(str(tokenizer_dir)),
+                   Options(block_size))
+    obs = observe(log)
+    fix(log, obs)
+    return obs
 
 
-def _groups(doctor: _Doctor) -> tuple[list[int], list[list[int]]]:
-    _, order, groups = doctor.replay_order()
+def _groups(obs: Observation) -> tuple[list[int], list[list[int]]]:
+    _, order, groups = replay_order(obs.requests)
     return order, groups
 
 
 @pytest.mark.parametrize("block_size", [16, 1])  # 1: every prompt fills its last block, so a repeat hits all but one
 @pytest.mark.parametrize("name", CORPUS)
 def test_unbounded_replay_equals_the_planner_that_never_evicts(tmp_path, tokenizer_dir, name, block_size):
-    doctor = _doctor(tmp_path, tokenizer_dir, CORPUS[name](), block_size)
-    order, groups = _groups(doctor)
+    obs = _passes(tmp_path, tokenizer_dir, CORPUS[name](), block_size)
+    order, groups = _groups(obs)
     hits = 0
-    for variant in doctor.variants.values():
+    for variant in obs.variants.values():
         if len(variant) != len(order):  # a variant the pass left partial is never replayed
             continue
         never_evicts = variant.distinct_blocks + variant.max_blocks + 1
@@ -82,11 +86,11 @@ IN_FLIGHT = [("burst", None, True), ("burst", 0.02, True), ("concurrent", None, 
 def test_in_flight_hits_dropped_as_the_rule_says(tmp_path, tokenizer_dir, name, prefill_s, in_flight):
     rows = CORPUS[name]()
     rows = [{**r, "timestamp": r.get("timestamp", 0)} for r in rows]
-    doctor = _doctor(tmp_path, tokenizer_dir, rows)
-    order, groups = _groups(doctor)
+    obs = _passes(tmp_path, tokenizer_dir, rows)
+    order, groups = _groups(obs)
     n = len(order)
-    timing = Timing(doctor.arrival, None if prefill_s is None else [prefill_s] * n)
-    base = doctor.variants["as is"]
+    timing = Timing(obs.requests.arrival, None if prefill_s is None else [prefill_s] * n)
+    base = obs.variants["as is"]
     replayer = Replayer(order, groups, timing)
     dropped = 0
     for capacity in (None, base.max_blocks + 2):

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from kvprefix.logs import FORMAT_VERSION, RequestLogError, RequestLogWriter, RequestRecord, iter_records
+from kvprefix.logs import FORMAT_VERSION, LogError, RequestLogWriter, RequestRecord, iter_records
 
 
 def record(i: int, **kw) -> RequestRecord:
@@ -75,5 +75,5 @@ def test_version_1_lines_still_read(tmp_path) -> None:
 def test_bad_records_name_the_file_and_line(tmp_path, row: dict, message: str) -> None:
     path = tmp_path / "bad.jsonl"
     path.write_text(record(0).to_json() + "\n" + json.dumps(row) + "\n")
-    with pytest.raises(RequestLogError, match=f"bad.jsonl:2: .*{message}"):
+    with pytest.raises(LogError, match=f"bad.jsonl:2: .*{message}"):
         list(iter_records(path))

@@ -91,6 +91,20 @@ class Variant:
         return len(self.leaves)
 
 
+class Variants(dict[str, Variant]):
+    """The renderings of one log by name, sharing one tree of blocks."""
+
+    def __init__(self, block_size: int):
+        super().__init__()
+        self.block_size = block_size
+        self.tree = BlockTree()
+
+    def get_or_add(self, name: str, block_size: int | None = None) -> Variant:
+        if name not in self:
+            self[name] = Variant(name, block_size or self.block_size, self.tree, 1 << len(self))
+        return self[name]
+
+
 class TraceView(Sequence):
     """A variant's requests (a subset, in replay order) as the planner's ``TraceRequest``s, built when the replay
     reaches them so no full list of hashes is ever held."""

@@ -35,15 +35,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvprefix.doctor.analysis import Options, diagnose
-    from kvprefix.doctor.readers import DoctorInputError
+    from kvprefix.doctor.analysis import diagnose
+    from kvprefix.doctor.diagnosis import Options
     from kvprefix.doctor.report import format_report
 
     progress = "off" if args.no_progress else "bar" if sys.stderr.isatty() else "lines"
     options = Options(args.block_size, args.capacity, progress=progress)
     try:
         diagnosis = diagnose(args.log, lambda: load_tokenizer(args.model), options)
-    except (DoctorInputError, ValueError, OSError) as exc:
+    except (ValueError, OSError) as exc:  # kvprefix.logs.LogError is a ValueError
         print(f"kvprefix doctor: error: {exc}", file=sys.stderr)
         return 2
     if args.html:

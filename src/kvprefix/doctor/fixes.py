@@ -14,7 +14,7 @@ from typing import Any
 
 from kvprefix.doctor.divergence import VolatileSite, conversation_key, normalized, system_message
 from kvprefix.doctor.items import document_keys, documents, example_pairs, reorder, reorder_documents
-from kvprefix.doctor.readers import SharedTools
+from kvprefix.logs import SharedTools
 
 
 class MoveVolatileToEnd:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from html import escape
 
-from kvprefix.doctor.analysis import Diagnosis
+from kvprefix.doctor.diagnosis import Diagnosis
 from kvprefix.doctor.kinds import KINDS
 
 _BAR_W, _BAR_H, _LABEL_W = 420, 22, 150

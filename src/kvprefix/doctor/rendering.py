@@ -2,29 +2,38 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 from kvprefix.doctor.divergence import Rendered
-from kvprefix.doctor.readers import DoctorInputError, LogEntry
+from kvprefix.logs import LogEntry, LogError
 from kvprefix.prompts import PromptError, render_bodies, render_body
 from kvprefix.tokenizer import SegmentCachedTokenizer, Tokenizer
 
 
 class Renderer:
-    def __init__(self, tokenizer: Tokenizer, path: str):
-        self.tokenizer = SegmentCachedTokenizer(tokenizer)
+    """Renders with the tokenizer ``load_tokenizer`` gives, loaded when first needed (a hashes-only log never
+    needs it)."""
+
+    def __init__(self, load_tokenizer: Callable[[], Tokenizer], path: str):
+        self._load_tokenizer = load_tokenizer
         self.path = path
+
+    @functools.cached_property
+    def tokenizer(self) -> SegmentCachedTokenizer:
+        return SegmentCachedTokenizer(self._load_tokenizer())
 
     def body(self, body: dict[str, Any], line: int) -> Rendered:
         try:
             prompt = render_body(self.tokenizer, body)[0]  # the readers give one prompt per entry
         except PromptError as exc:
-            raise DoctorInputError(f"{self.path}:{line}: {exc}") from None
+            raise LogError(self.path, line, str(exc)) from None
         return self._rendered(body, prompt, line)
 
     def _rendered(self, body: dict[str, Any], prompt, line: int) -> Rendered:
         if not prompt.token_ids:
-            raise DoctorInputError(f"{self.path}:{line}: the prompt renders to zero tokens")
+            raise LogError(self.path, line, "the prompt renders to zero tokens")
         if "messages" in body:
             fields = [(f"messages[{i}].content", *span) for i, span in enumerate(prompt.message_spans) if span]
         else:
@@ -40,6 +49,12 @@ class Renderer:
                   if isinstance(span, list) and len(span) == 2]
         return Rendered(ids, text, fields or [("prompt", 0, len(text))])
 
+    def entry(self, entry: LogEntry) -> Rendered:
+        """The entry's ``body`` (else its ``text``) as it renders."""
+        if entry.body is not None:
+            return self.body(entry.body, entry.line)
+        return self.text(entry.text, entry.add_special_tokens, entry.message_spans)
+
     def entries(self, entries: list[LogEntry]) -> list[Rendered | None]:
         """``body`` or ``text`` of each entry (None for an entry with neither) as those render it, in batches
         (``kvprefix.prompts.render_bodies``, the tokenizer's ``encode_batch``). Where any body fails, nothing is
@@ -50,7 +65,7 @@ class Renderer:
             prompts = render_bodies(self.tokenizer, [entries[k].body for k in with_body])
             for k, prompt in zip(with_body, prompts, strict=True):
                 out[k] = self._rendered(entries[k].body, prompt[0], entries[k].line)
-        except (PromptError, DoctorInputError):
+        except (PromptError, LogError):
             return [None] * len(entries)
         for special in (False, True):
             with_text = [k for k, e in enumerate(entries)

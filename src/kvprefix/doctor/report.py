@@ -3,7 +3,7 @@ hit rate would be with only that cause fixed."""
 
 from __future__ import annotations
 
-from kvprefix.doctor.analysis import Diagnosis
+from kvprefix.doctor.diagnosis import Diagnosis
 from kvprefix.doctor.kinds import KINDS
 
 

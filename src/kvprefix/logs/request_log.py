@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import IO, Any
 
+from kvprefix.logs.rows import LogError
+
 FORMAT_VERSION = 2
 _log = logging.getLogger("kvprefix.logs")
 
@@ -95,15 +97,6 @@ _TYPES: dict[str, tuple[type, ...]] = _REQUIRED | {
 }
 
 
-class RequestLogError(ValueError):
-    """A line the reader cannot use; the message names the file and the 1-based line."""
-
-    def __init__(self, path: str | Path, line: int | None, message: str):
-        super().__init__(f"{path}:{line}: {message}" if line else f"{path}: {message}")
-        self.path = str(path)
-        self.line = line
-
-
 def iter_records(path: str | Path, torn: list[int] | None = None) -> Iterator[tuple[int, RequestRecord]]:
     """(line number, record) for each record of a request log.
 
@@ -121,11 +114,11 @@ def iter_records(path: str | Path, torn: list[int] | None = None) -> Iterator[tu
                     torn.append(line_no)
                 continue
             if not isinstance(row, dict):
-                raise RequestLogError(path, line_no, f"expected a JSON object, got {type(row).__name__}")
+                raise LogError(path, line_no, f"expected a JSON object, got {type(row).__name__}")
             try:
                 yield line_no, RequestRecord.from_dict(row)
             except (ValueError, TypeError) as exc:
-                raise RequestLogError(path, line_no, str(exc)) from None
+                raise LogError(path, line_no, str(exc)) from None
 
 
 class RequestLogWriter:

@@ -1,29 +1,13 @@
-"""Picks the reader for a trace file: by name, or by the fields of its first row."""
+"""Picks the reader for a trace file: by name, or by the fields of its first row (``kvprefix.logs.detect_format``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from kvprefix.sim.trace import Trace, TraceError, iter_rows
+from kvprefix.logs import BODIES, MOONCAKE, REQUEST_LOG, detect_format
+from kvprefix.sim.trace import Trace
 
-FORMATS = ("auto", "mooncake", "request-log", "openai")
-
-
-def detect_format(path: str | Path) -> str:
-    for line, row in iter_rows(path):
-        if "hash_ids" in row:
-            return "mooncake"
-        if "block_hashes" in row:
-            return "request-log"
-        if "messages" in row or "prompt" in row:
-            return "openai"
-        raise TraceError(
-            path,
-            line,
-            "unknown trace format: expected 'hash_ids' (Mooncake), 'block_hashes' (kvprefix request "
-            "log) or 'messages'/'prompt' (OpenAI request bodies)",
-        )
-    raise TraceError(path, None, "the trace is empty")
+FORMATS = ("auto", MOONCAKE, REQUEST_LOG, BODIES)
 
 
 def load_trace(
@@ -37,15 +21,15 @@ def load_trace(
     trace's ids were made with (Mooncake default: from the file name, else 512; request log: each row's own)."""
     if fmt == "auto":
         fmt = detect_format(path)
-    if fmt == "mooncake":
+    if fmt == MOONCAKE:
         from kvprefix.sim.mooncake import read_mooncake
 
         return read_mooncake(path, trace_block_size, block_size)
-    if fmt == "request-log":
+    if fmt == REQUEST_LOG:
         from kvprefix.sim.request_log import read_request_log
 
         return read_request_log(path, trace_block_size, block_size)
-    if fmt == "openai":
+    if fmt == BODIES:
         from kvprefix.sim.openai_bodies import read_openai_bodies
 
         if tokenizer is None:

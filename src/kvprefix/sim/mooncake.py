@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 from kvprefix.cache import cdiv
+from kvprefix.logs import iter_rows
 from kvprefix.sim.trace import (
     ChainedIds,
     TimestampCheck,
@@ -15,7 +16,6 @@ from kvprefix.sim.trace import (
     TraceRequest,
     coarsen,
     coarsening_factor,
-    iter_rows,
     require,
 )
 

@@ -1,4 +1,4 @@
-"""kvprefix's own server request log (kvprefix.logs), as a planner trace.
+"""kvprefix's own server request log, read by ``kvprefix.logs.iter_request_log``, as a planner trace.
 
 Fields used: ``timestamp`` (arrival), ``prompt_tokens``, ``block_size``, ``block_hashes`` (hex, one per full prompt
 block, parent-chained), ``output_tokens``; ``prompt_cache_key``, ``user`` or ``tenant`` (in that order) is the
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from kvprefix.cache import cdiv
-from kvprefix.logs import RequestLogError, iter_records
+from kvprefix.logs import iter_request_log
 from kvprefix.sim.trace import Trace, TraceError, TraceRequest, coarsen, coarsening_factor
 
 KEPT_FIELDS = ("tenant", "cached_tokens", "timings", "status", "namespace", "replica")
@@ -31,31 +31,21 @@ def read_request_log(path: str | Path, source_block_size: int | None = None, blo
     """
     rows = []
     torn: list[int] = []
-    try:
-        for line, rec in iter_records(path, torn):
-            src = rec.block_size or source_block_size
-            if src is None:
-                raise TraceError(path, line, "missing field 'block_size' (or give --trace-block-size)")
-            n = rec.prompt_tokens
-            if len(rec.block_hashes) != n // src:
-                raise TraceError(path, line, f"{len(rec.block_hashes)} block_hashes for {n} prompt tokens, but "
-                                             f"{src}-token blocks give {n // src}")
-            block_size = block_size or src
-            session = next((getattr(rec, k) for k in SESSION_FIELDS if getattr(rec, k)), None)
-            rows.append(
-                TraceRequest(
-                    timestamp=rec.timestamp,
-                    input_length=n,
-                    output_length=rec.output_tokens,
-                    block_hashes=coarsen(rec.block_hashes, coarsening_factor(path, src, block_size, line),
-                                         n // block_size),
-                    num_blocks=cdiv(n, block_size),
-                    session=session,
-                    extra={k: getattr(rec, k) for k in KEPT_FIELDS},
-                )
+    for e in iter_request_log(path, torn, source_block_size, " (or give --trace-block-size)"):
+        rec, src, n = e.record, e.source_block_size, e.prompt_tokens
+        block_size = block_size or src
+        rows.append(
+            TraceRequest(
+                timestamp=rec.timestamp,
+                input_length=n,
+                output_length=rec.output_tokens,
+                block_hashes=coarsen(rec.block_hashes, coarsening_factor(path, src, block_size, e.line),
+                                     n // block_size),
+                num_blocks=cdiv(n, block_size),
+                session=next((getattr(rec, k) for k in SESSION_FIELDS if getattr(rec, k)), None),
+                extra={k: getattr(rec, k) for k in KEPT_FIELDS},
             )
-    except RequestLogError as exc:
-        raise TraceError(path, exc.line, str(exc).split(": ", 1)[-1]) from None
+        )
     if torn:
         print(f"{path}: skipped {len(torn)} torn line(s) (a crash mid-write): {torn[:5]}", file=sys.stderr)
     if not rows:

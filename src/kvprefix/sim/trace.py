@@ -1,21 +1,14 @@
-"""The planner's request record and what every trace reader shares: errors that name the line, chaining and
-block-size coarsening of block ids, and the checks a row must pass."""
+"""The planner's request record and what every trace reader shares: chaining and block-size coarsening of block
+ids, and the checks a row must pass (rows and errors naming the line are ``kvprefix.logs``')."""
 
 from __future__ import annotations
 
-import json
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
-class TraceError(ValueError):
-    """A trace the planner cannot use; the message names the file and the 1-based line (None: the whole file)."""
-
-    def __init__(self, path: str | Path, line: int | None, message: str):
-        super().__init__(f"{path}:{line}: {message}" if line else f"{path}: {message}")
-        self.path = str(path)
-        self.line = line
+from kvprefix.logs import LogError as TraceError  # the planner's name for it: a line it cannot use
+from kvprefix.logs import iter_rows  # noqa: F401 - sim.openai_bodies reads its rows through here
 
 
 @dataclass(slots=True)
@@ -126,18 +119,3 @@ class TimestampCheck:
         if timestamp < self.last:
             raise TraceError(self.path, line, f"timestamp {timestamp} is earlier than the previous row's ({self.last})")
         self.last = timestamp
-
-
-def iter_rows(path: str | Path) -> Iterator[tuple[int, dict]]:
-    """(line number, JSON object) for each non-blank line of a JSONL file."""
-    with open(path, encoding="utf-8") as f:
-        for line_no, text in enumerate(f, start=1):
-            if not text.strip():
-                continue
-            try:
-                row = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise TraceError(path, line_no, f"not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise TraceError(path, line_no, f"expected a JSON object, got {type(row).__name__}")
-            yield line_no, row
