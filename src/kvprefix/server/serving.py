@@ -22,7 +22,7 @@ from kvprefix.http.errors import APIError, bad_request
 from kvprefix.http.request_ids import MAX_REQUEST_ID_LEN, request_id_of, valid_request_id
 from kvprefix.http.tenancy import Caller, pseudonym, validate_client_salt
 from kvprefix.logs import RequestLogWriter, RequestRecord
-from kvprefix.prompts import PromptError, RenderedPrompt, render_chat, render_completion, truncate_prompt
+from kvprefix.prompts import PromptError, RenderedPrompt, render_body
 from kvprefix.server.admission import Admission, Ticket
 from kvprefix.server.cache_detail import CacheDetail, CacheTracker
 from kvprefix.server.logprobs import chat_logprobs, completion_logprobs
@@ -98,46 +98,26 @@ class Serving:
             raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.info.name}'",
                            param="model", code="model_not_found")
 
-    async def _render(self, render, *args, **kwargs) -> RenderedPrompt:
-        # In a thread: a long prompt must not stall every other stream on the event loop.
+    async def _prompts(self, req, refuse_long: bool = True) -> list[RenderedPrompt]:
+        """The request's prompts through the one body adapter (``kvprefix.prompts.render_body``: every field that
+        changes the prompt, truncation included; the fields as sent), in a thread: a long prompt must not stall
+        every other stream on the event loop."""
+        def render() -> list[RenderedPrompt]:
+            body = req.model_dump(exclude_unset=True, by_alias=True)
+            return render_body(self.engine.tokenizer, body, self.info.max_model_len, refuse_long=refuse_long)
+
         try:
-            return await asyncio.to_thread(render, self.engine.tokenizer, *args, **kwargs)
+            return await asyncio.to_thread(render)
         except PromptError as exc:
             raise bad_request(str(exc), param=exc.param, code=exc.code) from None
 
-    async def _completion_prompts(self, req: CompletionRequest) -> list[RenderedPrompt]:
-        out = []
+    def _check_token_ids(self, req: CompletionRequest) -> None:
         for p in req.prompts():
             if not isinstance(p, str):
                 bad = next((t for t in p if t >= self.info.vocab_size), None)
                 if bad is not None:
                     raise bad_request(f"token id {bad} in 'prompt' is out of range: the vocabulary has "
                                       f"{self.info.vocab_size} tokens", param="prompt")
-            out.append(await self._render(render_completion, p, self._char_limit(req), req.add_special_tokens))
-        return out
-
-    async def _chat_prompt(self, req: ChatCompletionRequest | TokenizeChatRequest) -> RenderedPrompt:
-        messages = [m.model_dump(include={"role", "content", "tool_calls", "tool_call_id"}, exclude_none=True)
-                    for m in req.messages]
-        # As sent (exclude_unset): a template that prints the tools as JSON prints what the router renders too.
-        tools = None if req.tools is None else [t.model_dump(exclude_unset=True) for t in req.tools]
-        limit = self._char_limit(req) if isinstance(req, ChatCompletionRequest) else self.info.max_model_len
-        return await self._render(render_chat, messages, req.add_generation_prompt, limit, tools=tools,
-                                  continue_final_message=req.continue_final_message,
-                                  template_kwargs=req.chat_template_kwargs)
-
-    def _char_limit(self, req: CompletionRequest | ChatCompletionRequest) -> int | None:
-        """The length (in tokens) that refuses a prompt before tokenizing it: none when it is truncated anyway."""
-        return None if req.truncate_prompt_tokens is not None else self.info.max_model_len
-
-    def _truncated(self, req, prompts: list[RenderedPrompt]) -> list[RenderedPrompt]:
-        keep = req.truncate_prompt_tokens
-        if keep is None:
-            return prompts
-        if keep > self.info.max_model_len:
-            raise bad_request(f"'truncate_prompt_tokens' ({keep}) is over this model's maximum context length "
-                              f"({self.info.max_model_len})", param="truncate_prompt_tokens")
-        return [truncate_prompt(p, self.info.max_model_len if keep == -1 else keep) for p in prompts]
 
     def _max_tokens(self, prompt_len: int, requested: int | None, param: str) -> int:
         limit = self.info.max_model_len
@@ -175,7 +155,8 @@ class Serving:
     async def completions(self, req: CompletionRequest, caller: Caller, raw: Request):
         self._check_model(req.model)
         check_supported(req)
-        prompts = await self._completion_prompts(req)
+        self._check_token_ids(req)
+        prompts = await self._prompts(req)
         return await self._serve(req, caller, raw, prompts, req.max_tokens, "prompt", chat=False)
 
     async def chat(self, req: ChatCompletionRequest, caller: Caller, raw: Request):
@@ -184,17 +165,15 @@ class Serving:
         # Compiles a required/named grammar: off the loop; a request without tools needs no thread hop.
         tools = None if req.tools is None and req.tool_choice in (None, "none") else await asyncio.to_thread(
             plan_tools, req)
-        prompt = await self._chat_prompt(req)
-        return await self._serve(req, caller, raw, [prompt], req.max_new_tokens(), "messages", chat=True,
+        prompts = await self._prompts(req)
+        return await self._serve(req, caller, raw, prompts, req.max_new_tokens(), "messages", chat=True,
                                  tools=tools)
 
     async def tokenize(self, req: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:
         """vLLM's /tokenize: the token ids a completions or chat request with these fields would run."""
         self._check_model(req.model)
-        if isinstance(req, TokenizeChatRequest):
-            prompt = await self._chat_prompt(req)
-        else:
-            prompt = await self._render(render_completion, req.prompt, None, req.add_special_tokens)
+        # /tokenize answers for a completions text of any length; messages too long for the context are refused
+        (prompt,) = await self._prompts(req, refuse_long=isinstance(req, TokenizeChatRequest))
         ids = prompt.token_ids
         out = {"count": len(ids), "max_model_len": self.info.max_model_len, "tokens": ids}
         if req.return_token_strs:
@@ -214,7 +193,6 @@ class Serving:
     async def _serve(self, req, caller: Caller, raw: Request, prompts, requested_max: int | None, param: str,
                      chat: bool, tools: ToolPlan | None = None):
         validate_client_salt(caller.client_salt)
-        prompts = self._truncated(req, prompts)
         if not all(p.token_ids for p in prompts):
             raise bad_request(f"'{param}' is empty after tokenization", param=param)
         max_tokens = min(self._max_tokens(len(p.token_ids), requested_max, param) for p in prompts)
