@@ -25,8 +25,6 @@ from kvprefix.sim.trace import TraceError, coarsen, coarsening_factor
 from kvprefix.tokenizer import Tokenizer
 
 DEFAULT_BLOCK_SIZE = 16
-# The doctor's own hashes are only ever compared with each other, so the fast algorithm of kvprefix.cache does.
-HASH_ALGO = "xxhash"
 _RING = 8  # recent requests a request is compared with when no earlier block of it is known
 _RECENT = 1024  # renderings kept, so the request that first had a block is usually still at hand
 _MAX_SITES = 32
@@ -106,7 +104,6 @@ class _Doctor:
         self.bs = options.block_size or (DEFAULT_BLOCK_SIZE if self.fmt == BODIES else self._logged_block_size())
         if options.capacity_tokens is not None and options.capacity_tokens < self.bs:
             raise ValueError(f"--capacity {options.capacity_tokens} is smaller than one {self.bs}-token block")
-        self.hasher = BlockHasher(self.bs, HASH_ALGO)
         self.tree = BlockTree()
         self.variants: dict[str, Variant] = {}
         self.lines = array("q")
@@ -148,7 +145,7 @@ class _Doctor:
     @property
     def renderer(self) -> Renderer:
         if self._renderer is None:
-            self._renderer = Renderer(self._load_tokenizer(), self.path)
+            self._renderer = Renderer.of(self._load_tokenizer(), self.path)
         return self._renderer
 
     def _entries(self, desc: str) -> Iterator[LogEntry]:
@@ -216,7 +213,8 @@ class _Doctor:
         extras = None
         if adapter:
             extras = self._extras.get(adapter) or self._extras.setdefault(adapter, BlockExtras(LoraKey(adapter, "")))
-        return (hasher or self.hasher).with_salt(salt).hash_blocks(rendered.token_ids, extras=extras)
+        hasher = hasher or self.renderer.hasher(self.bs)
+        return hasher.with_salt(salt).hash_blocks(rendered.token_ids, extras=extras)
 
     # -- pass 1: as it is -----------------------------------------------------------------------------------------
 
@@ -355,7 +353,7 @@ class _Doctor:
         composed = [fix for make in makers.values() for fix in make()]
         ideal = self._variant("all fixed") if makers else None
         short_variant = self._variant("short-prefix", short_bs) if short else None
-        short_hasher = BlockHasher(short_bs, HASH_ALGO)
+        short_hasher = self.renderer.hasher(short_bs)
         source = self.variants["text" if texts else "as is"]
         shared = self.variants["one namespace"]
         i = 0

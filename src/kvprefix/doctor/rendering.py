@@ -1,23 +1,47 @@
-"""A log entry's prompt as token ids, text and field spans, through the one renderer (``kvprefix.prompts``)."""
+"""A log entry's prompt as token ids, text and field spans, through the one body adapter (``kvprefix.prompts``), and
+the hashers of its blocks, from one ``BlockIdentity``."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
+from kvprefix.cache import BlockHasher, BlockIdentity, ExecutionContext
 from kvprefix.doctor.divergence import Rendered
 from kvprefix.doctor.readers import DoctorInputError, LogEntry
 from kvprefix.prompts import PromptError, render_bodies, render_body
+from kvprefix.sim.openai_bodies import ReplicaModel
 from kvprefix.tokenizer import SegmentCachedTokenizer, Tokenizer
+
+# A tokenizer given alone (no checkpoint, no replica) hashes under an empty context with the fast algorithm: the
+# doctor then only compares its own hashes with each other.
+_BARE = BlockIdentity(16, "xxhash", ExecutionContext())
 
 
 class Renderer:
-    def __init__(self, tokenizer: Tokenizer, path: str):
+    """``model``: the blocks' identity and the replicas' context length (``truncate_prompt_tokens`` -1)."""
+
+    def __init__(self, tokenizer: Tokenizer, path: str, model: ReplicaModel | None = None):
         self.tokenizer = SegmentCachedTokenizer(tokenizer)
         self.path = path
+        self.model = model or ReplicaModel(_BARE)
+        self._hashers: dict[int, BlockHasher] = {}
+
+    @classmethod
+    def of(cls, loaded: Tokenizer | tuple[Tokenizer, ReplicaModel], path: str) -> Renderer:
+        """From what ``diagnose``'s loader gives: a tokenizer, or a tokenizer and the replicas' model."""
+        return cls(loaded[0], path, loaded[1]) if isinstance(loaded, tuple) else cls(loaded, path)
+
+    def hasher(self, block_size: int) -> BlockHasher:
+        """The hasher of the identity's blocks at ``block_size`` (the doctor also replays at other sizes)."""
+        hasher = self._hashers.get(block_size)
+        if hasher is None:
+            hasher = self._hashers[block_size] = replace(self.model.identity, block_size=block_size).hasher()
+        return hasher
 
     def body(self, body: dict[str, Any], line: int) -> Rendered:
         try:
-            prompt = render_body(self.tokenizer, body)[0]  # the readers give one prompt per entry
+            prompt = render_body(self.tokenizer, body, self.model.max_model_len)[0]  # one prompt per entry
         except PromptError as exc:
             raise DoctorInputError(f"{self.path}:{line}: {exc}") from None
         return self._rendered(body, prompt, line)
@@ -47,7 +71,7 @@ class Renderer:
         out: list[Rendered | None] = [None] * len(entries)
         with_body = [k for k, e in enumerate(entries) if e.body is not None]
         try:
-            prompts = render_bodies(self.tokenizer, [entries[k].body for k in with_body])
+            prompts = render_bodies(self.tokenizer, [entries[k].body for k in with_body], self.model.max_model_len)
             for k, prompt in zip(with_body, prompts, strict=True):
                 out[k] = self._rendered(entries[k].body, prompt[0], entries[k].line)
         except (PromptError, DoctorInputError):

@@ -216,7 +216,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
         return await serving.detokenize(await _parse(raw, DetokenizeRequest))
 
     model_card = {"id": name, "object": "model", "created": created, "owned_by": "kvprefix",
-                  "max_model_len": info.max_model_len}
+                  "max_model_len": info.max_model_len, "kvprefix": {"block_identity": engine.identity.to_dict()}}
 
     @app.get("/v1/models")
     async def models(raw: Request) -> dict:

@@ -82,6 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="block size to replay at, a multiple of the trace's (default: the trace's own; 16 for OpenAI bodies)",
     )
     t.add_argument("--tokenizer", help="local Hugging Face tokenizer directory (OpenAI request bodies)")
+    t.add_argument("--identity", metavar="URL|FILE",
+                   help="OpenAI request bodies: hash under a replica's block identity, from its base URL or a JSON "
+                        "file of its /v1/models listing (default: the --tokenizer checkpoint's own, float32, sha256)")
     c = parser.add_argument_group("cache and fleet (comma-separated lists make a sweep)")
     size = c.add_mutually_exclusive_group()
     size.add_argument(
@@ -146,7 +149,12 @@ def _simulate(args: argparse.Namespace) -> int:
     from kvprefix.sim.report import format_table, plot_hit_rate, write_json
     from kvprefix.sim.sweep import sweep
 
-    trace = load_trace(args.trace, args.format, args.block_size, args.trace_block_size, args.tokenizer)
+    replica = None
+    if args.identity:
+        from kvprefix.sim.openai_bodies import read_replica_model
+
+        replica = read_replica_model(args.identity)
+    trace = load_trace(args.trace, args.format, args.block_size, args.trace_block_size, args.tokenizer, replica)
     if not trace.requests:
         return _fail(f"{args.trace}: the trace has no requests")
     bs = trace.block_size
