@@ -125,12 +125,13 @@ def render_chat(
         raise PromptError("'continue_final_message' and 'add_generation_prompt' cannot both be true; set "
                           "'add_generation_prompt': false to continue the last message", "continue_final_message")
     extra = _template_kwargs(template_kwargs)
+    docs = None if documents is None else _documents(documents)
     rendered, where, template_tools = _for_template(tokenizer, normalized, tools, _fallback_tools_block(tokenizer, tools))
     try:
         if template_tools is not None:  # "tools" is reserved: chat_template_kwargs cannot have set it
             extra["tools"] = template_tools
         if documents is not None:
-            extra["documents"] = _documents(documents)
+            extra["documents"] = docs
         text = tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt, tokenize=False,
                                              continue_final_message=continue_final_message, **extra)
     except Exception as exc:  # a template can raise anything (jinja2 errors for unexpected roles, ValueError)

@@ -120,6 +120,13 @@ def create_app(config: RouterConfig) -> BrowserGuard:
             await asyncio.gather(*(check(i) for i in range(len(replicas))))
             await asyncio.sleep(config.health_interval_s)
 
+    def check_hello(rep: Replica):
+        def check(hello) -> None:
+            if state["hasher"] is not None and hello.root != state["hasher"].hasher.root:
+                log.error("replica %s no longer hashes like the router (root %s...): none of its blocks will match "
+                          "until the router restarts", rep.url, hello.root.hex()[:16])
+        return check
+
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
@@ -134,7 +141,8 @@ def create_app(config: RouterConfig) -> BrowserGuard:
             gc.freeze()
             if policy.name == "kv-events":
                 tasks += [asyncio.create_task(follow(http_lines(client(), rep.url, admin_headers), rep,
-                                                     lambda r: metrics.series[r.name].resyncs.inc()))
+                                                     lambda r: metrics.series[r.name].resyncs.inc(),
+                                                     on_hello=check_hello(rep)))
                           for rep in replicas]
             yield
         finally:
