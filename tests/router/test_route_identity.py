@@ -14,11 +14,19 @@ from support.routers import start_router
 from support.servers import LONG_PREFIX, free_port, start_server, stop_server
 
 
-def cached_tokens(router, question: str) -> int:
+def cached_tokens(router, question: str, system: str = LONG_PREFIX) -> int:
     reply = router.client().chat.completions.create(
         model="default-model-v1", max_tokens=1,
-        messages=[{"role": "system", "content": LONG_PREFIX}, {"role": "user", "content": question}])
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": question}])
     return reply.usage.prompt_tokens_details.cached_tokens
+
+
+def wait_for_events(router, blocks: int = 16, timeout: float = 30.0) -> None:
+    """Until the router knows ``blocks`` blocks from the replicas' event streams."""
+    deadline = time.monotonic() + timeout
+    while sum(v for k, v in router.metrics().items() if k.startswith("kvprefix:router_kv_events_blocks")) < blocks:
+        assert time.monotonic() < deadline, router.metrics()
+        time.sleep(0.05)
 
 
 def route_refusing(replica_url: str, *args: str) -> subprocess.CompletedProcess:
@@ -34,8 +42,8 @@ def test_the_router_finds_the_replicas_checkpoint_or_names_the_replica(tmp_path,
         router = start_router(tmp_path, [replica.url], "kv-events", None)  # the checkpoint the identity names
         try:
             assert cached_tokens(router, "First?") == 0
-            time.sleep(0.3)  # the replica's events reach the router
-            assert cached_tokens(router, "Second?") >= 512
+            wait_for_events(router)
+            assert cached_tokens(router, "Second?") >= 256
         finally:
             assert stop_server(router) in (0, -15)
         (copy / "config.json").write_text((copy / "config.json").read_text() + " ")  # not the replica's any more
@@ -59,9 +67,11 @@ def test_three_replicas_of_the_default_model_route_without_model(tmp_path) -> No
     try:
         router = start_router(tmp_path, [r.url for r in replicas], "kv-events", None)
         try:
-            assert cached_tokens(router, "First?") == 0
-            time.sleep(0.5)
-            assert cached_tokens(router, "Second?") >= 512
+            # One system prompt per replica (the load cap spreads them), then each again: where its blocks are.
+            systems = [f"Variant {k}. {LONG_PREFIX}" for k in range(3)]  # about 440 tokens each
+            assert [cached_tokens(router, "First?", system) for system in systems] == [0, 0, 0]
+            wait_for_events(router, 3 * 16)
+            assert all(cached_tokens(router, "Again?", system) >= 256 for system in systems)
         finally:
             assert stop_server(router) in (0, -15)
     finally:
