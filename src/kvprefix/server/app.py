@@ -215,8 +215,10 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
         tenant(raw)
         return await serving.detokenize(await _parse(raw, DetokenizeRequest))
 
+    # Tenants see the identity without the checkpoint's path on this machine (the admin-only event hello has it).
+    identity = {**engine.identity.to_dict(), "checkpoint": ""}
     model_card = {"id": name, "object": "model", "created": created, "owned_by": "kvprefix",
-                  "max_model_len": info.max_model_len, "kvprefix": {"block_identity": engine.identity.to_dict()}}
+                  "max_model_len": info.max_model_len, "kvprefix": {"block_identity": identity}}
 
     @app.get("/v1/models")
     async def models(raw: Request) -> dict:
