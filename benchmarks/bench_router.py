@@ -90,13 +90,13 @@ def null_backend(port: int, model: str) -> None:
     As lean as an HTTP server gets in Python, so what the benchmark measures is the router."""
     import httptools
 
-    from kvprefix.cache import BlockHasher, context_for_checkpoint
+    from kvprefix.cache import block_identity
     from kvprefix.cache.event_wire import Hello, SnapshotEnd, SnapshotStart, dumps
     from kvprefix.tokenizer import Tokenizer
 
-    context = context_for_checkpoint(model, "float32", Tokenizer(model).chat_template)
-    root = BlockHasher(16, "sha256", context).root
-    events = b"".join(dumps(m) for m in (Hello("null", "0" * 16, 16, "sha256", root, 0, False),
+    identity = block_identity(model, "float32", None, Tokenizer(model).chat_template)
+    root = identity.hasher().root
+    events = b"".join(dumps(m) for m in (Hello("null", "0" * 16, 16, "sha256", root, 0, False, identity=identity),
                                          SnapshotStart(0, 0), SnapshotEnd(0)))
     answer = json.dumps({"id": "cmpl-null", "object": "chat.completion", "model": "null", "choices": [
         {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
@@ -370,7 +370,7 @@ def _live_hasher(replica_url: str, model: str):
 
     with httpx.stream("GET", replica_url + "/v1/kv_events", timeout=10) as r:
         hello = loads(next(r.iter_lines()))
-    return RequestHasher.for_replica(model, hello)
+    return RequestHasher.for_replica(hello, model)
 
 
 def _replayed_hit_rate(hasher, traffic: list[list[dict]], blocks: int, replicas: int, routing: str) -> float:

@@ -4,7 +4,16 @@ import json
 
 import pytest
 
-from kvprefix.cache import AllBlocksCleared, BlockHasher, BlockRemoved, BlockStored, CacheRequest, KVCacheManager
+from kvprefix.cache import (
+    AllBlocksCleared,
+    BlockHasher,
+    BlockIdentity,
+    BlockRemoved,
+    BlockStored,
+    CacheRequest,
+    ExecutionContext,
+    KVCacheManager,
+)
 from kvprefix.cache.event_index import BlockIndex, StreamError, StreamMirror
 from kvprefix.cache.event_wire import (
     WIRE_VERSION,
@@ -79,6 +88,8 @@ def test_first_blocks_have_the_root_as_parent_and_a_public_namespace():
 
 @pytest.mark.parametrize("msg", [
     Hello("replica-a", "0123abcd", 16, "sha256", b"\x01" * 32, 7, True),
+    Hello("replica-a", "0123abcd", 16, "sha256", b"\x01" * 32, 7, True, identity=BlockIdentity(
+        16, "sha256", ExecutionContext("m", "", "t", "c", "float32"), "/models/m"), max_model_len=4096),
     SnapshotStart(7, 3),
     SnapshotBlocks([BlockRun("ns1", b"\x01" * 32, [b"\x02" * 32, b"\x03" * 32]), BlockRun("ns2", None, [b"\x04"])]),
     SnapshotEnd(7),

@@ -31,11 +31,12 @@ def replicas(router_tmp: Path) -> Iterator[list[Server]]:
 
 @pytest.fixture(scope="session")
 def routers(router_tmp: Path, replicas: list[Server], default_model_dir: str) -> Iterator[dict[str, Server]]:
-    """One router per policy under test, all over the same three replicas, started side by side."""
+    """One router per policy under test, all over the same three replicas, started side by side; without --model:
+    the hashing policies find the checkpoint the replicas announce."""
     urls = [s.url for s in replicas]
     with ThreadPoolExecutor(len(POLICIES_UNDER_TEST)) as pool:
         started = dict(zip(POLICIES_UNDER_TEST, pool.map(
-            lambda policy: start_router(router_tmp, urls, policy, default_model_dir), POLICIES_UNDER_TEST),
+            lambda policy: start_router(router_tmp, urls, policy, None), POLICIES_UNDER_TEST),
             strict=True))
     yield started
     for r in started.values():

@@ -66,12 +66,11 @@ def block_identity(app_name: str):
     """The request hasher of the deployment's replicas, as the ingress builds it."""
     from ray import serve
 
-    from kvprefix.cache import BlockHasher
     from kvprefix.router.hashing import RequestHasher
 
-    tokenizer, block_size, algo, context = (
+    tokenizer, identity, max_model_len = (
         serve.get_deployment_handle("Engine", app_name).block_identity.remote().result())
-    return RequestHasher(tokenizer, BlockHasher(block_size, algo, context))
+    return RequestHasher(tokenizer, identity.hasher(), max_model_len)
 
 
 def same_choices(served: list[str], offline: list[int]) -> bool:

@@ -51,7 +51,7 @@ def hit_rate(router, conversations) -> float:
 def shared_pool_hit_rate(replica, model_dir: str, conversations) -> float:
     with httpx.stream("GET", replica.url + "/v1/kv_events", timeout=10) as r:
         hello = loads(next(r.iter_lines()))
-    hasher = RequestHasher.for_replica(model_dir, hello)
+    hasher = RequestHasher.for_replica(hello, model_dir)
     bs = hello.block_size
     requests = []
     for messages in conversations:

@@ -1,6 +1,7 @@
 """`kvprefix simulate` end to end: a sweep to table, JSON and PNG; bad input gets a message and exit code 2."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -60,3 +61,30 @@ def test_installed_command_runs_the_seed_example():
         [sys.executable, "-m", "kvprefix.cli", "simulate", "--example", "seed"], capture_output=True, text=True
     )
     assert done.returncode == 0 and "4296" in done.stdout and "712" in done.stdout
+
+
+def test_openai_bodies_hash_under_a_replicas_identity(tiny_llama_path, tmp_path, capsys):
+    """--identity: a replica's /v1/models entry sets the block size, the algorithm and the context length, and a
+    tokenizer that is not the identity's checkpoint is refused, naming what differs."""
+    from kvprefix.cache import block_identity
+    from kvprefix.sim.openai_bodies import read_openai_bodies, read_replica_model
+    from kvprefix.tokenizer import Tokenizer
+
+    identity = block_identity(tiny_llama_path, "bfloat16", None, Tokenizer(tiny_llama_path).chat_template,
+                              block_size=8, hash_algo="xxhash")
+    entry = tmp_path / "model.json"
+    entry.write_text(json.dumps({"data": [{"id": "m", "max_model_len": 12, "kvprefix": {"block_identity":
+                                                                                         identity.to_dict()}}]}))
+    bodies = tmp_path / "bodies.jsonl"
+    bodies.write_text(json.dumps({"prompt": "one two three four five six seven eight nine ten eleven twelve " * 3,
+                                  "truncate_prompt_tokens": -1, "tenant": "acme"}) + "\n")
+    (request,) = read_openai_bodies(bodies, tiny_llama_path, None, replica=read_replica_model(str(entry))).requests
+    assert request.input_length == 12 and request.num_blocks == 2
+    assert request.block_hashes == identity.hasher().for_namespace("acme", None).hash_blocks(
+        Tokenizer(tiny_llama_path).encode("one two three four five six seven eight nine ten eleven twelve " * 3)[-12:])
+    argv = ["simulate", str(bodies), "--tokenizer", tiny_llama_path, "--identity", str(entry), "--no-progress"]
+    assert main(argv) == 0 and "hit(tok)" in capsys.readouterr().out
+    other = shutil.copytree(tiny_llama_path, tmp_path / "other")
+    (other / "tokenizer.json").write_text((other / "tokenizer.json").read_text() + "\n")  # same tokens, other bytes
+    assert main(["simulate", str(bodies), "--tokenizer", str(other), "--identity", str(entry)]) == 2
+    assert "is not the checkpoint of the given identity: tokenizer" in capsys.readouterr().err

@@ -18,14 +18,14 @@ SYSTEM_PROMPTS = [f"Policy {k}: you are assistant number {k}. " + f"Rule {k} say
                   for k in range(6)]
 
 
-def start_router(tmp: Path, replica_urls: list[str], policy: str, model: str, *args: str,
+def start_router(tmp: Path, replica_urls: list[str], policy: str, model: str | None, *args: str,
                  admin: dict | None = None) -> Server:
-    """A `kvprefix route` on a free port; returns once it is up and every replica is healthy (and, for
-    kv-events, every replica's event stream has been synced)."""
+    """A `kvprefix route` on a free port (``model`` None: without --model); returns once it is up and every replica
+    is healthy (and, for kv-events, every replica's event stream has been synced)."""
     port = free_port()
     log_path = tmp / f"router-{policy}-{port}.log"
-    cmd = [sys.executable, "-m", "kvprefix.cli", "route", "--port", str(port), "--policy", policy, "--model", model,
-           "--log-level", "warning", "--health-interval", "0.2", *args]
+    cmd = [sys.executable, "-m", "kvprefix.cli", "route", "--port", str(port), "--policy", policy,
+           *(["--model", model] if model else []), "--log-level", "warning", "--health-interval", "0.2", *args]
     for url in replica_urls:
         cmd += ["--replica", url]
     with open(log_path, "w") as log:

@@ -19,9 +19,10 @@ from kvprefix.cache.hashing import (
     prompt_embeds_block_digests,
 )
 from kvprefix.cache.identity import (
+    BlockIdentity,
     ExecutionContext,
+    block_identity,
     context_for_checkpoint,
-    kv_label,
     namespace_id,
     namespace_salt,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "BlockHash",
     "BlockHasher",
     "BlockHashMemo",
+    "BlockIdentity",
     "BlockPool",
     "BlockRemoved",
     "BlockStored",
@@ -50,9 +52,9 @@ __all__ = [
     "LoraKey",
     "MultiModalItem",
     "PrefixCacheStats",
+    "block_identity",
     "cdiv",
     "context_for_checkpoint",
-    "kv_label",
     "leading_blocks_in",
     "namespace_id",
     "namespace_salt",

@@ -12,6 +12,7 @@ from typing import Any
 
 from kvprefix.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvprefix.cache.hashing import BlockHash
+from kvprefix.cache.identity import BlockIdentity
 
 WIRE_VERSION = 1
 
@@ -20,7 +21,9 @@ WIRE_VERSION = 1
 class Hello:
     """First message of every stream. ``epoch`` names this process's stream: sequence numbers of two epochs
     are unrelated. ``seq`` is the last number assigned when the stream opened; ``resume`` True means the events
-    after the subscriber's ``since`` follow, False that a snapshot follows."""
+    after the subscriber's ``since`` follow, False that a snapshot follows. ``identity`` names the replica's blocks
+    (a router builds its hasher from it) and ``max_model_len`` is its context length (``truncate_prompt_tokens``
+    -1 keeps that many tokens); both None from a replica that predates them."""
 
     replica_id: str
     epoch: str
@@ -30,6 +33,8 @@ class Hello:
     seq: int
     resume: bool
     version: int = WIRE_VERSION
+    identity: BlockIdentity | None = None
+    max_model_len: int | None = None
 
 
 @dataclass(frozen=True)
@@ -117,9 +122,14 @@ def encode(msg: Message) -> dict[str, Any]:
     if isinstance(msg, Event):
         return _encode_event(msg)
     if isinstance(msg, Hello):
-        return {"type": "hello", "version": msg.version, "replica_id": msg.replica_id, "epoch": msg.epoch,
-                "block_size": msg.block_size, "hash_algo": msg.hash_algo, "root": msg.root.hex(), "seq": msg.seq,
-                "resume": msg.resume}
+        hello = {"type": "hello", "version": msg.version, "replica_id": msg.replica_id, "epoch": msg.epoch,
+                 "block_size": msg.block_size, "hash_algo": msg.hash_algo, "root": msg.root.hex(), "seq": msg.seq,
+                 "resume": msg.resume}
+        if msg.identity is not None:
+            hello["identity"] = msg.identity.to_dict()
+        if msg.max_model_len is not None:
+            hello["max_model_len"] = msg.max_model_len
+        return hello
     if isinstance(msg, SnapshotStart):
         return {"type": "snapshot", "seq": msg.seq, "num_blocks": msg.num_blocks}
     if isinstance(msg, SnapshotBlocks):
@@ -151,8 +161,9 @@ def decode(d: dict[str, Any]) -> Message:
         if kind == "hello":
             if d["version"] != WIRE_VERSION:
                 raise ValueError(f"KV event stream version {d['version']}; this reader knows {WIRE_VERSION}")
+            identity = BlockIdentity.from_dict(d["identity"]) if d.get("identity") is not None else None
             return Hello(d["replica_id"], d["epoch"], d["block_size"], d["hash_algo"], bytes.fromhex(d["root"]),
-                         d["seq"], d["resume"], d["version"])
+                         d["seq"], d["resume"], d["version"], identity, d.get("max_model_len"))
         if kind == "snapshot":
             return SnapshotStart(d["seq"], d["num_blocks"])
         if kind == "snapshot_blocks":

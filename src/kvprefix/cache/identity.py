@@ -1,9 +1,10 @@
-"""The identity of a block's KV: the execution context that roots every hash chain, and the cache namespace.
+"""The identity of a block's KV: ``BlockIdentity`` (block size, hash algorithm, the execution context that roots
+every hash chain) and the cache namespace.
 
-One implementation for every process that names blocks: the engine, the server, the planner and the router all
-build their ``ExecutionContext`` with ``context_for_checkpoint`` and their namespace salt with ``namespace_salt``,
-so the same prompt under the same checkpoint and tenant gets the same hashes everywhere, however the checkpoint's
-path is spelled. Pure Python (no torch): a router computes roots without loading a model.
+One implementation for every process that names blocks: the engine builds its identity with ``block_identity``
+from its checkpoint, dtype and quantization; a replica publishes it (``to_dict``: KV-event hello, ``/v1/models``),
+and the router, the Ray ingress, the planner and the doctor build their hashers from it. Namespaces come from
+``namespace_salt`` alone. Pure Python (no torch): a router computes roots without loading a model.
 """
 
 from __future__ import annotations
@@ -14,8 +15,12 @@ import json
 import os
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import xxhash
+
+if TYPE_CHECKING:
+    from kvprefix.cache.hashing import BlockHasher
 
 _NAMESPACE_DOMAIN = b"kvprefix/namespace/v1"
 # Files whose bytes decide a checkpoint's weights and architecture. Mistral's consolidated*.safetensors repeat
@@ -83,19 +88,89 @@ def namespace_id(root: bytes) -> str:
     return hashlib.sha256(_NAMESPACE_DOMAIN + root).hexdigest()[:16]
 
 
-# What computes a replica's KV, as its root names it: the activation dtype, then "+method" for compact weights
-# (kvprefix.model.quantized_linear), whose rounding changes the KV. A router matches a replica's root against these.
-KV_DTYPES = ("float32", "bfloat16", "float16")
-QUANTIZATION_METHODS = ("int8", "int4", "gguf")
+QUANTIZATION_METHODS = ("int8", "int4", "gguf")  # compact weights (kvprefix.model.quantized_linear)
+IDENTITY_VERSION = 1  # of BlockIdentity.to_dict (docs/hashing.md)
+_CONTEXT_FIELDS = ("model", "revision", "tokenizer", "chat_template", "kv_dtype")
 
 
 def kv_label(dtype: str, quantization: str | None) -> str:
+    """What computes the KV, as the root names it: the activation dtype, then "+method" for compact weights, whose
+    rounding changes the KV."""
     return dtype + (f"+{quantization}" if quantization else "")
 
 
-def kv_labels() -> list[str]:
-    """Every label a replica's root may carry."""
-    return [kv_label(d, q) for d in KV_DTYPES for q in (None, *QUANTIZATION_METHODS)]
+@dataclass(frozen=True)
+class BlockIdentity:
+    """What names a block: its size, the hash algorithm and the (unsalted) execution context; ``checkpoint`` is
+    where the replica loaded the checkpoint from, a hint for whoever needs its tokenizer (the fingerprints decide
+    whether a local file is the same checkpoint). Frozen; ``to_dict``/``from_dict`` is its JSON form."""
+
+    block_size: int
+    hash_algo: str
+    context: ExecutionContext
+    checkpoint: str = ""
+
+    def hasher(self) -> BlockHasher:
+        """A new hasher of the shared namespace (keep it: it memoizes the namespaces' hashers)."""
+        from kvprefix.cache.hashing import BlockHasher  # hashing imports this module
+
+        return BlockHasher(self.block_size, self.hash_algo, self.context)
+
+    def to_dict(self) -> dict[str, Any]:
+        context = self.context.public_fields()
+        return {"version": IDENTITY_VERSION, "block_size": self.block_size, "hash_algo": self.hash_algo,
+                "context": context, "checkpoint": self.checkpoint}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> BlockIdentity:
+        """ValueError, naming the field, for anything but a ``to_dict`` of this version."""
+        if not isinstance(d, dict) or d.get("version") != IDENTITY_VERSION:
+            version = d.get("version") if isinstance(d, dict) else None
+            raise ValueError(f"block identity version {version!r}; this reader knows {IDENTITY_VERSION}")
+        context = d.get("context")
+        if not isinstance(context, dict) or not all(isinstance(context.get(k), str) for k in _CONTEXT_FIELDS):
+            raise ValueError(f"block identity 'context' must have the string fields {', '.join(_CONTEXT_FIELDS)}")
+        block_size, algo, checkpoint = d.get("block_size"), d.get("hash_algo"), d.get("checkpoint", "")
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+            raise ValueError(f"block identity 'block_size' must be a positive integer, got {block_size!r}")
+        if not isinstance(algo, str) or not isinstance(checkpoint, str):
+            raise ValueError("block identity 'hash_algo' and 'checkpoint' must be strings")
+        return cls(block_size, algo, ExecutionContext(**{k: context[k] for k in _CONTEXT_FIELDS}), checkpoint)
+
+    def checkpoint_differences(self, path: str) -> list[str]:
+        """What makes the checkpoint at ``path`` tokenize or compute otherwise than this identity's: its tokenizer
+        files, or its weights where it has any (a tokenizer directory alone tokenizes alike). Empty: ``path`` is
+        the replica's checkpoint (compare its chat template with ``template_difference``)."""
+        path = os.path.realpath(os.path.expanduser(path))
+        model = checkpoint_fingerprint(path)
+        local = {"tokenizer": tokenizer_fingerprint(path), **({"model": model} if model else {})}
+        return [f"{k} {_short(v)} vs {_short(getattr(self.context, k))}" for k, v in local.items()
+                if v != getattr(self.context, k)]
+
+    def template_difference(self, chat_template: str | None) -> list[str]:
+        """``["chat_template ..."]`` when ``chat_template`` is not the one this identity was computed with."""
+        mine = chat_template_hash(chat_template)
+        return [] if mine == self.context.chat_template else [
+            f"chat_template {_short(mine)} vs {_short(self.context.chat_template)}"]
+
+    def differences(self, other: BlockIdentity) -> list[str]:
+        """What differs from ``other`` (the checkpoint path aside), as "name: this vs other"."""
+        mine = {"block_size": self.block_size, "hash_algo": self.hash_algo, **self.context.public_fields()}
+        theirs = {"block_size": other.block_size, "hash_algo": other.hash_algo, **other.context.public_fields()}
+        return [f"{k} {_short(v)} vs {_short(theirs[k])}" for k, v in mine.items() if v != theirs[k]]
+
+
+def _short(value: Any) -> str:
+    text = str(value)
+    return (text[:12] + "...") if len(text) > 15 else (text or '""')
+
+
+def block_identity(checkpoint: str, dtype: str, quantization: str | None, chat_template: str | None, *,
+                   block_size: int = 16, hash_algo: str = "sha256") -> BlockIdentity:
+    """The one constructor: the identity of ``checkpoint``'s blocks computed in ``dtype`` (e.g. "bfloat16") with
+    ``quantization`` (None, or a method of ``QUANTIZATION_METHODS``), under the tokenizer's ``chat_template``."""
+    context = context_for_checkpoint(checkpoint, kv_label(dtype, quantization), chat_template)
+    return BlockIdentity(block_size, hash_algo, context, os.path.realpath(os.path.expanduser(checkpoint)))
 
 
 def chat_template_hash(template: str | None) -> str:

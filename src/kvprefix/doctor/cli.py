@@ -24,6 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("log", help="JSONL of OpenAI request bodies, or a kvprefix serve --request-log file")
     parser.add_argument("--model", help="checkpoint whose tokenizer and chat template render the prompts "
                                         "(default: kvprefix's default model)")
+    parser.add_argument("--identity", metavar="URL|FILE",
+                        help="hash as a replica does: its base URL, or a JSON file of its /v1/models listing "
+                             "(default: the --model checkpoint's own identity, float32, xxhash)")
     parser.add_argument("--block-size", type=_positive_int,
                         help="block size (default 16; a request log: its own, or a multiple of it)")
     parser.add_argument("--capacity", type=_positive_int,
@@ -42,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     progress = "off" if args.no_progress else "bar" if sys.stderr.isatty() else "lines"
     options = Options(args.block_size, args.capacity, progress=progress)
     try:
-        diagnosis = diagnose(args.log, lambda: load_tokenizer(args.model), options)
+        diagnosis = diagnose(args.log, lambda: load_tokenizer(args.model, args.identity), options)
     except (ValueError, OSError) as exc:  # kvprefix.logs.LogError is a ValueError
         print(f"kvprefix doctor: error: {exc}", file=sys.stderr)
         return 2
@@ -54,12 +57,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def load_tokenizer(model: str | None):
-    """The tokenizer and chat template of ``model``, or of kvprefix's default model."""
+def load_tokenizer(model: str | None, identity: str | None = None):
+    """The tokenizer of ``model`` (default: kvprefix's default model) and the identity its blocks are hashed under:
+    the replica's of ``identity`` (checked against ``model``), else the checkpoint's own."""
     from kvprefix.sim.openai_bodies import load_tokenizer as load
+    from kvprefix.sim.openai_bodies import read_replica_model, replica_model_for
 
     if model is None:
         from kvprefix.cache.default_model import default_model_path
 
         model = default_model_path()
-    return load(model)
+    tokenizer = load(model)
+    replica = read_replica_model(identity) if identity else None
+    return tokenizer, replica_model_for(model, tokenizer, 16, "xxhash", replica)

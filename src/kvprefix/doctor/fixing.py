@@ -12,7 +12,7 @@ from kvprefix.cache import BlockHasher
 from kvprefix.doctor.chains import Variant
 from kvprefix.doctor.divergence import Rendered
 from kvprefix.doctor.fixes import MoveVolatileToEnd, OneOrder, OneSpelling, OneSystemPrompt
-from kvprefix.doctor.hashing import doctor_hasher, space_of
+from kvprefix.doctor.hashing import space_of
 from kvprefix.doctor.observe import Observation
 from kvprefix.doctor.source import Log
 from kvprefix.logs import LogEntry
@@ -80,7 +80,7 @@ def _plan(log: Log, obs: Observation) -> _Plan | None:
     ideal = variants.get_or_add("all fixed") if makers else None
     short_variant = variants.get_or_add("short-prefix", short_bs) if short else None
     return _Plan(single, composed, ideal, short_variant, variants["text" if texts else "as is"],
-                 variants.get("one namespace"), doctor_hasher(short_bs) if short else None)
+                 variants.get("one namespace"), log.renderer.hasher(short_bs) if short else None)
 
 
 def _jobs(plan: _Plan, e: LogEntry, jobs: list[LogEntry]) -> tuple[int | None, list[int | None]]:

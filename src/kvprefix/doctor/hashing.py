@@ -1,20 +1,15 @@
 """How the doctor hashes a rendering: in the request's namespace, with a LoRA adapter in every block's extra keys,
-as the engine hashes it. The doctor's hashes are only compared with each other."""
+as the engine hashes it, under the identity the renderer was given (``Renderer.hasher``)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from kvprefix.cache import BlockExtras, BlockHasher, LoraKey
 from kvprefix.doctor.divergence import Rendered
 from kvprefix.logs import LogEntry
 
-HASH_ALGO = "xxhash"  # the fast algorithm of kvprefix.cache: the doctor's hashes never leave it
-
 Space = tuple[str, str]  # where a request's blocks live: (namespace, adapter; "" = the base model)
-
-
-def doctor_hasher(block_size: int) -> BlockHasher:
-    """The one place the doctor builds a hasher."""
-    return BlockHasher(block_size, HASH_ALGO)
 
 
 def space_of(entry: LogEntry, base_model: str) -> Space:
@@ -23,10 +18,12 @@ def space_of(entry: LogEntry, base_model: str) -> Space:
 
 
 class Hashing:
-    """Hashes renderings at one block size (or with another hasher), one ``BlockExtras`` per adapter."""
+    """Hashes renderings at one block size (or with another hasher), one ``BlockExtras`` per adapter.
+    ``hasher_of(block_size)`` is asked only when a rendering is hashed: a hashes-only log loads no tokenizer."""
 
-    def __init__(self, block_size: int):
-        self.hasher = doctor_hasher(block_size)
+    def __init__(self, block_size: int, hasher_of: Callable[[int], BlockHasher]):
+        self.block_size = block_size
+        self._hasher_of = hasher_of
         self._extras: dict[str, BlockExtras] = {}
 
     def __call__(self, rendered: Rendered, space: Space, hasher: BlockHasher | None = None) -> list[bytes]:
@@ -34,4 +31,4 @@ class Hashing:
         extras = None
         if adapter:
             extras = self._extras.get(adapter) or self._extras.setdefault(adapter, BlockExtras(LoraKey(adapter, "")))
-        return (hasher or self.hasher).with_salt(salt).hash_blocks(rendered.token_ids, extras=extras)
+        return (hasher or self._hasher_of(self.block_size)).with_salt(salt).hash_blocks(rendered.token_ids, extras=extras)

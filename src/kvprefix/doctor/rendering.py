@@ -1,32 +1,60 @@
-"""A log entry's prompt as token ids, text and field spans, through the one renderer (``kvprefix.prompts``)."""
+"""A log entry's prompt as token ids, text and field spans, through the one body adapter (``kvprefix.prompts``), and
+the hashers of its blocks, from one ``BlockIdentity``."""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
+from kvprefix.cache import BlockHasher, BlockIdentity, ExecutionContext
 from kvprefix.doctor.divergence import Rendered
 from kvprefix.logs import LogEntry, LogError
 from kvprefix.prompts import PromptError, render_bodies, render_body
+from kvprefix.sim.openai_bodies import ReplicaModel
 from kvprefix.tokenizer import SegmentCachedTokenizer, Tokenizer
+
+# A tokenizer given alone (no checkpoint, no replica) hashes under an empty context with the fast algorithm: the
+# doctor then only compares its own hashes with each other.
+_BARE = BlockIdentity(16, "xxhash", ExecutionContext())
+
+Loaded = Tokenizer | tuple[Tokenizer, ReplicaModel]
 
 
 class Renderer:
-    """Renders with the tokenizer ``load_tokenizer`` gives, loaded when first needed (a hashes-only log never
-    needs it)."""
+    """Renders with the tokenizer ``load`` gives, and hashes under the replicas' identity it gives with it (else
+    ``_BARE``); loaded when first needed (a hashes-only log needs neither)."""
 
-    def __init__(self, load_tokenizer: Callable[[], Tokenizer], path: str):
-        self._load_tokenizer = load_tokenizer
+    def __init__(self, load: Callable[[], Loaded], path: str):
+        self._load = load
         self.path = path
+        self._hashers: dict[int, BlockHasher] = {}
+
+    @functools.cached_property
+    def _loaded(self) -> tuple[Tokenizer, ReplicaModel]:
+        loaded = self._load()
+        return loaded if isinstance(loaded, tuple) else (loaded, ReplicaModel(_BARE))
 
     @functools.cached_property
     def tokenizer(self) -> SegmentCachedTokenizer:
-        return SegmentCachedTokenizer(self._load_tokenizer())
+        return SegmentCachedTokenizer(self._loaded[0])
+
+    @property
+    def model(self) -> ReplicaModel:
+        """The blocks' identity and the replicas' context length (``truncate_prompt_tokens`` -1)."""
+        return self._loaded[1]
+
+    def hasher(self, block_size: int) -> BlockHasher:
+        """The hasher of the identity's blocks at ``block_size`` (the doctor also replays at other sizes)."""
+        hasher = self._hashers.get(block_size)
+        if hasher is None:
+            hasher = self._hashers[block_size] = replace(self.model.identity, block_size=block_size).hasher()
+        return hasher
 
     def body(self, body: dict[str, Any], line: int) -> Rendered:
         try:
-            prompt = render_body(self.tokenizer, body)[0]  # the readers give one prompt per entry
+            prompt = render_body(self.tokenizer, body, self.model.max_model_len)[0]  # one prompt per entry
         except PromptError as exc:
             raise LogError(self.path, line, str(exc)) from None
         return self._rendered(body, prompt, line)
@@ -62,7 +90,7 @@ class Renderer:
         out: list[Rendered | None] = [None] * len(entries)
         with_body = [k for k, e in enumerate(entries) if e.body is not None]
         try:
-            prompts = render_bodies(self.tokenizer, [entries[k].body for k in with_body])
+            prompts = render_bodies(self.tokenizer, [entries[k].body for k in with_body], self.model.max_model_len)
             for k, prompt in zip(with_body, prompts, strict=True):
                 out[k] = self._rendered(entries[k].body, prompt[0], entries[k].line)
         except (PromptError, LogError):

@@ -39,7 +39,7 @@ class Log:
     hashing: Hashing = field(init=False)
 
     def __post_init__(self) -> None:
-        self.hashing = Hashing(self.block_size)
+        self.hashing = Hashing(self.block_size, self.renderer.hasher)
 
     @property
     def bodies(self) -> bool:

@@ -55,6 +55,7 @@ class AsyncLLM:
         self.uses_default_model = self.engine.uses_default_model
         # The cache as servers report and diagnose it; fixed for the engine's lifetime. ``hasher`` is unsalted
         # (its block_size and algo are the cache's); a namespace's chain is ``hasher.for_namespace(tenant, salt)``.
+        self.identity = self.engine.identity  # what names its blocks, as routers learn it (cache.BlockIdentity)
         self.hasher = self.engine.hasher
         self.num_kv_blocks = self.engine.manager.pool.num_blocks
         self.enable_prefix_caching = self.engine.manager.enable_prefix_caching

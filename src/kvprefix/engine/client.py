@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
-from kvprefix.cache import BlockHasher, KVCacheEvent
+from kvprefix.cache import BlockHasher, BlockIdentity, KVCacheEvent
 from kvprefix.engine.outputs import RequestOutput, RequestOutputKind
 from kvprefix.engine.sampling_params import SamplingParams
 from kvprefix.tokenizer import Tokenizer
@@ -22,7 +22,8 @@ class EngineClient(Protocol):
     uses_default_model: bool  # the built-in default model (no checkpoint was named)
     vocab_size: int
     max_sequence_tokens: int  # the longest prompt + output: the model's limit or the KV cache's, whichever is less
-    hasher: BlockHasher  # unsalted; a namespace's chain is ``hasher.for_namespace(tenant, salt)``
+    identity: BlockIdentity  # what names its blocks: the KV-event hello and /v1/models carry it to routers
+    hasher: BlockHasher  # identity.hasher(), unsalted; a namespace's chain is ``hasher.for_namespace(tenant, salt)``
     num_kv_blocks: int
     enable_prefix_caching: bool
 

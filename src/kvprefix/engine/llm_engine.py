@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from kvprefix.cache import BlockHasher, KVCacheManager, context_for_checkpoint, kv_label
+from kvprefix.cache import KVCacheManager, block_identity
 from kvprefix.cache.default_model import DEFAULT_MODEL_NAME, default_model_path
 from kvprefix.engine.args import EngineArgs
 from kvprefix.engine.metrics import ITERATION_TOKEN_BUCKETS, engine_metrics
@@ -68,12 +68,11 @@ class LLMEngine:
         self.model_config = ModelConfig.from_path(path)
         self.tokenizer = Tokenizer(path)
         self.max_model_len = min(args.max_model_len or 2**62, self.model_config.max_position_embeddings)
-        # Everything besides the tokens that changes a block's KV roots the hash chain: the checkpoint's own bytes,
-        # not its path, so replicas of one checkpoint (and a router) compute the same hashes.
-        # Quantized weights compute other KV than dense ones: the method joins the dtype in the root.
-        kv_dtype = kv_label(str(dtype).removeprefix("torch."), args.quantization)
-        context = context_for_checkpoint(path, kv_dtype, self.tokenizer.chat_template)
-        self.hasher = BlockHasher(args.block_size, args.prefix_caching_hash_algo, context)
+        # What names the blocks (published to routers): the checkpoint's own bytes, dtype and quantization.
+        self.identity = block_identity(path, str(dtype).removeprefix("torch."), args.quantization,
+                                       self.tokenizer.chat_template, block_size=args.block_size,
+                                       hash_algo=args.prefix_caching_hash_algo)
+        self.hasher = self.identity.hasher()
         # First: on CUDA the KV budget is what the weights leave free.
         model = quantize_model(load_model(path, dtype, device), args.quantization, path)
         num_blocks = num_kv_blocks(

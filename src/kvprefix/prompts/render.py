@@ -1,4 +1,4 @@
-"""The one renderer: an OpenAI request body (chat or completions) -> the text and token ids the engine runs.
+"""The one renderer: chat messages or a completions prompt -> the text and token ids the engine runs.
 
 The server, ``LLM.chat``, the planner and the router all render here, so a body gets the same tokens (and so the
 same block hashes) wherever it is rendered.
@@ -7,7 +7,6 @@ same block hashes) wherever it is rendered.
 from __future__ import annotations
 
 import functools
-import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -103,6 +102,8 @@ def render_chat(
     tools: Sequence[Any] | None = None,
     continue_final_message: bool = False,
     template_kwargs: Mapping[str, Any] | None = None,
+    documents: Sequence[Mapping[str, str]] | None = None,
+    add_special_tokens: bool = False,
 ) -> RenderedPrompt:
     """Renders with the checkpoint's chat template; the template writes any BOS itself, so none is added.
     ``tools`` (OpenAI's list of tool definitions) goes to the template as ``tools``: a template that renders
@@ -113,7 +114,9 @@ def render_chat(
     tokenizing, a prompt too long in characters to fit in that many tokens (tokenizing megabytes takes seconds).
     ``continue_final_message`` ends the text inside the last message (no end-of-turn), so the model continues it
     (vLLM's and transformers' meaning); ``template_kwargs`` are extra template variables (vLLM's
-    ``chat_template_kwargs``, e.g. ``enable_thinking``): scalars under plain names.
+    ``chat_template_kwargs``, e.g. ``enable_thinking``): scalars under plain names. ``documents`` go to the
+    template as ``documents`` (RAG templates); ``add_special_tokens`` adds the tokenizer's BOS/EOS around the
+    rendered text (vLLM's chat default is False: the template writes its own).
     """
     normalized = normalize_messages(messages)
     if not normalized:
@@ -122,16 +125,38 @@ def render_chat(
         raise PromptError("'continue_final_message' and 'add_generation_prompt' cannot both be true; set "
                           "'add_generation_prompt': false to continue the last message", "continue_final_message")
     extra = _template_kwargs(template_kwargs)
+    docs = None if documents is None else _documents(documents)
     rendered, where, template_tools = _for_template(tokenizer, normalized, tools, _fallback_tools_block(tokenizer, tools))
     try:
         if template_tools is not None:  # "tools" is reserved: chat_template_kwargs cannot have set it
             extra["tools"] = template_tools
+        if documents is not None:
+            extra["documents"] = docs
         text = tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt, tokenize=False,
                                              continue_final_message=continue_final_message, **extra)
     except Exception as exc:  # a template can raise anything (jinja2 errors for unexpected roles, ValueError)
         raise PromptError(f"cannot render 'messages' with the model's chat template: {exc}", "messages") from None
     _check_length(tokenizer, text, max_tokens, "messages")
-    return _chat_prompt(tokenizer, text, rendered, where, normalized)
+    prompt = _chat_prompt(tokenizer, text, rendered, where, normalized)
+    return _with_special_tokens(tokenizer, prompt) if add_special_tokens else prompt
+
+
+def _documents(documents: Any) -> list[dict[str, str]]:
+    if not isinstance(documents, (list, tuple)) or not all(
+            isinstance(d, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in d.items())
+            for d in documents):
+        raise PromptError("'documents' must be a list of objects of strings", "documents")
+    return [dict(d) for d in documents]
+
+
+def _with_special_tokens(tokenizer: Tokenizer, prompt: RenderedPrompt) -> RenderedPrompt:
+    """The prompt with the special tokens the tokenizer adds to any text (its BOS, perhaps an EOS): what encoding
+    the whole text with ``add_special_tokens=True`` gives, also where message contents were tokenized apart."""
+    probe = tokenizer.encode("a", add_special_tokens=False)
+    wrapped = tokenizer.encode("a", add_special_tokens=True)
+    at = next((i for i in range(len(wrapped) - len(probe) + 1) if wrapped[i : i + len(probe)] == probe), 0)
+    head, tail = wrapped[:at], wrapped[at + len(probe):]
+    return RenderedPrompt([*head, *prompt.token_ids, *tail], prompt.text, prompt.message_spans)
 
 
 _Where = list[tuple[int, int]] | None
@@ -284,119 +309,3 @@ def render_completion(
         _check_length(tokenizer, prompt, max_tokens, "prompt")
         return RenderedPrompt(tokenizer.encode(prompt, add_special_tokens=add_special_tokens), prompt)
     return RenderedPrompt(list(prompt), None)
-
-
-def truncate_prompt(prompt: RenderedPrompt, num_tokens: int) -> RenderedPrompt:
-    """vLLM's ``truncate_prompt_tokens``: keep the last ``num_tokens`` tokens (the text no longer matches them,
-    so it is dropped)."""
-    if len(prompt.token_ids) <= num_tokens:
-        return prompt
-    return RenderedPrompt(prompt.token_ids[-num_tokens:], None)
-
-
-def render_body(tokenizer: Tokenizer, body: Mapping[str, Any]) -> list[RenderedPrompt]:
-    """Every prompt of a raw JSON body: one for chat (``messages``), one per prompt for completions."""
-    prompts = _render_body(tokenizer, body)
-    keep = body.get("truncate_prompt_tokens")
-    if isinstance(keep, int) and not isinstance(keep, bool) and keep >= 1:
-        prompts = [truncate_prompt(p, keep) for p in prompts]
-    return prompts
-
-
-def _render_body(tokenizer: Tokenizer, body: Mapping[str, Any]) -> list[RenderedPrompt]:
-    if "messages" in body:
-        messages = body["messages"]
-        if not isinstance(messages, list):
-            raise PromptError("'messages' must be a list", "messages")
-        tools = body.get("tools")
-        if tools is not None and not isinstance(tools, list):
-            raise PromptError("'tools' must be a list", "tools")
-        return [render_chat(tokenizer, messages, add_generation_prompt=body.get("add_generation_prompt") is not False,
-                            tools=tools, continue_final_message=body.get("continue_final_message") is True,
-                            template_kwargs=body.get("chat_template_kwargs"))]
-    if "prompt" in body:
-        special = body.get("add_special_tokens") is not False
-        return [render_completion(tokenizer, p, add_special_tokens=special) for p in completion_prompts(body["prompt"])]
-    raise PromptError("a request body needs 'messages' (chat) or 'prompt' (completions)", "messages")
-
-
-# Body fields render_body honours beyond messages and tools: a body with any of them renders on its own.
-_ONE_BY_ONE = ("continue_final_message", "chat_template_kwargs", "truncate_prompt_tokens")
-
-
-def render_bodies(tokenizer: Tokenizer, bodies: Sequence[Mapping[str, Any]]) -> list[list[RenderedPrompt]]:
-    """``[render_body(tokenizer, b) for b in bodies]`` in fewer calls, for many bodies at once (a log): plain chat
-    bodies with the same tools (as JSON) and generation prompt go through the template in one call (transformers
-    renders a batch conversation by conversation, with the same arguments, so each text is the one a call of its
-    own gives), and their texts are tokenized in one ``encode_batch``; other bodies render one by one. A body that
-    cannot be rendered raises a PromptError; render the bodies one by one to learn which. Bodies that share one
-    tools list (a log's reader can share equal lists) write its JSON once."""
-    out: list[list[RenderedPrompt] | None] = [None] * len(bodies)
-    groups: dict[tuple[str | int, bool], list[int]] = {}
-    chats: dict[int, tuple[list[dict[str, Any]], Any]] = {}
-    tools_keys: dict[int, str | int] = {}  # by the list's id: every list here is held by ``bodies`` meanwhile
-    for i, body in enumerate(bodies):
-        messages, tools = body.get("messages"), body.get("tools")
-        if not isinstance(messages, list) or not (tools is None or isinstance(tools, list)) or any(
-                body.get(k) is not None for k in _ONE_BY_ONE):
-            out[i] = render_body(tokenizer, body)
-            continue
-        normalized = normalize_messages(messages)
-        if not normalized:
-            raise PromptError("'messages' must not be empty", "messages")
-        chats[i] = (normalized, tools)
-        key = tools_keys.get(id(tools))
-        if key is None:
-            key = tools_keys[id(tools)] = _tools_key(tools)
-        groups.setdefault((key, body.get("add_generation_prompt") is not False), []).append(i)
-    texts: dict[int, str] = {}
-    prepared = {}
-    for members in groups.values():  # one tools text per group: its bodies' tools are equal
-        block = _fallback_tools_block(tokenizer, chats[members[0]][1])
-        for i in members:
-            prepared[i] = _for_template(tokenizer, chats[i][0], chats[i][1], block)
-    for (_, add_generation_prompt), members in groups.items():
-        template_tools = prepared[members[0]][2]
-        extra = {} if template_tools is None else {"tools": template_tools}
-        try:
-            batch = tokenizer.apply_chat_template([prepared[i][0] for i in members], tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt, **extra)
-        except Exception as exc:  # as render_chat: a template can raise anything
-            raise PromptError(f"cannot render 'messages' with the model's chat template: {exc}", "messages") from None
-        texts.update(zip(members, batch, strict=True))
-    plain = [i for i in chats if not _needs_literal_spans(tokenizer, prepared[i][0])]
-    encode_batch = getattr(tokenizer, "encode_batch", None)
-    ids = {} if encode_batch is None else dict(
-        zip(plain, encode_batch([texts[i] for i in plain], add_special_tokens=False), strict=True))
-    for i, (normalized, _) in chats.items():
-        rendered, where, _ = prepared[i]
-        out[i] = [_chat_prompt(tokenizer, texts[i], rendered, where, normalized, ids.get(i))]
-    return out  # type: ignore[return-value]
-
-
-def _tools_key(tools: Any) -> str | int:
-    """Equal for tools equal as JSON (what a body holds); a list of other objects is a group of its own."""
-    try:
-        return json.dumps(tools)
-    except TypeError:
-        return id(tools)
-
-
-def completion_prompts(prompt: Any) -> list[str] | list[list[int]]:
-    """The prompts of a completions ``prompt`` field as a batch: a string, a list of strings, a list of token ids,
-    or a list of those."""
-    if isinstance(prompt, str) and prompt:
-        return [prompt]
-    if isinstance(prompt, list) and prompt:
-        if all(_is_token(t) for t in prompt):
-            return [prompt]
-        if all(isinstance(p, str) and p for p in prompt):
-            return list(prompt)
-        if all(isinstance(p, list) and p and all(_is_token(t) for t in p) for p in prompt):
-            return list(prompt)
-    raise PromptError("'prompt' must be a non-empty string, list of strings, list of token ids, or list of those",
-                      "prompt")
-
-
-def _is_token(t: Any) -> bool:
-    return isinstance(t, int) and not isinstance(t, bool) and t >= 0

@@ -48,7 +48,7 @@ NO_ROUTE = RouteRequest([], None)
 class RouterConfig:
     replicas: list[str]
     policy: str = "round-robin"
-    model: str | None = None  # checkpoint (tokenizer) of the replicas: needed by the hashing policies
+    model: str | None = None  # the replicas' checkpoint, where the one their identity names is not here
     auth: Auth | None = None
     admin_key: str | None = None  # sent to replicas for KV events and admin fan-out when the caller sends none
     load_cap: float = 1.25
@@ -57,15 +57,40 @@ class RouterConfig:
     connect_timeout_s: float = 3.0
     startup_timeout_s: float = 60.0
     allowed_hosts: frozenset[str] | None = None
+    hasher: RequestHasher | None = None  # loaded already (`kvprefix route` does, to fail in one line)
+
+
+async def load_request_hasher(client: httpx.AsyncClient, config: RouterConfig,
+                              admin_headers: dict[str, str]) -> RequestHasher:
+    """The replicas' hasher, from the identity in their KV event hellos (``RequestHasher.for_replica``); waits up
+    to ``startup_timeout_s`` for a first replica. ValueError naming the replica that this router cannot reproduce,
+    or that hashes unlike the first."""
+    deadline = anyio.current_time() + config.startup_timeout_s
+    while True:
+        hellos = []
+        for url in config.replicas:
+            try:
+                hellos.append((url, await read_hello(client, url.rstrip("/"), admin_headers)))
+            except (httpx.HTTPError, ValueError):
+                continue
+        if hellos:
+            (first, hello), *others = hellos
+            hasher = await asyncio.to_thread(RequestHasher.for_replica, hello, config.model, first)
+            for url, other in others:
+                if other.root != hello.root:
+                    differs = ("; ".join(other.identity.differences(hello.identity))
+                               if other.identity and hello.identity else "another root")
+                    raise ValueError(f"replica {url} does not hash like replica {first}: {differs}")
+            return hasher
+        if anyio.current_time() > deadline:
+            raise RuntimeError("no replica answered GET /v1/kv_events: cannot learn their block hashing")
+        await asyncio.sleep(0.5)
 
 
 def create_app(config: RouterConfig) -> BrowserGuard:
     if not config.replicas:
         raise ValueError("give at least one --replica URL")
     policy = make_policy(config.policy, config.seed, config.load_cap)
-    if policy.name in HASHING_POLICIES and config.model is None:
-        raise ValueError(f"--policy {policy.name} hashes prompts like the replicas: give --model, the replicas' "
-                         f"checkpoint directory")
     auth = config.auth or Auth()
     replicas = [Replica(url.rstrip("/")) for url in config.replicas]
     pools = [Pool(rep.url, config.connect_timeout_s) for rep in replicas]
@@ -95,18 +120,12 @@ def create_app(config: RouterConfig) -> BrowserGuard:
             await asyncio.gather(*(check(i) for i in range(len(replicas))))
             await asyncio.sleep(config.health_interval_s)
 
-    async def load_hasher() -> RequestHasher:
-        deadline = anyio.current_time() + config.startup_timeout_s
-        while True:
-            for rep in replicas:
-                try:
-                    hello = await read_hello(client(), rep.url, admin_headers)
-                except (httpx.HTTPError, ValueError):
-                    continue
-                return await asyncio.to_thread(RequestHasher.for_replica, config.model, hello)
-            if anyio.current_time() > deadline:
-                raise RuntimeError("no replica answered GET /v1/kv_events: cannot learn their block hashing")
-            await asyncio.sleep(0.5)
+    def check_hello(rep: Replica):
+        def check(hello) -> None:
+            if state["hasher"] is not None and hello.root != state["hasher"].hasher.root:
+                log.error("replica %s no longer hashes like the router (root %s...): none of its blocks will match "
+                          "until the router restarts", rep.url, hello.root.hex()[:16])
+        return check
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -116,13 +135,14 @@ def create_app(config: RouterConfig) -> BrowserGuard:
         tasks = [asyncio.create_task(health_loop())]
         try:
             if policy.name in HASHING_POLICIES:
-                state["hasher"] = await load_hasher()
+                state["hasher"] = config.hasher or await load_request_hasher(client(), config, admin_headers)
             # What exists now (the tokenizer, the app) lives as long as the router: the collector's full passes
             # no longer walk it (as vLLM does after loading a model).
             gc.freeze()
             if policy.name == "kv-events":
                 tasks += [asyncio.create_task(follow(http_lines(client(), rep.url, admin_headers), rep,
-                                                     lambda r: metrics.series[r.name].resyncs.inc()))
+                                                     lambda r: metrics.series[r.name].resyncs.inc(),
+                                                     on_hello=check_hello(rep)))
                           for rep in replicas]
             yield
         finally:

@@ -14,8 +14,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default="round-robin", choices=[*POLICIES, *RENAMED],
                         help="how to pick a replica (docs/router.md; default round-robin)")
     parser.add_argument("--model", default=None,
-                        help="the replicas' checkpoint directory: prefix and kv-events render and hash prompts "
-                             "with its tokenizer and identity")
+                        help="the replicas' checkpoint, for prefix and kv-events (they render prompts with its "
+                             "tokenizer); needed only where the checkpoint the replicas announce (its path, or the "
+                             "built-in default model) is not on this machine")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8100)
     parser.add_argument("--allowed-hosts", default=None, metavar="NAMES",
@@ -33,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import asyncio
     import logging
 
     import uvicorn
@@ -40,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     from kvprefix.http.browsers import allowed_hosts
     from kvprefix.http.connections import timed_protocol
     from kvprefix.http.tenancy import Auth
-    from kvprefix.router.app import RouterConfig, create_app
+    from kvprefix.router.app import HASHING_POLICIES, RouterConfig, create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -51,7 +53,10 @@ def run(args: argparse.Namespace) -> int:
             allowed_hosts=allowed_hosts(args.allowed_hosts, args.host),
         )
         app = create_app(config)
-    except ValueError as exc:
+        # Before serving: a replica whose identity this router cannot reproduce is a one-line error.
+        if RENAMED.get(config.policy, config.policy) in HASHING_POLICIES:
+            config.hasher = asyncio.run(_load_hasher(config))
+    except (ValueError, RuntimeError) as exc:
         raise SystemExit(f"kvprefix route: {exc}") from None
     try:  # the C parser: the relay is the router's hot path (docs/benchmarks.md, router overhead)
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
@@ -62,3 +67,13 @@ def run(args: argparse.Namespace) -> int:
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                 http=timed_protocol(20.0, 60.0, base), timeout_keep_alive=5, proxy_headers=False)
     return 0
+
+
+async def _load_hasher(config):
+    import httpx
+
+    from kvprefix.router.app import load_request_hasher
+
+    headers = {"authorization": f"Bearer {config.admin_key}"} if config.admin_key else {}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=config.connect_timeout_s)) as client:
+        return await load_request_hasher(client, config, headers)

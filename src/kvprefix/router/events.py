@@ -53,8 +53,10 @@ def http_lines(client: httpx.AsyncClient, url: str, headers: dict[str, str]) -> 
     return lines
 
 
-async def follow(lines: Lines, replica: Replica, on_resync: Callable[[Replica], None], retry_s: float = 0.5) -> None:
-    """Keeps ``replica.mirror`` exact while the task runs; ``on_resync`` after every snapshot."""
+async def follow(lines: Lines, replica: Replica, on_resync: Callable[[Replica], None], retry_s: float = 0.5,
+                 on_hello: Callable[[Hello], None] | None = None) -> None:
+    """Keeps ``replica.mirror`` exact while the task runs; ``on_resync`` after every snapshot, ``on_hello`` for
+    every hello (a replica that restarted may hash otherwise)."""
     replica.mirror = mirror = replica.mirror or StreamMirror()
     while True:
         params = {"since": str(mirror.since), "epoch": mirror.epoch} if mirror.since is not None else {}
@@ -63,6 +65,8 @@ async def follow(lines: Lines, replica: Replica, on_resync: Callable[[Replica], 
                 if not line:
                     continue
                 msg = loads(line)
+                if on_hello is not None and isinstance(msg, Hello):
+                    on_hello(msg)
                 mirror.apply(msg)
                 if isinstance(msg, SnapshotEnd):
                     replica.resyncs += 1

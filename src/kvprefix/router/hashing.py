@@ -1,24 +1,24 @@
 """The router's copy of the replicas' block identity: render a request body, tokenize it and hash its blocks
 exactly as a replica will, so the router can look them up in what each replica caches.
 
-The renderer is ``kvprefix.prompts`` and the hash ``kvprefix.cache.BlockHasher`` (the replicas' own code). The
-execution context is computed from the checkpoint given to the router (``context_for_checkpoint``) and checked
-against the root a replica announces in its KV event stream's hello, which also gives the block size and the
-hash algorithm: a router whose hashes could never match says so at start instead of routing blind.
+The renderer is ``kvprefix.prompts.render_body`` and the hash ``kvprefix.cache.BlockHasher`` (the replicas' own
+code). The hasher is the one of the ``BlockIdentity`` a replica announces in its KV event stream's hello; the router
+only needs the checkpoint's tokenizer, which it loads from ``--model``, else from the path the identity names or the
+built-in default model, whichever has the replica's fingerprints. A router that cannot reproduce a replica's
+identity says so at start, naming the replica and what differs, instead of routing blind.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import os
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic_core import from_json
 
-from kvprefix.cache import BlockHash, BlockHasher, BlockHashMemo, context_for_checkpoint
+from kvprefix.cache import BlockHash, BlockHasher, BlockHashMemo, BlockIdentity
 from kvprefix.cache.event_wire import Hello
-from kvprefix.cache.identity import kv_labels
 from kvprefix.prompts import PromptError, render_body
 from kvprefix.tokenizer import SegmentCachedTokenizer, Tokenizer
 
@@ -53,25 +53,35 @@ def route_request(body: bytes, headers: Mapping[str, str], tenant: str | None,
 
 
 class RequestHasher:
-    def __init__(self, tokenizer: Tokenizer, hasher: BlockHasher):
+    """A body's block hashes as a replica computes them. ``max_model_len``: the replica's context length (for
+    ``truncate_prompt_tokens`` -1)."""
+
+    def __init__(self, tokenizer: Tokenizer, hasher: BlockHasher, max_model_len: int | None = None):
         self.tokenizer = tokenizer
         self.hasher = hasher
+        self.max_model_len = max_model_len
         # Most of a prompt is a prefix the router hashed before (docs/router.md, the relay): hashed once.
         self.memo = BlockHashMemo(hasher.block_size, hasher.algo)
 
     @classmethod
-    def for_replica(cls, model: str, hello: Hello) -> RequestHasher:
-        """The hasher for ``model`` that gives the root ``hello`` announces; ValueError when none does."""
-        tokenizer = SegmentCachedTokenizer(Tokenizer(model), capacity=4096)
-        context = context_for_checkpoint(model, "", tokenizer.chat_template)  # fingerprints the files once
-        for kv_dtype in kv_labels():
-            hasher = BlockHasher(hello.block_size, hello.hash_algo, dataclasses.replace(context, kv_dtype=kv_dtype))
-            if hasher.root == hello.root:
-                return cls(tokenizer, hasher)
-        raise ValueError(
-            f"--model {model} does not hash like replica {hello.replica_id} (its root {hello.root.hex()[:16]}... "
-            f"matches none of {', '.join(kv_labels())}): give the router the replicas' checkpoint"
-        )
+    def for_replica(cls, hello: Hello, model: str | None = None, replica: str | None = None) -> RequestHasher:
+        """The hasher of the replica that sent ``hello`` (named ``replica``, default its id), with the tokenizer of
+        ``model`` or of the checkpoint its identity names; a one-line ValueError when this router cannot
+        reproduce its identity."""
+        name = replica or hello.replica_id
+        identity = hello.identity
+        if identity is None:
+            raise ValueError(f"replica {name} does not announce its block identity (an older kvprefix): upgrade it")
+        tokenizer = SegmentCachedTokenizer(Tokenizer(checkpoint_for(identity, model, name)), capacity=4096)
+        differs = identity.template_difference(tokenizer.chat_template)
+        if differs:
+            raise ValueError(f"replica {name} renders with another chat template than {model or identity.checkpoint}: "
+                             f"{differs[0]}")
+        hasher = identity.hasher()
+        if hasher.root != hello.root:
+            raise ValueError(f"replica {name} announces the root {hello.root.hex()[:16]}..., but its identity gives "
+                             f"{hasher.root.hex()[:16]}...")
+        return cls(tokenizer, hasher, hello.max_model_len)
 
     def hash_prompt(self, body: Mapping[str, Any], tenant: str | None) -> tuple[list[BlockHash], int]:
         """The full-block hashes of the body's first prompt in the caller's namespace, and how many blocks the
@@ -79,7 +89,7 @@ class RequestHasher:
         with the error, the router only routes)."""
         salt = body.get("cache_salt")
         try:
-            prompts = render_body(self.tokenizer, body)
+            prompts = render_body(self.tokenizer, body, self.max_model_len)
             hasher = self.hasher.for_namespace(tenant, salt if isinstance(salt, str) else None)
         except (PromptError, ValueError, TypeError):
             return [], 0
@@ -87,3 +97,33 @@ class RequestHasher:
             return [], 0
         ids = prompts[0].token_ids
         return self.memo.hash_blocks(hasher, ids), -(-len(ids) // hasher.block_size)
+
+
+def checkpoint_for(identity: BlockIdentity, model: str | None, replica: str) -> str:
+    """A local checkpoint with the fingerprints of ``identity``: ``model`` when given, else the path the identity
+    names, else the built-in default model; ValueError naming ``replica`` and what differs when there is none."""
+    if model is not None:
+        differs = identity.checkpoint_differences(model)
+        if differs:
+            raise ValueError(f"--model {model} is not the checkpoint of replica {replica}: {'; '.join(differs)}")
+        return model
+    tried = []
+    for path in dict.fromkeys((identity.checkpoint, _default_model())):
+        if not path or not os.path.exists(path):
+            tried.append(f"{path or 'the built-in default model'} is not here")
+            continue
+        differs = identity.checkpoint_differences(path)
+        if not differs:
+            return path
+        tried.append(f"{path} differs ({'; '.join(differs)})")
+    raise ValueError(f"replica {replica} runs {identity.checkpoint or 'an unnamed checkpoint'}, which this router "
+                     f"cannot find: {', '.join(tried)}; give --model, a copy of the replicas' checkpoint")
+
+
+def _default_model() -> str:
+    from kvprefix.cache.default_model import default_model_path
+
+    try:
+        return default_model_path()
+    except FileNotFoundError:
+        return ""

@@ -226,10 +226,10 @@ class Engine:
         self._lifespan = self.app.router.lifespan_context(self.app)
         await self._lifespan.__aenter__()
 
-    def block_identity(self) -> tuple[Any, int, str, Any]:
-        """What the ingress needs to hash prompts as this replica does (the hasher itself does not pickle)."""
-        h = self.engine.hasher
-        return self.engine.tokenizer, h.block_size, h.algo, h.context
+    def block_identity(self) -> tuple[Any, Any, int]:
+        """What the ingress needs to hash prompts as this replica does: its tokenizer, ``BlockIdentity`` and context
+        length (a hasher does not pickle)."""
+        return self.engine.tokenizer, self.engine.identity, self.engine.max_sequence_tokens
 
     async def handle(self, method: str, path: str, query: bytes, headers: list[tuple[str, str]], body: bytes,
                      route: RouteRequest | None, exclude: tuple[str, ...] | None = None,
@@ -338,12 +338,11 @@ class Ingress:
 
     async def _hasher(self):
         if self.hasher is None:
-            from kvprefix.cache import BlockHasher
             from kvprefix.router.hashing import RequestHasher
 
-            tokenizer, block_size, algo, context = await self.engine.block_identity.remote()
-            self.hasher = RequestHasher(tokenizer, BlockHasher(block_size, algo, context))
-            self.block_size = block_size
+            tokenizer, identity, max_model_len = await self.engine.block_identity.remote()
+            self.hasher = RequestHasher(tokenizer, identity.hasher(), max_model_len)
+            self.block_size = identity.block_size
         return self.hasher
 
     def _replica(self, replica_id: str) -> Replica:

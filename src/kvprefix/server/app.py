@@ -226,8 +226,10 @@ def _add_info_routes(app: FastAPI, parts: _Parts) -> None:
         tenant(raw)
         return await serving.detokenize(await _parse(raw, DetokenizeRequest))
 
+    # Tenants see the identity without the checkpoint's path on this machine (the admin-only event hello has it).
+    identity = {**engine.identity.to_dict(), "checkpoint": ""}
     model_card = {"id": name, "object": "model", "created": int(time.time()), "owned_by": "kvprefix",
-                  "max_model_len": parts.info.max_model_len}
+                  "max_model_len": parts.info.max_model_len, "kvprefix": {"block_identity": identity}}
 
     @app.get("/v1/models")
     async def models(raw: Request) -> dict:

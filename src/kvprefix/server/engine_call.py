@@ -16,7 +16,6 @@ from kvprefix.http.request_ids import MAX_REQUEST_ID_LEN, request_id_of, valid_r
 from kvprefix.http.tenancy import Caller, validate_client_salt
 from kvprefix.prompts import RenderedPrompt
 from kvprefix.server.model_info import ModelInfo
-from kvprefix.server.prompting import Prompter
 from kvprefix.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvprefix.server.tools import ToolPlan
 
@@ -41,10 +40,9 @@ def check_model(info: ModelInfo, model: str | None) -> None:
 
 
 async def engine_call(req: CompletionRequest | ChatCompletionRequest, caller: Caller, raw: Request, info: ModelInfo,
-                      prompter: Prompter, prompts: list[RenderedPrompt], param: str,
+                      prompts: list[RenderedPrompt], param: str,
                       tools: ToolPlan | None) -> EngineCall:
     validate_client_salt(caller.client_salt)
-    prompts = prompter.truncated(req, prompts)
     if not all(p.token_ids for p in prompts):
         raise bad_request(f"'{param}' is empty after tokenization", param=param)
     requested = req.max_new_tokens() if isinstance(req, ChatCompletionRequest) else req.max_tokens

@@ -91,6 +91,8 @@ class KVEventPublisher:
         self.epoch = secrets.token_hex(8)  # a restarted replica starts a new epoch: its numbers start over
         self._engine = engine
         self._hasher = engine.hasher
+        self._identity = engine.identity
+        self._max_model_len = engine.max_sequence_tokens
         self._buffer_limit = buffer_bytes
         self._queue_limit = queue_bytes
         self._heartbeat_s = heartbeat_s
@@ -158,7 +160,7 @@ class KVEventPublisher:
             index = None if resume else self._index.copy()
             self._subscribers.append(sub)
         hello = Hello(self.replica_id, self.epoch, self._hasher.block_size, self._hasher.algo, self._hasher.root,
-                      last, resume)
+                      last, resume, identity=self._identity, max_model_len=self._max_model_len)
         return self._lines(sub, hello, replay, index)
 
     async def _lines(self, sub: _Subscriber, hello: Hello, replay: list[bytes],

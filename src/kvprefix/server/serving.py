@@ -51,7 +51,7 @@ class Serving:
     async def completions(self, req: CompletionRequest, caller: Caller, raw: Request):
         check_model(self.info, req.model)
         check_supported(req)
-        prompts = await self.prompter.completion_prompts(req)
+        prompts = await self.prompter.prompts(req)
         return await self._serve(req, caller, raw, prompts, "prompt", None)
 
     async def chat(self, req: ChatCompletionRequest, caller: Caller, raw: Request):
@@ -60,16 +60,14 @@ class Serving:
         # Compiles a required/named grammar: off the loop; a request without tools needs no thread hop.
         tools = None if req.tools is None and req.tool_choice in (None, "none") else await asyncio.to_thread(
             plan_tools, req)
-        prompt = await self.prompter.chat_prompt(req)
-        return await self._serve(req, caller, raw, [prompt], "messages", tools)
+        prompts = await self.prompter.prompts(req)
+        return await self._serve(req, caller, raw, prompts, "messages", tools)
 
     async def tokenize(self, req: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:
         """vLLM's /tokenize: the token ids a completions or chat request with these fields would run."""
         check_model(self.info, req.model)
-        if isinstance(req, TokenizeChatRequest):
-            prompt = await self.prompter.chat_prompt(req)
-        else:
-            prompt = await self.prompter.text_prompt(req.prompt, req.add_special_tokens)
+        # A completions text of any length is tokenized; messages too long for the context are refused.
+        (prompt,) = await self.prompter.prompts(req, refuse_long=isinstance(req, TokenizeChatRequest))
         ids = prompt.token_ids
         out = {"count": len(ids), "max_model_len": self.info.max_model_len, "tokens": ids}
         if req.return_token_strs:
@@ -85,7 +83,7 @@ class Serving:
 
     async def _serve(self, req: CompletionRequest | ChatCompletionRequest, caller: Caller, raw: Request,
                      prompts: list[RenderedPrompt], param: str, tools: ToolPlan | None):
-        call = await engine_call(req, caller, raw, self.info, self.prompter, prompts, param, tools)
+        call = await engine_call(req, caller, raw, self.info, prompts, param, tools)
         chat = isinstance(req, ChatCompletionRequest)
         books = Books(self.info, self.metrics, self.tracker, self.request_log, self.engine.hasher, req, caller, chat,
                       call.params.max_tokens or 0)

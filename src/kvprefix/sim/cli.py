@@ -63,12 +63,7 @@ def _routing_list(text: str) -> list[str]:
     return names
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "trace", nargs="?", help="trace file (JSONL): Mooncake rows, a kvprefix request log, or OpenAI request bodies"
-    )
-    parser.add_argument("--example", choices=["seed"], help="run a built-in example instead of a trace")
-    t = parser.add_argument_group("trace")
+def _add_trace_arguments(t) -> None:
     t.add_argument("--format", choices=FORMATS, default="auto", help="trace format (default: from the first row)")
     t.add_argument(
         "--trace-block-size",
@@ -79,9 +74,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument(
         "--block-size",
         type=_positive_int,
-        help="block size to replay at, a multiple of the trace's (default: the trace's own; 16 for OpenAI bodies)",
+        help="block size to replay at, a multiple of the trace's (default: the trace's own; for OpenAI bodies "
+        "the --identity's, else 16)",
     )
     t.add_argument("--tokenizer", help="local Hugging Face tokenizer directory (OpenAI request bodies)")
+    t.add_argument("--identity", metavar="URL|FILE",
+                   help="OpenAI request bodies: hash under a replica's block identity, from its base URL or a JSON "
+                        "file of its /v1/models listing (default: the --tokenizer checkpoint's own, float32, sha256)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "trace", nargs="?", help="trace file (JSONL): Mooncake rows, a kvprefix request log, or OpenAI request bodies"
+    )
+    parser.add_argument("--example", choices=["seed"], help="run a built-in example instead of a trace")
+    _add_trace_arguments(parser.add_argument_group("trace"))
     c = parser.add_argument_group("cache and fleet (comma-separated lists make a sweep)")
     size = c.add_mutually_exclusive_group()
     size.add_argument(
@@ -146,7 +153,12 @@ def _simulate(args: argparse.Namespace) -> int:
     from kvprefix.sim.report import format_table, plot_hit_rate, write_json
     from kvprefix.sim.sweep import sweep
 
-    trace = load_trace(args.trace, args.format, args.block_size, args.trace_block_size, args.tokenizer)
+    replica = None
+    if args.identity:
+        from kvprefix.sim.openai_bodies import read_replica_model
+
+        replica = read_replica_model(args.identity)
+    trace = load_trace(args.trace, args.format, args.block_size, args.trace_block_size, args.tokenizer, replica)
     if not trace.requests:
         return _fail(f"{args.trace}: the trace has no requests")
     bs = trace.block_size

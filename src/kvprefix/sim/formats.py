@@ -16,9 +16,11 @@ def load_trace(
     block_size: int | None = None,
     trace_block_size: int | None = None,
     tokenizer: str | None = None,
+    replica=None,
 ) -> Trace:
     """Reads a trace at ``block_size`` (default: the trace's own). ``trace_block_size`` is the block size the
-    trace's ids were made with (Mooncake default: from the file name, else 512; request log: each row's own)."""
+    trace's ids were made with (Mooncake default: from the file name, else 512; request log: each row's own).
+    ``replica`` (``openai_bodies.ReplicaModel``): the identity OpenAI bodies are hashed under."""
     if fmt == "auto":
         fmt = detect_format(path)
     if fmt == MOONCAKE:
@@ -34,5 +36,5 @@ def load_trace(
 
         if tokenizer is None:
             raise ValueError("OpenAI request bodies need --tokenizer (a local Hugging Face tokenizer directory)")
-        return read_openai_bodies(path, tokenizer, block_size or 16)
+        return read_openai_bodies(path, tokenizer, block_size, replica=replica)
     raise ValueError(f"unknown trace format {fmt!r}; choose one of {', '.join(FORMATS)}")

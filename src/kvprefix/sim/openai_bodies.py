@@ -1,16 +1,21 @@
-"""OpenAI request bodies in JSONL (completions or chat), rendered by ``kvprefix.prompts`` exactly as the server
-renders them, then hashed with the cache's own ``BlockHasher`` under the checkpoint's identity.
+"""OpenAI request bodies in JSONL (completions or chat), rendered by ``kvprefix.prompts.render_body`` exactly as the
+server renders them, then hashed with the cache's own ``BlockHasher`` under a ``BlockIdentity``: a replica's (from
+its ``/v1/models`` entry) or the checkpoint's own.
 
-Optional per-line fields: ``timestamp`` (ms since trace start, as in Mooncake rows; default 0), ``cache_salt``
-(a client salt, namespaced as the server and ``LLM`` do) and ``user`` (the routing session). Output length is
+Optional per-line fields beside the body: ``timestamp`` (ms since trace start, as in Mooncake rows; default 0),
+``tenant`` (the authenticated tenant the request was sent as: the server salts the namespace by it, never by a body
+field, and refuses a body with one), ``cache_salt`` and ``user`` (the routing session). Output length is
 ``max_completion_tokens`` or ``max_tokens``, else ``default_output_tokens``.
 """
 
 from __future__ import annotations
 
+import json
+import os
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from kvprefix.cache import BlockHasher, cdiv, context_for_checkpoint
+from kvprefix.cache import BlockIdentity, block_identity, cdiv
 from kvprefix.prompts import PromptError, render_body
 from kvprefix.sim.trace import TimestampCheck, Trace, TraceError, TraceRequest, iter_rows, require
 from kvprefix.tokenizer import Tokenizer
@@ -18,6 +23,52 @@ from kvprefix.tokenizer import Tokenizer
 # The KV dtype only salts the root: hashes within one replay share it, whichever it is. float32 is the CPU default
 # where bfloat16 is not native, so a replay of bodies hashes like such a server (or one run with --dtype float32).
 DEFAULT_KV_DTYPE = "float32"
+
+
+@dataclass(frozen=True)
+class ReplicaModel:
+    """What a reader of bodies needs of the replicas: the identity of their blocks and their context length
+    (``truncate_prompt_tokens`` -1; None where unknown)."""
+
+    identity: BlockIdentity
+    max_model_len: int | None = None
+
+
+def read_replica_model(source: str) -> ReplicaModel:
+    """A replica's identity from ``source``: its base URL (``GET /v1/models``), or a JSON file holding that
+    listing, one model entry of it, or a ``BlockIdentity.to_dict``."""
+    if source.startswith(("http://", "https://")):
+        import httpx
+
+        try:
+            data = httpx.get(source.rstrip("/") + "/v1/models", timeout=10).raise_for_status().json()
+        except (httpx.HTTPError, ValueError) as exc:
+            raise ValueError(f"cannot read {source}/v1/models: {exc}") from None
+    else:
+        try:
+            data = json.loads(Path(source).read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot read the identity file {source}: {exc}") from None
+    entry = data["data"][0] if isinstance(data, dict) and isinstance(data.get("data"), list) and data["data"] else data
+    if isinstance(entry, dict) and isinstance(entry.get("kvprefix"), dict):
+        max_model_len = entry.get("max_model_len")
+        return ReplicaModel(BlockIdentity.from_dict(entry["kvprefix"].get("block_identity")),
+                            max_model_len if isinstance(max_model_len, int) else None)
+    return ReplicaModel(BlockIdentity.from_dict(entry))
+
+
+def replica_model_for(path: str, tokenizer: Tokenizer, block_size: int, hash_algo: str = "sha256",
+                      replica: ReplicaModel | None = None) -> ReplicaModel:
+    """``replica`` at ``block_size`` after checking that ``path`` (the tokenizer's checkpoint) is its checkpoint;
+    without one, the identity of ``path`` itself in ``DEFAULT_KV_DTYPE`` with ``hash_algo``."""
+    if replica is None:
+        return ReplicaModel(block_identity(path, DEFAULT_KV_DTYPE, None, tokenizer.chat_template,
+                                           block_size=block_size, hash_algo=hash_algo))
+    identity = replica.identity
+    differs = identity.checkpoint_differences(path) + identity.template_difference(tokenizer.chat_template)
+    if differs:
+        raise ValueError(f"{path} is not the checkpoint of the given identity: {'; '.join(differs)}")
+    return replace(replica, identity=replace(identity, block_size=block_size))
 
 
 def load_tokenizer(path: str) -> Tokenizer:
@@ -28,26 +79,30 @@ def load_tokenizer(path: str) -> Tokenizer:
         raise ValueError(f"cannot load tokenizer {path!r}: {e}") from None
 
 
-def read_openai_bodies(
-    path: str | Path, tokenizer_path: str, block_size: int, default_output_tokens: int = 256
-) -> Trace:
+def read_openai_bodies(path: str | Path, tokenizer_path: str, block_size: int | None,
+                       default_output_tokens: int = 256, replica: ReplicaModel | None = None) -> Trace:
+    """``block_size``: default the replica's, else 16."""
     tokenizer = load_tokenizer(tokenizer_path)
-    context = context_for_checkpoint(tokenizer_path, DEFAULT_KV_DTYPE, tokenizer.chat_template)
-    base = BlockHasher(block_size, context=context)
+    block_size = block_size or (replica.identity.block_size if replica else 16)
+    replica = replica_model_for(os.fspath(tokenizer_path), tokenizer, block_size, replica=replica)
+    base = replica.identity.hasher()
     check_time = TimestampCheck(path)
     requests = []
     for line, row in iter_rows(path):
         ts = require(row, "timestamp", path, line, (int, float)) if "timestamp" in row else 0
         check_time(ts, line)
+        for key in ("tenant", "cache_salt"):
+            if row.get(key) is not None:
+                require(row, key, path, line, str, minimum=None)
         try:
-            prompts = render_body(tokenizer, row)
+            prompts = render_body(tokenizer, row, replica.max_model_len)
         except PromptError as e:
             raise TraceError(path, line, str(e)) from None
         out = default_output_tokens
         for key in ("max_tokens", "max_completion_tokens"):  # the newer name wins when both are given
             if row.get(key) is not None:
                 out = require(row, key, path, line, minimum=1)
-        hasher = base.for_namespace(None, row.get("cache_salt"))
+        hasher = base.for_namespace(row.get("tenant"), row.get("cache_salt"))
         for prompt in prompts:
             if not prompt.token_ids:
                 raise TraceError(path, line, "the prompt renders to zero tokens")
