@@ -1,6 +1,5 @@
-"""LLMEngine: the synchronous core that LLM and AsyncLLM drive. Owns the model runner, the scheduler, the KV cache
-manager and the block hashers; turns prompts into requests and engine steps into RequestDeltas, which each caller's
-OutputState folds into RequestOutputs."""
+"""LLMEngine: the synchronous core that LLM and AsyncLLM drive. Owns the model runner, scheduler, KV cache manager
+and block hashers; turns prompts into requests and steps into RequestDeltas (each caller's OutputState folds them)."""
 
 from __future__ import annotations
 
@@ -136,9 +135,9 @@ class LLMEngine:
     ) -> OutputState:
         """Queues a request. Raises ValueError for a reused id, a bad prompt, or one that cannot fit.
 
-        ``tenant`` and ``cache_salt`` pick the cache namespace (``identity.namespace_salt``): the request only ever
-        hits blocks of the same namespace. Returns the request's ``OutputState``: the caller feeds it the request's
-        ``RequestDelta``s (from ``step`` and ``abort_request``) and reads cumulative outputs from it."""
+        ``tenant`` and ``cache_salt`` pick the cache namespace: the request only hits blocks of its namespace.
+        Returns the request's ``OutputState``, which the caller feeds the request's deltas (``step``,
+        ``abort_request``)."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
@@ -338,8 +337,8 @@ class LLMEngine:
             req.set_prompt_logprobs(start + a + 1, entries)
 
     def _sample(self, logits, requests: list[Request]) -> list[tuple]:
-        """(token, logprobs) per request. Should the batch fail, each request is sampled alone, so the ones that
-        cannot be sampled get their exception in place of a token and the rest of the batch goes on."""
+        """(token, logprobs) per request. If the batch fails, each request is sampled alone: one that cannot be
+        sampled gets its exception in place of a token and the rest goes on."""
         try:
             tokens, logprobs = self.sampler(logits, requests)
             return list(zip(tokens, logprobs, strict=True))
