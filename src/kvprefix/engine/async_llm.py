@@ -70,7 +70,7 @@ class AsyncLLM:
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
-    # ---- public API -----------------------------------------------------------------------------------------
+    # ---- public API
 
     async def generate(
         self,
@@ -161,7 +161,7 @@ class AsyncLLM:
             self._wake.notify()
         await asyncio.to_thread(self._thread.join)
 
-    # ---- engine thread --------------------------------------------------------------------------------------
+    # ---- engine thread
 
     def _submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()

@@ -67,9 +67,8 @@ class LLMEngine:
         self.model_config = ModelConfig.from_path(path)
         self.tokenizer = Tokenizer(path)
         self.max_model_len = min(args.max_model_len or 2**62, self.model_config.max_position_embeddings)
-        # Everything besides the tokens that changes a block's KV roots the hash chain: the checkpoint's own bytes,
-        # not its path, so replicas of one checkpoint (and a router) compute the same hashes.
-        # Quantized weights compute other KV than dense ones: the method joins the dtype in the root.
+        # Everything besides the tokens that changes a block's KV roots the hash chain: the checkpoint's bytes (not
+        # its path, so replicas and a router agree), the dtype and the quantization.
         kv_dtype = kv_label(str(dtype).removeprefix("torch."), args.quantization)
         context = context_for_checkpoint(path, kv_dtype, self.tokenizer.chat_template)
         self.hasher = BlockHasher(args.block_size, args.prefix_caching_hash_algo, context)
@@ -108,7 +107,7 @@ class LLMEngine:
         self._iteration_tokens = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)  # per bucket (not cumulative), then +Inf
         self._iteration_tokens_sum = 0
 
-    # ---- requests -------------------------------------------------------------------------------------------
+    # ---- requests
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids) for any accepted prompt form."""
@@ -141,8 +140,7 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
-        # Samples of n > 1 are named f"{i}_{request_id}", which can equal another request's (sample) id; the
-        # scheduler and cache key everything by sample id, so a clash would corrupt both.
+        # Sample ids f"{i}_{request_id}" may equal another request's id; scheduler and cache key by sample id.
         sample_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
         for sample_id in sample_ids:
             if sample_id in self._user_request_of:
@@ -244,7 +242,7 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
-    # ---- stepping -------------------------------------------------------------------------------------------
+    # ---- stepping
 
     def step(self) -> list[RequestDelta]:
         """Runs one batch; returns the deltas of requests that produced a token or finished in it."""
@@ -363,7 +361,7 @@ class LLMEngine:
         failures, self._failures = self._failures, []
         return failures
 
-    # ---- cache and metrics ----------------------------------------------------------------------------------
+    # ---- cache and metrics
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached block; refused (False) while any request holds blocks."""
