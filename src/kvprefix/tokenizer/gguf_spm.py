@@ -64,7 +64,7 @@ class SpmVocab:
             found = self.ids.get(chr(byte))
         return found
 
-    # --- tokenizing -------------------------------------------------------------------------------------------
+    # --- tokenizing
 
     def encode(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
         return self.encode_parts([(text, parse_special)], add_special)
@@ -167,7 +167,7 @@ class SpmVocab:
             raise ValueError(f"the vocabulary has no token for {char!r}, no byte tokens and no unknown token")
         return [self.special.unk]
 
-    # --- detokenizing -----------------------------------------------------------------------------------------
+    # --- detokenizing
 
     def piece(self, token_id: int, special: bool) -> bytes:
         """One token's bytes: a normal token's text with U+2581 as space, a byte token's byte, a control or unknown
