@@ -113,7 +113,7 @@ class BlockPool:
         self, request: CacheRequest, blocks: Sequence[KVCacheBlock], num_cached_blocks: int, num_full_blocks: int
     ) -> None:
         """Registers ``blocks[num_cached_blocks:num_full_blocks]`` under the request's block hashes (a hash already
-        served keeps the new block as a copy; see ``_hash_to_block``)."""
+        served keeps the new block as a copy; see ``cached_blocks``)."""
         cached = self.cached_blocks
         hashes = request.block_hashes
         hasher = request.hasher
