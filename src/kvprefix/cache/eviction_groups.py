@@ -1,9 +1,8 @@
 """Eviction isolation between groups of requests (tenants): a reserved share of the pool for every group.
 
-Salting keeps tenants from hitting each other's blocks, but with one LRU for all, the blocks one tenant loses
-count another tenant's traffic ("prime and probe", docs/security.md). Here the clean free blocks always cover
-the room owed to groups below their share, so such a group is served from clean blocks, and what it does never
-changes the choices the pool makes for the others.
+With one LRU for all, the blocks one tenant loses count another's traffic ("prime and probe", docs/security.md).
+Here clean free blocks always cover the room owed to groups below their share, so what one group does never changes
+the pool's choices for the others.
 """
 
 from __future__ import annotations
@@ -16,16 +15,14 @@ from kvprefix.cache.free_queue import FreeBlockQueue, KVCacheBlock
 class EvictionGroups:
     """A pool's free blocks by eviction group, in place of its one ``FreeBlockQueue`` (same queue protocol).
 
-    Free blocks without a hash ("clean") wait in one queue, free cached blocks in their group's queue, each queue a
-    ``queue_cls`` (its order is the order within a group; LRU by default). A group's footprint is every block that
-    is not clean and that the group took: held by its requests, or cached and free. Each known group is reserved
-    ``reserved = floor(num_blocks * reserve_fraction / known groups)`` blocks, and the pool keeps
+    Clean (hashless) free blocks wait in one queue, free cached blocks in their group's ``queue_cls`` (LRU by
+    default). A group's footprint: the non-clean blocks it took (held, or cached and free). Each known group is
+    reserved ``floor(num_blocks * reserve_fraction / known groups)`` blocks, and the pool keeps
 
         clean free blocks >= owed = sum over known groups of max(0, reserved - footprint)
 
-    ``take`` keeps it as long as no group at or over its share runs out of its own blocks to recycle (then it
-    borrows owed room rather than stall a running request); ``reclaim`` restores it after a group joins or
-    borrowed room comes back.
+    ``take`` keeps it unless a group at or over its share has nothing of its own to recycle (it borrows rather than
+    stall a running request); ``reclaim`` restores it.
     """
 
     def __init__(self, blocks: Iterable[KVCacheBlock], reserve_fraction: float, queue_cls=FreeBlockQueue):
@@ -60,9 +57,8 @@ class EvictionGroups:
     def take(self, group: Hashable) -> KVCacheBlock:
         """Removes the free block a request of ``group`` (known) gets next; at least one block must be free.
 
-        Below its share the group gets a clean block. At or over it, a clean block while more than ``owed`` are
-        clean, else its own next victim; with none of those it borrows: any clean block, else the next victim of
-        the group with the largest footprint. A cached block's hash is the pool's to drop.
+        Below its share: a clean block. At or over it: a clean block while more than ``owed`` are clean, else its
+        own next victim, else it borrows (any clean block, else the largest group's victim). The pool drops hashes.
         """
         clean, own = self.clean, self._free[group]
         n = clean.num_free_blocks
@@ -77,9 +73,8 @@ class EvictionGroups:
         return block
 
     def reclaim(self, group: Hashable) -> KVCacheBlock | None:
-        """A free cached block to evict in place while fewer blocks are clean than are owed: ``group``'s next victim
-        if it is over its share, else that of the group furthest over its share. Moved to the clean queue here;
-        the pool drops its hash. None when the owed room is clean, or no group over its share has a free block."""
+        """While fewer blocks are clean than owed: a free cached block to evict in place (``group``'s if it is over
+        its share, else the furthest-over group's), moved to the clean queue; else None. The pool drops its hash."""
         if self.clean.num_free_blocks >= self.owed:
             return None
         queue = self._free.get(group)
@@ -93,8 +88,7 @@ class EvictionGroups:
         return block
 
     def _fullest(self, more_than: int) -> FreeBlockQueue | None:
-        """The free queue of the group with the largest footprint (above ``more_than``) among those with a free
-        cached block: O(groups), only when a group cannot be served from clean room or its own blocks."""
+        """The free queue of the largest-footprint group (above ``more_than``) with a free cached block; O(groups)."""
         best, most = None, more_than
         for group, queue in self._free.items():
             if queue.num_free_blocks and self._footprint[group] > most:

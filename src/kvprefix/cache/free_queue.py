@@ -14,8 +14,7 @@ class KVCacheBlock:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: Hashable | None = None
-        # Where the block sits while registered (its chain's previous hash, its namespace id): what a snapshot of
-        # the cache reports, so a subscriber can start from the current set without anyone mirroring it.
+        # While registered: its chain's previous hash and namespace id, for cache snapshots.
         self.parent_hash: Hashable | None = None
         self.namespace = ""
         self.group: Hashable = None  # with eviction groups: the group whose request took it last
@@ -27,11 +26,8 @@ class KVCacheBlock:
 
 
 class FreeBlockQueue:
-    """Doubly linked list of free blocks, threaded through the blocks themselves.
-
-    Front = next to be taken (least recently released). Every operation is O(1); removing a block from the
-    middle is how a cache hit on a free block takes it back.
-    """
+    """Doubly linked list of free blocks, threaded through the blocks. Front = next taken (least recently released);
+    O(1) removal from the middle is how a hit takes a free block back."""
 
     def __init__(self, blocks: Iterable[KVCacheBlock]):
         self._head = KVCacheBlock(-1)  # sentinels keep every link operation branch-free

@@ -77,10 +77,8 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: Sequence[KVCacheBlock] = (),
     ) -> list[KVCacheBlock] | None:
-        """Makes room for ``num_new_tokens`` more tokens after the computed ones (including new hit blocks).
-
-        On admission pass the hits from ``get_computed_blocks``. Returns the newly allocated blocks, or None
-        when the pool cannot satisfy the request, in which case nothing changed (the caller may preempt).
+        """Makes room for ``num_new_tokens`` more tokens (on admission, pass the hits from ``get_computed_blocks``).
+        Returns the new blocks, or None, with nothing changed, when the pool cannot satisfy it (caller may preempt).
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")

@@ -10,9 +10,8 @@ from kvprefix.cache.hashing import BlockExtras, BlockHash, BlockHasher
 class CacheRequest:
     """A token sequence whose full blocks are hashed incrementally, once each, as tokens arrive.
 
-    The engine's request type extends this. Trace replay builds one with ``from_block_hashes`` when only the
-    hashes of a prompt are known (no token ids); such a request cannot grow. ``eviction_group`` (the engine sets
-    the tenant; None is the shared group) matters only to a pool with eviction groups (``EvictionGroups``).
+    Trace replay builds one from hashes alone (``from_block_hashes``), which cannot grow. ``eviction_group`` (the
+    tenant; None: shared) matters only with eviction groups.
     """
 
     def __init__(

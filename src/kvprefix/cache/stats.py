@@ -10,8 +10,7 @@ class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up at a request's first admission
     hits: int = 0  # of those, tokens served from cached blocks
     requests: int = 0  # first admissions
-    # Re-admissions after preemption, counted apart (as vLLM's preempted counters): recomputing a preempted
-    # request's own blocks is no prefix sharing, and counting it as such would inflate the hit rate.
+    # Re-admissions after preemption, apart (as vLLM's): a request's own blocks would inflate the hit rate.
     preempted_queries: int = 0
     preempted_hits: int = 0
     preempted_requests: int = 0

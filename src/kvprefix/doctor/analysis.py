@@ -19,9 +19,8 @@ DEFAULT_BLOCK_SIZE = 16
 
 
 def diagnose(path: str, load_tokenizer: Callable[[], Tokenizer], options: Options | None = None) -> Diagnosis:
-    # Without the cyclic collector: what the doctor keeps (arrays, dicts and lists of ids and numbers) holds no
-    # cycle, and every young collection would walk the token lists in flight (docs/doctor.md). The switch is the
-    # process's: one diagnosis at a time (the CLI's case).
+    # Without the cyclic collector: the doctor's data holds no cycle, and collections would walk the token lists in
+    # flight (docs/doctor.md). Process-wide: one diagnosis at a time.
     collecting = gc.isenabled()
     gc.disable()
     try:

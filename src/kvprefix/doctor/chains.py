@@ -1,6 +1,5 @@
-"""Every distinct block of every rendering of the log, once: a block hash names its whole prefix (hashes are
-parent-chained), so a request is one leaf of a tree of blocks and the doctor's memory grows with the number of
-distinct blocks, not with the log."""
+"""Every distinct block of every rendering of the log, once: hashes are parent-chained, so a request is a leaf of a
+tree of blocks and memory grows with distinct blocks, not with the log."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ from kvprefix.sim.trace import TraceRequest
 class BlockTree:
     def __init__(self) -> None:
         self._ids: dict[Hashable, int] = {}
-        self.parent: list[int] = []  # a list: indexing it is what replays do most, and lists index fastest
+        self.parent: list[int] = []  # a list: replays index it most
         self.first_request = array("q")  # the request (variant-local index) that first had the block
         self._seen_by = array("Q")  # bit v: variant v has the block
 

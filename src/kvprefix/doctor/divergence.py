@@ -74,8 +74,8 @@ class Divergence:
     this: str  # excerpts of both renderings, the diverging part between « and »
     other: str
     site: VolatileSite | None = field(default=None, compare=False)
-    # What the fix needs to learn from this pair: ("examples" | "documents", the keys of both lists of items),
-    # ("system", the first message after the system prompt, as JSON), ("head", (this head, the other's head)).
+    # What the fix learns from this pair: ("examples" | "documents", both item keys), ("system", first message
+    # after the system prompt as JSON), ("head", (this head, the other's)).
     learned: tuple[str, Any] | None = field(default=None, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -84,8 +84,7 @@ class Divergence:
 
 
 def common_prefix(a, b) -> int:
-    """Length of the common prefix of two str or bytes: galloping, then bisection, on C-speed slice comparisons
-    (a short common prefix costs short slices)."""
+    """Length of the common prefix of two str or bytes: galloping, then bisection, on slice comparisons."""
     n = min(len(a), len(b))
     lo, step = 0, 64  # a[:lo] == b[:lo]
     while lo + step < n and a[lo : lo + step] == b[lo : lo + step]:

@@ -1,9 +1,7 @@
-"""The fixes, as transformations of a log entry's body (or rendered text): move the volatile span to the end,
-keep one order of tools, JSON keys, few-shot examples and documents, keep one spelling of each message and one
-system prompt per conversation. Each returns a new body, or the same
-object when it changes nothing (so the doctor renders again only what a fix touched).
-
-The order and spelling fixes keep the first one seen, so a log that is already consistent is left as it is.
+"""The fixes, as transformations of a log entry's body (or rendered text): volatile span to the end; one order of
+tools, JSON keys, few-shot examples and documents; one spelling per message; one system prompt per conversation.
+Each returns a new body, or the same object when it changes nothing (only what a fix touched is rendered again).
+Order and spelling fixes keep the first seen, so a consistent log is left as it is.
 """
 
 from __future__ import annotations
@@ -70,10 +68,8 @@ class MoveVolatileToEnd:
 
 
 class OneOrder:
-    """Tools in the order their names were first seen; every JSON object (tool schemas, JSON message content)
-    with its keys in the order first seen at that place; the few-shot examples and documents seen in another order
-    (``examples``, ``documents``: their keys, ``kvprefix.doctor.items``) in the order first seen, among the places
-    they hold."""
+    """Tools, the keys of every JSON object, and the moved few-shot examples and documents (``examples``,
+    ``documents``: their keys) each in the order first seen."""
 
     def __init__(self, examples: frozenset[str] = frozenset(), documents: frozenset[str] = frozenset(),
                  tools: SharedTools | None = None) -> None:
@@ -180,9 +176,8 @@ class OneSpelling:
 
 
 class OneSystemPrompt:
-    """One system prompt per conversation: a conversation (its first message after the system prompt) seen both
-    without a system message (the template's default) and with one gets, in every request, what its first request
-    sent. ``heads`` (rendered text, a request log's): the template's text before the first message as first seen."""
+    """One system prompt per conversation (named by its first message after it): every request gets what its first
+    request sent. ``heads`` (a request log's rendered text): the template's text before the first message."""
 
     def __init__(self, conversations: frozenset[str] = frozenset(), heads: dict[str, str] | None = None) -> None:
         self.conversations = conversations

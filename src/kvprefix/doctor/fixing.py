@@ -117,9 +117,8 @@ def _add(log: Log, obs: Observation, plan: _Plan, i: int, e: LogEntry, rendered:
 
 
 def _job(e: LogEntry, fixed: Any, jobs: list[LogEntry], start: int) -> int | None:
-    """Where ``fixed`` (the entry with some fixes) is in ``jobs``, added if new; None where the fixes changed
-    nothing. An input equal to one of this entry's fixed inputs (from ``start``: all fixes together where only
-    one of them applied) is rendered once: the renderer is a function of it."""
+    """Where ``fixed`` is in ``jobs``, added if new (equal inputs from ``start`` on render once); None where the
+    fixes changed nothing."""
     if fixed is e.body or fixed is e.text:
         return None
     for k in range(start, len(jobs)):

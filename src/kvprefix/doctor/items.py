@@ -1,7 +1,5 @@
-"""Items a prompt lists in an order that means nothing to the model's client: few-shot examples (user/assistant
-message pairs before the conversation) and retrieved documents inside one message (in <document> tags, numbered,
-or between blank lines). The doctor finds the same items in another order (``moved``) and its fix puts the items
-it saw moved back in one order (``reorder``)."""
+"""Items whose order means nothing: few-shot examples (user/assistant pairs before the conversation) and documents
+inside one message. ``moved`` finds the same items in another order; ``reorder`` puts them back in one order."""
 
 from __future__ import annotations
 
@@ -17,9 +15,8 @@ _NUMBERED = re.compile(r"^[ \t]*(?:\[\d+\]|\(\d+\)|\d+[.)]|(?:document|doc|sourc
 _BLANK = re.compile(r"\n[ \t]*\n\s*")
 _DIGITS = re.compile(r"\d+")
 
-# One item: (start, end) of all of it in the content, (key_start, key_end) of the part that names it (a document's
-# text without its tag or number). What is outside the key (a number, a tag) stays in its place when items move,
-# unless the labels are not numbers in order (then they name their document and move with it).
+# One item: (start, end) in the content, and (key_start, key_end) of the part that names it (without tag or number).
+# A label outside the key stays when items move, unless labels are not numbers in order (then it moves too).
 Item = tuple[int, int, int, int]
 
 

@@ -1,6 +1,6 @@
-"""Pass 1, observe: reads the log once; renders and hashes each request as it is (``as is``; a request log with
-prompts also its text, ``text``) and in the first request's namespace (``one namespace``), and compares it with
-the earlier request it shares most with (``findings``)."""
+"""Pass 1, observe: reads the log once; renders and hashes each request as is (and as ``text`` for a request log
+with prompts) and in the first request's namespace (``one namespace``), and compares it with the earlier request it
+shares most with (``findings``)."""
 
 from __future__ import annotations
 

@@ -84,9 +84,8 @@ class Renderer:
         return self.text(entry.text, entry.add_special_tokens, entry.message_spans)
 
     def entries(self, entries: list[LogEntry]) -> list[Rendered | None]:
-        """``body`` or ``text`` of each entry (None for an entry with neither) as those render it, in batches
-        (``kvprefix.prompts.render_bodies``, the tokenizer's ``encode_batch``). Where any body fails, nothing is
-        rendered here (all None): one by one, the first that fails names its line."""
+        """Each entry's ``body`` or ``text`` rendered, in batches (None for neither). Where any body fails, all are
+        None: rendered one by one, the first failure names its line."""
         out: list[Rendered | None] = [None] * len(entries)
         with_body = [k for k, e in enumerate(entries) if e.body is not None]
         try:

@@ -1,6 +1,6 @@
-"""Replays a variant of the log through the planner (``kvprefix.sim.replay``: the real KV cache manager), in log
-order, on one replica or on the replicas the log names, and removes the hits the log's timing rules out. At
-unbounded capacity the planner's result is computed without its pool (``unbounded_replay``, tested equal)."""
+"""Replays a variant of the log through the planner (the real KV cache manager), in log order, on one replica or
+the replicas the log names, and removes the hits the log's timing rules out. Unbounded capacity skips the pool
+(``unbounded_replay``, tested equal)."""
 
 from __future__ import annotations
 
@@ -34,9 +34,8 @@ class Timing:
 
 
 class Replayer:
-    """Replays variants of one log; the replay behind two settings that differ only in ``in_flight`` runs once, and
-    so does the replay of two variants with the same chains (a fix that changed no request, one namespace already):
-    a replay is a function of the requests' chains and lengths."""
+    """Replays variants of one log, each distinct replay once: a replay is a function of the requests' chains and
+    lengths (``in_flight`` is applied after it)."""
 
     def __init__(self, order: Sequence[int], groups: list[list[int]], timing: Timing):
         self.order = order  # all requests in arrival order
@@ -81,10 +80,8 @@ def planner_replay(variant: Variant, members: Sequence[int], capacity_blocks: in
 
 
 def unbounded_replay(variant: Variant, members: Sequence[int], cached: array) -> None:
-    """``planner_replay`` with a pool that never evicts, without building the pool: in order mode every block of
-    every earlier request stays cached, so a request hits the blocks of its chain seen before (those are a prefix
-    of the chain: a block is seen with all its parents), short of its last token (whose logits must be computed:
-    the cache manager's rule). One step per request and per block new to these requests."""
+    """``planner_replay`` with a pool that never evicts, without the pool: a request hits the blocks of its chain
+    seen before (a prefix: a block is seen with its parents), short of its last token (the manager's rule)."""
     bs, tokens, leaves, parent = variant.block_size, variant.tokens, variant.leaves, variant.tree.parent
     seen = bytearray(len(parent))
     for i in members:
@@ -99,13 +96,10 @@ def unbounded_replay(variant: Variant, members: Sequence[int], cached: array) ->
 
 def _drop_in_flight_hits(variant: Variant, order: Sequence[int], cached: array, timing: Timing) -> None:
     """A block is ready when the first request that computed it finished its prefill; a request arriving before
-    that recomputes it (and everything after it), whatever the replay found in the pool.
+    that recomputes it and everything after it.
 
-    Along a chain the ready times never decrease (a request computes its blocks from its last ready one on, all
-    done at once, no earlier than it arrived), so the ready hits are a prefix of the replay's and only the blocks
-    after it are visited: one walk from the request's last block up to its last ready hit, one back up while it
-    finds a block to make ready sooner. A prefill logged as shorter than nothing counts as nothing: a block ready
-    before its request arrived is ready for every later request either way."""
+    Ready times never decrease along a chain, so the ready hits are a prefix of the replay's and only the blocks
+    after it are visited. A negative logged prefill counts as zero."""
     bs, leaves, tokens, parent = variant.block_size, variant.leaves, variant.tokens, variant.tree.parent
     ready: dict[int, float] = {}  # every block of every request so far
     for i in order:

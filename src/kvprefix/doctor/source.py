@@ -82,8 +82,8 @@ class Log:
 
 def _progress_lines(entries: Iterator[LogEntry], desc: str, lines: int, path: str,
                     every_s: float) -> Iterator[LogEntry]:
-    """The entries, with a line on stderr every ``every_s`` seconds saying how far the pass is (for a job whose
-    stderr goes to a file or a pipe, where a bar redrawn in place is noise). A short job prints nothing."""
+    """The entries, with a progress line on stderr every ``every_s`` seconds (for stderr to a file or pipe); a
+    short job prints nothing."""
     start = time.monotonic()
     last = start
     for n, e in enumerate(entries, 1):

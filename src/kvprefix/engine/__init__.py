@@ -1,7 +1,6 @@
 """The inference engine: requests, scheduler, model runner, sampler, and the LLM / AsyncLLM APIs.
 
-The torch-free parts (SamplingParams, outputs, EngineArgs) import eagerly; LLM, AsyncLLM and LLMEngine load torch
-and the model code only when first used, so light modules (the CLI, the server's argument parsing) stay fast.
+The torch-free parts import eagerly; LLM, AsyncLLM and LLMEngine load torch only when first used (fast CLI start).
 """
 
 from __future__ import annotations

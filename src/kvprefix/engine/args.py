@@ -9,17 +9,13 @@ from kvprefix.cache.identity import QUANTIZATION_METHODS  # noqa: F401  (the CLI
 
 @dataclass
 class EngineArgs:
-    """``model`` None is the built-in default model (SmolLM2-135M-Instruct, from its GGUF file). ``dtype`` "auto" is
-    bfloat16 on CUDA and on CPUs with native bfloat16 (AVX512-BF16 or AMX), else float32. The KV cache holds
-    ``num_gpu_blocks`` blocks if given, else as many as fit in ``kv_cache_memory`` bytes, else (CUDA) ``gpu_memory_utilization`` of the free memory or (CPU) 1 GiB.
-    ``max_model_len`` None is the model's ``max_position_embeddings``. ``tenant_kv_reserve`` > 0 isolates eviction
-    between tenants: that fraction of the KV cache is shared out as each tenant's reserved room (0: one LRU for
-    all; docs/security.md). ``share_inflight_prefixes``: a waiting request whose next prompt blocks a running request
-    is computing waits for them (bounded) and hits, instead of computing them again. ``scheduling_policy`` "fcfs"
-    admits in arrival order; "cache_aware" admits the requests with the most cached prompt tokens first, except
-    that one waiting ``max_wait_steps`` steps or more goes first (docs/engine.md). ``quantization`` (CPU only) keeps the projection and lm_head weights compact:
-    "int8" (per channel), "int4" (groups of 32) or "gguf" (a .gguf model's own blocks); None is dense
-    (docs/model.md)."""
+    """``model`` None: the built-in default model. ``dtype`` "auto": bfloat16 on CUDA and native-bfloat16 CPUs, else
+    float32. KV cache size: ``num_gpu_blocks`` if given, else ``kv_cache_memory`` bytes, else (CUDA)
+    ``gpu_memory_utilization`` of free memory or (CPU) 1 GiB. ``max_model_len`` None: the model's
+    ``max_position_embeddings``. ``tenant_kv_reserve`` > 0: that fraction of the cache is reserved per tenant
+    (docs/security.md). ``share_inflight_prefixes``: wait (bounded) for prompt blocks a running request is computing.
+    ``scheduling_policy``: "fcfs" or "cache_aware" (most cached first, bounded by ``max_wait_steps``;
+    docs/engine.md). ``quantization`` (CPU only): "int8", "int4" or "gguf" compact weights (docs/model.md)."""
 
     model: str | None = None
     dtype: str = "auto"

@@ -1,12 +1,9 @@
-"""AsyncLLM: the engine for servers (it implements ``EngineClient``). One background thread runs engine steps (torch
-releases the GIL while it computes, so the event loop stays responsive); each request gets an async stream of
-RequestOutputs of the kind it asked for. The engine thread puts each step's deltas on the request's asyncio queue
-(the only queue between the engine thread and the stream's reader); the stream's OutputState, on the event loop,
-folds them in and detokenizes, so text is decoded while the next step computes, and only when the stream reads it.
+"""AsyncLLM: the engine for servers (``EngineClient``). A background thread runs engine steps (torch releases the
+GIL); each step's deltas go on the request's asyncio queue, the only queue between the engine thread and the
+stream's reader, whose OutputState folds and detokenizes them on the event loop while the next step computes.
 
-Only the engine thread touches the engine's state: requests are added, aborted and the cache reset through a
-command queue that the thread drains between steps. A stream that is closed early (client disconnect, task
-cancelled, ``break``) aborts its request, so its blocks are always freed.
+Only the engine thread touches engine state: adds, aborts and resets go through a command queue it drains between
+steps. A stream closed early (disconnect, cancellation, ``break``) aborts its request, so its blocks are freed.
 """
 
 from __future__ import annotations
@@ -53,8 +50,7 @@ class AsyncLLM:
         self.vocab_size = self.engine.model_config.vocab_size
         self.max_sequence_tokens = self.engine.max_sequence_tokens
         self.uses_default_model = self.engine.uses_default_model
-        # The cache as servers report and diagnose it; fixed for the engine's lifetime. ``hasher`` is unsalted
-        # (its block_size and algo are the cache's); a namespace's chain is ``hasher.for_namespace(tenant, salt)``.
+        # Fixed for the engine's lifetime. ``hasher`` is unsalted; a namespace's is ``hasher.for_namespace(...)``.
         self.identity = self.engine.identity  # what names its blocks, as routers learn it (cache.BlockIdentity)
         self.hasher = self.engine.hasher
         self.num_kv_blocks = self.engine.manager.pool.num_blocks
@@ -75,7 +71,7 @@ class AsyncLLM:
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
-    # ---- public API -----------------------------------------------------------------------------------------
+    # ---- public API
 
     async def generate(
         self,
@@ -137,9 +133,8 @@ class AsyncLLM:
         on_snapshot: Callable[[list[tuple[bytes, bytes | None, str]]], None],
         on_event: Callable[[KVCacheEvent], None],
     ) -> Callable[[], None]:
-        """Atomically, on the engine thread: calls ``on_snapshot`` with every block cached now, as (hash, parent
-        hash, namespace id), then subscribes ``on_event``; so the two together see each change exactly once.
-        Returns a function that unsubscribes."""
+        """On the engine thread, atomically: ``on_snapshot`` with every cached (hash, parent hash, namespace id), then
+        subscribes ``on_event``, so each change is seen exactly once. Returns the unsubscribe function."""
 
         def start() -> Callable[[], None]:
             on_snapshot(self.engine.manager.pool.snapshot())
@@ -167,7 +162,7 @@ class AsyncLLM:
             self._wake.notify()
         await asyncio.to_thread(self._thread.join)
 
-    # ---- engine thread --------------------------------------------------------------------------------------
+    # ---- engine thread
 
     def _submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()

@@ -1,8 +1,6 @@
 """In-flight prefix sharing: a waiting request whose next uncached prompt blocks a running request is computing
-(same block hashes, not registered yet) waits for them and then hits, instead of computing them a second time.
-
-Requests that arrive together with one cold prefix would otherwise all compute it: the hash map only knows a
-block once its KV is written. The n samples of one request are the same case (sample 0 leads, the others follow).
+waits for them and then hits. Without it, requests arriving together with one cold prefix all compute it (the hash
+map knows a block only once its KV is written); the n samples of a request are the same case.
 """
 
 from __future__ import annotations
@@ -14,9 +12,8 @@ from kvprefix.engine.request import Request
 class InflightPrefixes:
     """Which running request (the leader) will compute each not-yet-cached full prompt block, by block hash.
 
-    A follower waits at most the number of steps computing those blocks itself would take under the token budget,
-    so sharing never delays it beyond doing the work; a leader that is preempted, aborted or finishes leaves the
-    map at once, and its followers are admitted in that same step (hitting whatever it registered).
+    A follower waits at most the steps computing those blocks itself would take, so sharing never delays it; a
+    leader that leaves the running set leaves the map at once, and its followers are admitted that same step.
     """
 
     def __init__(self, block_size: int, max_num_batched_tokens: int):
@@ -39,9 +36,8 @@ class InflightPrefixes:
                 del leader_of[h]
 
     def should_wait(self, req: Request, num_hit_blocks: int, step: int) -> bool:
-        """True while ``req``'s next uncached block is in flight and its wait has not run out. The bound is set when
-        a wait for that block starts: the steps computing the run of in-flight blocks itself would take. A wait
-        that ends in hits may be followed by one for a later block (the prompt of another leader), never the same."""
+        """True while ``req``'s next uncached block is in flight and its wait (bounded when it starts) has not run
+        out. A wait that ends in hits may be followed by one for a later block, never the same one."""
         hashes = req.block_hashes
         max_blocks = (req.num_tokens - 1) // self.block_size  # the block of the last token is never a hit
         leader_of = self._leader_of

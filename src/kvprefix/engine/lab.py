@@ -1,8 +1,6 @@
-"""`kvprefix lab`: the prefix cache on a real engine. Several prompts share a long system prompt; they run with
-caching on, then off, one at a time, and the table shows per request the cached tokens and the time to first token,
-that one changed early token loses the hit, and that the outputs are identical either way. With a chat template the
-prompts are chat conversations (the shared text as the system message, each question as the user's), so an
-instruct model such as the built-in default answers them in real text."""
+"""`kvprefix lab`: the prefix cache on a real engine. Prompts sharing a long system prompt run one at a time with
+caching on, then off; the table shows per request the cached tokens and TTFT, that one changed early token loses the
+hit, and that outputs are identical either way. With a chat template the prompts are conversations."""
 
 from __future__ import annotations
 
@@ -63,8 +61,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def build_prompts(tokenizer, num_requests: int, system_tokens: int) -> list[list[int]]:
-    """Token ids: the same ``system_tokens``-token system prompt (the template's opening included), then a different
-    question each; through the chat template when the tokenizer has one."""
+    """Token ids: the same ``system_tokens``-token system prompt, then a different question each (chat-templated
+    when the tokenizer has a template)."""
     if tokenizer.chat_template:
         # The template rendered around two markers: its text before the system message, between the system message
         # and the question, and after the question.

@@ -17,9 +17,8 @@ Conversation = list[dict[str, Any]]
 
 
 class LLM:
-    """``LLM(model=None, enable_prefix_caching=True, block_size=16, prefix_caching_hash_algo="sha256", ...)``;
-    every keyword is an ``EngineArgs`` field. ``model=None`` is the built-in default model
-    (SmolLM2-135M-Instruct); or pass a checkpoint directory, a .gguf file or a hub id."""
+    """Every keyword is an ``EngineArgs`` field; ``model``: None (the built-in default), a checkpoint directory, a
+    .gguf file or a hub id."""
 
     def __init__(self, model: str | None = None, **kwargs: Any):
         try:
@@ -52,10 +51,8 @@ class LLM:
         cache_salt: str | None = None,
         tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"} dicts, OpenAI-style: text parts, the developer role, tool
-        calls and tool results too) or a list of them, rendered with the model's chat template exactly as the
-        server renders them. ``tools`` (OpenAI's tool definitions) are rendered as the server renders them; as in
-        vLLM's ``LLM.chat``, the output is not parsed for calls."""
+        """One OpenAI-style conversation or a list of them, and ``tools``, rendered with the chat template exactly as
+        the server renders them; as in vLLM's ``LLM.chat``, the output is not parsed for tool calls."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.llm_engine.tokenizer
         prompts: list[PromptType] = []

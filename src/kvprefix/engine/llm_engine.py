@@ -1,6 +1,5 @@
-"""LLMEngine: the synchronous core that LLM and AsyncLLM drive. Owns the model runner, the scheduler, the KV cache
-manager and the block hashers; turns prompts into requests and engine steps into RequestDeltas, which each caller's
-OutputState folds into RequestOutputs."""
+"""LLMEngine: the synchronous core that LLM and AsyncLLM drive. Owns the model runner, scheduler, KV cache manager
+and block hashers; turns prompts into requests and steps into RequestDeltas (each caller's OutputState folds them)."""
 
 from __future__ import annotations
 
@@ -108,7 +107,7 @@ class LLMEngine:
         self._iteration_tokens = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)  # per bucket (not cumulative), then +Inf
         self._iteration_tokens_sum = 0
 
-    # ---- requests -------------------------------------------------------------------------------------------
+    # ---- requests
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids) for any accepted prompt form."""
@@ -135,14 +134,13 @@ class LLMEngine:
     ) -> OutputState:
         """Queues a request. Raises ValueError for a reused id, a bad prompt, or one that cannot fit.
 
-        ``tenant`` and ``cache_salt`` pick the cache namespace (``identity.namespace_salt``): the request only ever
-        hits blocks of the same namespace. Returns the request's ``OutputState``: the caller feeds it the request's
-        ``RequestDelta``s (from ``step`` and ``abort_request``) and reads cumulative outputs from it."""
+        ``tenant`` and ``cache_salt`` pick the cache namespace: the request only hits blocks of its namespace.
+        Returns the request's ``OutputState``, which the caller feeds the request's deltas (``step``,
+        ``abort_request``)."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
-        # Samples of n > 1 are named f"{i}_{request_id}", which can equal another request's (sample) id; the
-        # scheduler and cache key everything by sample id, so a clash would corrupt both.
+        # Sample ids f"{i}_{request_id}" may equal another request's id; scheduler and cache key by sample id.
         sample_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
         for sample_id in sample_ids:
             if sample_id in self._user_request_of:
@@ -244,7 +242,7 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
-    # ---- stepping -------------------------------------------------------------------------------------------
+    # ---- stepping
 
     def step(self) -> list[RequestDelta]:
         """Runs one batch; returns the deltas of requests that produced a token or finished in it."""
@@ -337,8 +335,8 @@ class LLMEngine:
             req.set_prompt_logprobs(start + a + 1, entries)
 
     def _sample(self, logits, requests: list[Request]) -> list[tuple]:
-        """(token, logprobs) per request. Should the batch fail, each request is sampled alone, so the ones that
-        cannot be sampled get their exception in place of a token and the rest of the batch goes on."""
+        """(token, logprobs) per request. If the batch fails, each request is sampled alone: one that cannot be
+        sampled gets its exception in place of a token and the rest goes on."""
         try:
             tokens, logprobs = self.sampler(logits, requests)
             return list(zip(tokens, logprobs, strict=True))
@@ -363,7 +361,7 @@ class LLMEngine:
         failures, self._failures = self._failures, []
         return failures
 
-    # ---- cache and metrics ----------------------------------------------------------------------------------
+    # ---- cache and metrics
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached block; refused (False) while any request holds blocks."""

@@ -10,11 +10,9 @@ ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 81
 
 def engine_metrics(manager, scheduler, counters: dict[str, int], iteration_tokens: list[int],
                    iteration_tokens_sum: int) -> dict[str, int | float]:
-    """Counters since start (prefix_cache_* in tokens, each request counted at its first admission;
-    prefix_cache_preempted_* count re-admissions after preemption; num_inflight_prefix_waits: requests that waited
-    behind a running request's in-flight prompt blocks), gauges (num_requests_*, kv_cache_usage,
-    num_free_blocks), and tokens per step as a histogram: iteration_tokens_le_B counts the steps of at most B
-    tokens, iteration_tokens_count all steps, iteration_tokens_sum their tokens."""
+    """Counters since start (prefix_cache_* in tokens at first admission; prefix_cache_preempted_* at
+    re-admissions; num_inflight_prefix_waits), gauges (num_requests_*, kv_cache_usage, num_free_blocks), and the
+    tokens-per-step histogram (iteration_tokens_le_B: steps of at most B tokens; _count, _sum); docs/metrics.md."""
     stats = manager.stats
     pool = manager.pool
     return {

@@ -11,7 +11,7 @@ from kvprefix.cache import KVCacheManager
 from kvprefix.engine.scheduler import SchedulerOutput
 from kvprefix.model import AttentionMetadata, ModelConfig, allocate_kv_cache, kv_cache_bytes_per_block
 
-# Default KV budget on CPU (enough for ~250k tokens of the default model); on CUDA a fraction of free memory is used instead.
+# Default KV budget on CPU; CUDA uses a fraction of free memory instead.
 CPU_KV_CACHE_BYTES = 1 << 30
 
 
@@ -60,9 +60,8 @@ class ModelRunner:
     def execute(
         self, sched: SchedulerOutput, sample_rows: list[int], score_rows: Sequence[int] = ()
     ) -> tuple[torch.Tensor | None, dict[int, torch.Tensor]]:
-        """Computes every scheduled token; returns float32 logits [len(sample_rows), vocab] for those rows, and for
-        each of ``score_rows`` (requests that want prompt logprobs) the hidden states of its chunk's positions
-        whose next token is a prompt token (``logits`` turns them into logits)."""
+        """Computes every scheduled token; returns float32 logits [len(sample_rows), vocab], and for each of
+        ``score_rows`` (prompt logprobs) the hidden states of its positions whose next token is a prompt token."""
         chunks, token_ids = [], []
         for s in sched.scheduled:
             req = s.request

@@ -1,9 +1,6 @@
 """The reader's side of one request: folds the engine's ``RequestDelta``s into a ``RequestOutput`` of the kind the
-reader asked for (cumulative, or only what is new since its previous output).
-
-It runs where the outputs are read (the caller of ``LLM.generate``, the event loop of an ``AsyncLLM`` stream), not
-on the engine thread, and it detokenizes lazily: tokens are decoded only when an output is asked for, so the text
-of steps nobody reads (a stream that fell behind, ``LLM.generate`` before the end) is decoded once, in one go.
+reader asked for. Runs where outputs are read, not on the engine thread, and detokenizes only when an output is
+asked for, so text of steps nobody reads is decoded once, in one go.
 """
 
 from __future__ import annotations

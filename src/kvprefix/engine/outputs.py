@@ -24,13 +24,10 @@ class Logprob:
 
 @dataclass
 class CompletionOutput:
-    """One of a request's ``n`` samples. Cumulative: ``text`` and ``token_ids`` hold everything generated so far.
-    While the request runs, ``token_ids`` and ``logprobs`` are the request's own lists, which later tokens extend
-    (no per-step copy); copy them to keep a snapshot. Under ``RequestOutputKind.DELTA`` they hold only what is new
-    since the previous output, and ``logprobs`` entries come with their ``decoded_token``.
-
-    ``finish_reason`` is "stop" (EOS, a stop token or a stop string), "length" (max_tokens or the context limit)
-    or "abort"; ``stop_reason`` is the stop string or stop token id that ended it (None for EOS).
+    """One of a request's ``n`` samples: everything generated so far (under ``RequestOutputKind.DELTA``, only what
+    is new). While the request runs, ``token_ids`` and ``logprobs`` are the request's own growing lists: copy them
+    to keep a snapshot. ``finish_reason``: "stop" (EOS, stop token or string), "length" or "abort";
+    ``stop_reason``: the stop string or token id that ended it (None for EOS).
     """
 
     index: int
@@ -53,8 +50,8 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
-    # Seconds between consecutive tokens of each sample, as the reader received them (AsyncLLM streams; tokens that
-    # arrive together share the gap since the sample's previous ones). Filled by OutputState, never by the engine.
+    # Seconds between consecutive tokens of each sample as the reader received them (AsyncLLM; filled by
+    # OutputState, never by the engine).
     token_gaps: list[float] = field(default_factory=list)
 
     @property
@@ -69,9 +66,9 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """The state of one request after an engine step. ``num_cached_tokens``: prompt tokens served from the prefix
-    cache at admission (for n > 1, those of the first sample). ``prompt_block_hashes``: the hashes the cache keys
-    the prompt's full blocks by, in its namespace (public id ``namespace_id``), computed once by the engine."""
+    """One request after an engine step. ``num_cached_tokens``: prompt tokens served from the prefix cache at
+    admission (the first sample's). ``prompt_block_hashes``: the prompt's full blocks' keys in its namespace
+    (public id ``namespace_id``)."""
 
     request_id: str
     prompt: str | None
@@ -88,9 +85,8 @@ class RequestOutput:
 
 @dataclass
 class SampleDelta:
-    """What one engine step (or an abort) added to one sample: its new tokens (and their logprobs entries, when
-    requested), and how it finished. ``text`` is the sample's whole text so far when the engine detokenizes it
-    (samples with stop strings: their text decides when they stop), else None: the reader detokenizes."""
+    """What one engine step (or an abort) added to one sample. ``text``: the whole text so far when the engine
+    detokenizes (samples with stop strings, whose text decides when they stop), else None (the reader does)."""
 
     index: int
     token_ids: list[int]
@@ -98,21 +94,19 @@ class SampleDelta:
     text: str | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    # Whether the last token ended the sample by itself (EOS or a stop token): its text is shown only with
-    # include_stop_str_in_output. False when a stop string, the length or the grammar ended it.
+    # The last token ended the sample by itself (EOS or stop token): its text shows only with
+    # include_stop_str_in_output.
     ended_by_token: bool = False
 
 
 @dataclass
 class RequestDelta:
-    """The engine's output for one request and step: only the samples that changed. ``OutputState`` folds these
-    into the cumulative ``RequestOutput`` the APIs return."""
+    """The engine's output for one request and step: only the samples that changed (``OutputState`` folds them)."""
 
     request_id: str
     samples: list[SampleDelta]
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics
-    # With SamplingParams.prompt_logprobs: the whole list (as RequestOutput's), sent once, in the delta of the
-    # step that computed the last prompt token (or of the abort); None in every other delta.
+    # With prompt_logprobs: the whole list, once, in the delta that computed the last prompt token (or the abort).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None

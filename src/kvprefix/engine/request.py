@@ -20,11 +20,7 @@ class RequestStatus(enum.Enum):
 
 
 class Request(CacheRequest):
-    """One sample of a user request (a request with ``n`` samples becomes ``n`` of these, ``index`` 0..n-1).
-
-    Samples of one prompt share its blocks like any requests with a common prefix: the later ones wait behind
-    the first while it computes them (``InflightPrefixes``), then hit them.
-    """
+    """One sample of a user request (``index`` 0..n-1); samples share the prompt's blocks like any common prefix."""
 
     def __init__(
         self,
@@ -52,11 +48,9 @@ class Request(CacheRequest):
         self.stop_reason: int | str | None = None
         self.ended_by_token = False  # finished by an EOS or stop token (whose text shows only if asked for)
         self.generator: Any = None  # a torch.Generator for seeded sampling, made by the sampler on first use
-        # Only a sample with stop strings is detokenized on the engine thread: its text decides when it stops. The
-        # others are detokenized by whoever reads the outputs (OutputState), off the model step.
+        # Only a sample with stop strings is detokenized on the engine thread (its text stops it).
         self.text = SampleText(tokenizer, prompt_token_ids, params) if params.stop_strings else None
-        # Per prompt position: the logprobs of that prompt token (position 0 has none), filled as prefill runs and
-        # handed to the outputs once the prompt is computed. Only sample 0 scores the prompt.
+        # Per prompt position: that token's logprobs (none at 0), filled by prefill; only sample 0 scores the prompt.
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
             [None] * self.num_prompt_tokens if params.prompt_logprobs is not None and index == 0 else None)
         self.matcher: Any = None  # an llguidance matcher under structured outputs (engine.structured)
@@ -120,7 +114,6 @@ class Request(CacheRequest):
         self.prompt_logprobs[first_position : first_position + len(entries)] = entries
 
     def take_prompt_logprobs(self) -> list[dict[int, Logprob] | None] | None:
-        """The prompt logprobs, once: the request then stops scoring and reading around the cache (a preemption
-        after this recomputes from cache hits like any request)."""
+        """The prompt logprobs, once: the request then reads the cache like any other."""
         out, self.prompt_logprobs = self.prompt_logprobs, None
         return out

@@ -11,9 +11,8 @@ from kvprefix.engine.request import Request
 
 
 class Sampler:
-    """Samples one token per row. Greedy rows take the argmax; others draw with the exponential-race trick
-    (argmax of p / Exp(1)), which needs one draw per row from that row's generator: a request with a seed has its
-    own ``torch.Generator``, so its samples do not depend on what else is in the batch."""
+    """Samples one token per row: argmax when greedy, else argmax of p / Exp(1) with one draw per row from its own
+    generator when seeded, so a seeded sample does not depend on the rest of the batch."""
 
     def __init__(self, seed: int, device: torch.device):
         self.device = device

@@ -34,15 +34,12 @@ class StructuredOutputsParams:
 
 @dataclass
 class SamplingParams:
-    """Sampling settings for one prompt. Invalid values raise ``ValueError`` naming the field and the accepted range.
+    """Sampling settings for one prompt (vLLM's). Invalid values raise ``ValueError`` naming the field and range.
 
-    ``top_k`` 0 or -1 disables top-k; ``max_tokens`` None means up to the model's context length; ``logprobs`` k
-    returns the k most likely tokens at each step (plus the sampled one), from the model's raw distribution.
-    ``min_tokens``: no EOS, stop token or stop string ends a sample before it has that many tokens (vLLM's).
-    ``prompt_logprobs`` k: the logprob of every prompt token after the first (plus the k most likely there); such
-    a request reads nothing from the prefix cache, since cached tokens have no logits (vLLM does the same).
-    ``structured_outputs``: every sampled token keeps the output a prefix of the given language; the sample stops
-    ("stop") when the language allows nothing more.
+    ``top_k`` 0 or -1: off; ``max_tokens`` None: up to the context length; ``logprobs`` k: the k most likely tokens
+    per step plus the sampled one (raw distribution); ``min_tokens``: nothing stops a sample before it.
+    ``prompt_logprobs`` k: such a request reads nothing from the prefix cache (cached tokens have no logits).
+    ``structured_outputs``: the output stays in the language; the sample stops when it allows nothing more.
     """
 
     n: int = 1

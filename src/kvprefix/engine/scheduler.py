@@ -32,17 +32,11 @@ class Scheduler:
     """Each step: running requests first (decodes and unfinished prefill chunks), then admissions from the waiting
     queue, all under ``max_num_batched_tokens`` tokens and ``max_num_seqs`` sequences.
 
-    Prefill and decode are one mechanism: a request is scheduled for the tokens it has not computed yet; when a
-    step computes its last token, a new token is sampled. Admission asks the cache manager for cached blocks
-    first, so cached tokens cost no budget. When the pool is full, the latest-admitted running request is
-    preempted: its blocks are freed (they stay cached) and it goes back to the front of the queue.
-
-    With ``share_inflight_prefixes``, a waiting request whose next uncached prompt blocks a running request is
-    computing stays in the queue (keeping its place) until they are registered, then hits them; later requests
-    are admitted past it meanwhile (``InflightPrefixes`` bounds the wait).
-
-    ``scheduling_policy`` orders admissions: "fcfs" (queue order) or "cache_aware" (most cached prompt tokens
-    first, with aging: see ``_admission_order``).
+    Prefill and decode are one mechanism: a request is scheduled for the tokens it has not computed; a step that
+    computes its last token samples a new one. Cached tokens cost no budget. When the pool is full, the
+    latest-admitted running request is preempted (blocks freed but still cached, back to the queue's front).
+    With ``share_inflight_prefixes``, a request waiting on blocks a running one is computing keeps its place while
+    later ones pass (``InflightPrefixes``). ``scheduling_policy``: see ``_admission_order``.
     """
 
     def __init__(
@@ -142,9 +136,8 @@ class Scheduler:
         return budget
 
     def _admission_order(self) -> list[Request]:
-        """FCFS: the queue as it is. Cache-aware: requests that were preempted or have waited ``max_wait_steps``
-        first (in queue order, so nobody starves), then the rest by cached prompt tokens, most first (SGLang's
-        longest-prefix-match), ties in queue order."""
+        """FCFS: the queue as it is. Cache-aware: preempted requests and those waiting ``max_wait_steps`` first (so
+        nobody starves), then by cached prompt tokens, most first (SGLang's longest-prefix-match); ties in order."""
         if self.scheduling_policy == "fcfs" or len(self.waiting) < 2:
             return list(self.waiting)
         step, max_wait = self.num_steps, self.max_wait_steps

@@ -1,8 +1,5 @@
 """Structured outputs with llguidance: a request's schema, regex, choices or grammar becomes a matcher that masks
-the logits of each step to the tokens that keep the output in the language, and follows the sampled tokens.
-
-llguidance, not xgrammar: on CPU its per-token mask is about half of xgrammar's at a 32k vocabulary
-(benchmarks/bench_structured.py, docs/server.md), and it needs no GPU toolchain to install.
+the logits of each step to the tokens that keep the output in the language. Why llguidance: docs/server.md.
 """
 
 from __future__ import annotations
@@ -109,9 +106,8 @@ class GrammarMasks:
     def apply(self, logits: torch.Tensor, matchers: Sequence[llguidance.LLMatcher | None]) -> torch.Tensor:
         """Sets to -inf, in place, each constrained row's logits of tokens its grammar does not allow now.
 
-        Our own unpacking of llguidance's bitmask (bit t of word t // 32 = token t allowed), not llguidance.torch's:
-        that one is a torch.compile kernel, whose import (dynamo, inductor) and first compile cost seconds on the
-        first structured request, and which needs a C++ compiler on a CPU machine."""
+        Unpacks llguidance's bitmask here (bit t of word t // 32 = token t allowed): llguidance.torch's kernel needs
+        torch.compile, slow on the first request and a C++ compiler on CPU."""
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return logits

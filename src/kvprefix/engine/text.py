@@ -1,8 +1,6 @@
 """A sample's output text: incremental detokenization (honouring skip_special_tokens), stop strings and
-include_stop_str_in_output (vLLM semantics).
-
-One implementation for both places that detokenize: the engine thread, for samples with stop strings (it must see
-their text to stop them), and the consumer of the outputs (``OutputState``), for every other sample.
+include_stop_str_in_output (vLLM semantics). Used by the engine thread for samples with stop strings (their text
+stops them) and by ``OutputState`` for every other sample.
 """
 
 from __future__ import annotations

@@ -16,9 +16,8 @@ async def read_body(raw: Request) -> bytes:
 
 
 async def receive_body(receive: Receive, content_length: str = "") -> bytes:
-    """The whole body from the ASGI messages, or 413 as soon as it is over the limit: an oversized (or unannounced
-    chunked) body is never held in memory. ``content_length``: the request's header, "" when it has none. Straight
-    from ``receive`` (no ``Request`` object): the router reads every body it relays."""
+    """The whole body from the ASGI messages, or 413 as soon as it is over the limit (never held in memory).
+    ``content_length``: the request's header, "" when it has none."""
     if content_length.isdigit() and int(content_length) > MAX_BODY_BYTES:
         raise _too_big()
     chunks, size = [], 0

@@ -1,11 +1,9 @@
 """Header checks before any route: the Host and Origin that browsers send, and a single Authorization header.
 
-Without keys, any web page the user opens can send requests to a server on 127.0.0.1: a cross-site POST (flush
-the cache, run completions) does harm without reading the answer, and DNS rebinding (a hostile name that resolves
-to 127.0.0.1) lets the page read answers too. A browser always sends the Host it believes it talks to, and an
-Origin on every cross-site POST; curl and SDKs send no Origin. So a Host that is not one of the server's names, or
-an Origin from another site, gets 403, and a request without Origin is served. ``GET /health`` and ``/ping`` are exempt (they say
-only up or down), so that probes reach it by any address.
+Without keys, any web page can send requests to a server on 127.0.0.1 (cross-site POSTs; DNS rebinding lets it read
+answers too). Browsers always send the Host they believe they talk to and an Origin on cross-site POSTs; curl and
+SDKs send no Origin. So a foreign Host or a cross-site Origin gets 403; ``GET /health`` and ``/ping`` are exempt, so
+probes reach them by any address. docs/security.md.
 """
 
 from __future__ import annotations
@@ -29,9 +27,8 @@ def _hostname(netloc: str) -> str | None:
 
 
 def allowed_hosts(option: str | None, bind_host: str) -> frozenset[str] | None:
-    """The Host names to serve (any port), from ``--allowed-hosts`` (comma-separated, ``*`` for any); None means
-    any. By default: the loopback names (and the bound address) when bound to loopback, else any (the server is then meant to
-    be reached under names it cannot know; cross-site Origins are refused either way)."""
+    """The Host names to serve (any port), from ``--allowed-hosts`` (comma-separated, ``*``); None means any. By
+    default the loopback names (and the bound address) when bound to loopback, else any (names it cannot know)."""
     if option is None:
         loopback = bind_host == "localhost" or _is_loopback_ip(bind_host)
         return LOOPBACK_NAMES | {bind_host.lower()} if loopback else None

@@ -1,16 +1,12 @@
 """Deadlines for receiving a request, which uvicorn lacks; and a response in one write.
 
-uvicorn closes a connection left idle after a response (``timeout_keep_alive``) and answers 503 past
-``limit_concurrency``, but sets no limit on how long a client may take to *send* a request (uvicorn issue #157:
-``timeout_keep_alive`` is cancelled by the first byte received and never armed before the first request). A
-connection that never completes its headers, or trickles its body, stays open for ever, and a few hundred of
-them exhaust the process (slowloris). This HTTP protocol adds two deadlines: the request head must arrive within
-``headers_timeout`` of the connection opening or of the previous response, and the body within ``body_timeout``
-of the head. Once a request is in, none applies: a long generation streams for as long as it takes.
+uvicorn sets no limit on how long a client may take to *send* a request (uvicorn issue #157), so slow clients can
+hold connections open for ever and exhaust the process (slowloris). This protocol adds two deadlines: the head
+within ``headers_timeout`` of the connection opening or the previous response, the body within ``body_timeout`` of
+the head. Once a request is in, none applies (a long generation streams as long as it takes).
 
-uvicorn writes a response's head and its body in two writes: two system calls and two TCP segments for every
-short answer. The protocol hands uvicorn a transport that gathers the writes of one event-loop iteration into one
-(``CoalescingTransport``): a whole answer goes out at once, a stream's chunks still go out as they come.
+uvicorn writes a response's head and body separately; ``CoalescingTransport`` gathers one event-loop iteration's
+writes into one, so a short answer goes out in one segment and a stream's chunks still go out as they come.
 """
 
 from __future__ import annotations
@@ -59,9 +55,8 @@ def timed_protocol(headers_timeout: float, body_timeout: float, base: type = H11
                 self._arm(body_timeout)
 
         def _arm(self, timeout: float | None) -> None:
-            """Sets the deadline. Most requests arrive well within it, so it is a time, not a timer: one timer per
-            connection checks it when due and waits again for a deadline that moved later (re-armed for every
-            request on a keep-alive connection, a timer per request would be created and cancelled each time)."""
+            """Sets the deadline: a time, not a timer; one timer per connection checks it when due and waits again
+            if it moved later (no timer created and cancelled per request)."""
             self._deadline = None if timeout is None else self.loop.time() + timeout
             if self._deadline is not None and (self._timer is None or self._deadline < self._timer.when()):
                 if self._timer is not None:
@@ -81,9 +76,8 @@ def timed_protocol(headers_timeout: float, body_timeout: float, base: type = H11
 
 
 class CoalescingTransport:
-    """A transport whose writes made in one event-loop iteration reach the socket as one write, at the end of the
-    iteration (before any I/O is waited for), in order; closing sends what is gathered first. Everything else is
-    the wrapped transport's."""
+    """A transport whose writes in one event-loop iteration reach the socket as one write, in order, at the end of
+    the iteration; closing sends what is gathered first. Everything else is the wrapped transport's."""
 
     __slots__ = ("_transport", "_loop", "_gathered")
 

@@ -1,5 +1,5 @@
-"""The ``x-request-id`` header (vLLM's, and what gateways and tracing proxies send): every response carries the
-caller's id, or a new one, so one request can be followed through the client's, the router's and our logs."""
+"""The ``x-request-id`` header (vLLM's): every response carries the caller's id or a new one, to follow a request
+through the client's, the router's and our logs."""
 
 from __future__ import annotations
 

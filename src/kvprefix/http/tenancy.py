@@ -1,10 +1,8 @@
 """API keys, tenants, and the cache salt that keeps tenants from ever sharing a cached block.
 
-Prefix caching leaks through timing (a hit is faster), so a tenant that could hit another tenant's blocks could
-probe what that tenant sends. With keys configured, the namespace that enters the root block hash is derived from
-the authenticated tenant (never from anything the client says); a client ``cache_salt`` can only subdivide its own
-tenant. See
-docs/security.md.
+A hit is faster, so a tenant that could hit another's blocks could probe what it sends. With keys, the namespace
+in the root block hash comes from the authenticated tenant; a client ``cache_salt`` only subdivides its own
+(docs/security.md).
 """
 
 from __future__ import annotations
@@ -66,9 +64,8 @@ def _bearer(authorization: str | None) -> str | None:
 class Auth:
     """Maps API keys to tenants and guards the admin endpoints.
 
-    No keys: one shared namespace, every caller accepted (the default, bound to 127.0.0.1). Admin endpoints
-    are then open unless an admin key is set; with tenant keys but no admin key they are disabled, since a
-    cache reset by one tenant would affect (and could be timed by) all the others.
+    No keys: one shared namespace, every caller accepted; admin endpoints open unless an admin key is set. Tenant
+    keys without an admin key disable them: one tenant's cache reset would affect (and be timed by) all others.
     """
 
     def __init__(self, keys: dict[str, str] | None = None, admin_key: str | None = None):
@@ -78,8 +75,8 @@ class Auth:
 
     @classmethod
     def from_options(cls, api_key: str | None, api_keys_file: str | None, admin_key: str | None) -> Auth:
-        """Raises ValueError for options that ask for auth but configure none (an empty key, say from an unset
-        variable, or an empty keys file): those would otherwise start a server open to everyone."""
+        """ValueError for options that ask for auth but configure none (an empty key or keys file), which would
+        otherwise start a server open to everyone."""
         for option, key in (("--api-key", api_key), ("--admin-key", admin_key)):
             if key is not None and not key.strip():
                 raise ValueError(f"{option} is empty (an unset variable?); give a key, or leave the option out")

@@ -1,9 +1,6 @@
-"""The one reader of the logs the planner and the doctor read, as a stream of ``LogEntry``: JSONL of OpenAI
-request bodies as clients send them, and kvprefix's own request log. Errors are ``LogError`` (file and line).
-
-A body's namespace is derived as the server derives it (``cache.namespace_salt`` of ``tenant`` and
-``cache_salt``); a request log names it by its public id. Either way, requests share blocks only within one
-``namespace``."""
+"""The one reader of the planner's and doctor's logs, as ``LogEntry``s: JSONL of OpenAI request bodies, and
+kvprefix's request log. Errors are ``LogError`` (file and line). A body's namespace is derived as the server derives
+it; a request log names it by its public id. Requests share blocks only within one ``namespace``."""
 
 from __future__ import annotations
 
@@ -43,10 +40,8 @@ class LogEntry:
 
 
 class SharedTools:
-    """Equal tools lists read as one list, which knows its JSON: a log sends a few lists again on every request,
-    and the doctor needs a list's JSON several times, each a ``json.dumps`` as slow as parsing the whole body.
-    Up to ``limit`` distinct lists and ``limit_chars`` characters of their JSON; the lists are the reader's own
-    (never changed: a fix makes a new list)."""
+    """Equal tools lists read as one shared list with its JSON (logs repeat a few lists; the doctor needs their JSON
+    often). Up to ``limit`` lists and ``limit_chars`` characters of JSON; never mutated (a fix makes a new list)."""
 
     def __init__(self, limit: int = 4096, limit_chars: int = 1 << 23) -> None:
         self.limit = limit
@@ -56,8 +51,8 @@ class SharedTools:
         self._json_of: dict[int, str] = {}  # by id: every list here is held by _by_bytes, so its id stays its own
 
     def share(self, tools: list) -> list:
-        # marshal's bytes tell JSON values apart as JSON does (key order, 1 / 1.0 / true) at a quarter of the
-        # cost; version 2 writes no back-references, so equal lists give equal bytes.
+        # marshal's bytes tell JSON values apart as JSON does (key order, 1 / 1.0 / true), cheaper than dumps;
+        # version 2 writes no back-references, so equal lists give equal bytes.
         key = marshal.dumps(tools, 2)
         known = self._by_bytes.get(key)
         if known is None and len(self._by_bytes) < self.limit and self._chars < self.limit_chars:
@@ -115,9 +110,8 @@ def _body_entries(path, line: int, row: dict[str, Any], tools: SharedTools) -> I
 
 def iter_request_log(path: str | Path, torn: list[int] | None = None, default_block_size: int | None = None,
                      block_size_hint: str = "") -> Iterator[LogEntry]:
-    """The records of a request log, each checked to have its block size (``default_block_size`` for hand-made
-    logs without one; ``block_size_hint`` ends the error where neither is there) and one hash per full block.
-    Torn lines are skipped (their numbers appended to ``torn``)."""
+    """The records of a request log, each checked for its block size (else ``default_block_size``; the error ends
+    with ``block_size_hint``) and one hash per full block. Torn lines are skipped (numbers appended to ``torn``)."""
     for line, rec in iter_records(path, torn):
         block_size = rec.block_size or default_block_size
         if block_size is None:

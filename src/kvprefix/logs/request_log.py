@@ -1,8 +1,7 @@
 """The request log: one versioned JSONL schema, written by the server, read by the planner and the doctor.
 
-One line per prompt, written when its request ends. It holds what a miss diagnosis needs (arrival and finish
-times, tenant pseudonym, namespace id, block hashes, cached tokens and why the rest missed, replica) and the prompt
-text only when the operator asks for it. docs/request-log.md documents every field.
+One line per prompt, written when its request ends: what a miss diagnosis needs, and the prompt text only when
+asked for. docs/request-log.md documents every field.
 """
 
 from __future__ import annotations
@@ -100,8 +99,8 @@ _TYPES: dict[str, tuple[type, ...]] = _REQUIRED | {
 def iter_records(path: str | Path, torn: list[int] | None = None) -> Iterator[tuple[int, RequestRecord]]:
     """(line number, record) for each record of a request log.
 
-    A line that is not JSON at all is a record torn by a crash mid-write: it is skipped (its number appended to
-    ``torn``) rather than refusing the whole file. A JSON line that is not a valid record is an error.
+    A non-JSON line (torn by a crash mid-write) is skipped, its number appended to ``torn``; a JSON line that is
+    not a valid record is an error.
     """
     with open(path, encoding="utf-8", errors="replace") as f:
         for line_no, text in enumerate(f, start=1):
@@ -124,9 +123,8 @@ def iter_records(path: str | Path, torn: list[int] | None = None) -> Iterator[tu
 class RequestLogWriter:
     """Appends records as JSON lines, one write call per line so the file can be tailed while serving.
 
-    A failed write (a full disk, an I/O error) loses that record and never fails the request that ended: it is
-    counted (``errors``, and ``on_error`` is called), warned about once, and the next line starts on a line of its
-    own, so a record that was cut off stays a torn line that readers skip.
+    A failed write loses that record, never the request: it is counted (``errors``, ``on_error``), warned about
+    once, and the next record starts a new line, so the cut one stays a torn line readers skip.
     """
 
     def __init__(self, path: str, include_prompts: bool = False, on_error: Callable[[], None] | None = None):

@@ -22,9 +22,8 @@ from kvprefix.model.config import ModelConfig
 
 
 class LayerKV(tuple):
-    """One layer's (K, V), each [num_blocks, block_size, kv_heads, head_dim]: views of ``kv``, the tensor
-    [num_blocks, block_size, 2 * kv_heads, head_dim] that holds K then V heads per slot, the order of the qkv
-    projection's output, so a step's new K and V are one slice of it and one ``index_copy_`` writes both."""
+    """One layer's (K, V), each [num_blocks, block_size, kv_heads, head_dim]: views of ``kv``, which holds K then
+    V heads per slot (the qkv projection's order), so one ``index_copy_`` writes a step's K and V."""
 
     kv: torch.Tensor
 
@@ -96,7 +95,7 @@ class _Prefill:
 
     def mask(self, window: int | None, group: int, dtype: torch.dtype) -> torch.Tensor:
         """Additive [group * new, seq_len] causal mask for the GQA-folded query rows (see _prefill), built once per
-        step: additive in the query dtype, so the attention kernel does not convert a bool mask in every layer."""
+        step in the query dtype so no layer converts a bool mask."""
         if window not in self._masks:
             num_new = self.end - self.start
             q_pos = torch.arange(self.seq_len - num_new, self.seq_len, device=self.block_ids.device)[:, None]
@@ -156,9 +155,8 @@ class _BatchPlan:
         return self._decode_masks[window]
 
     def decode_context(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(gather target [D * max_blocks, block_size, 2 * kv_heads, head_dim], keys, values [D, kv_heads,
-        max_blocks * block_size, head_dim]): views of one buffer, built once per step; every layer gathers its
-        decodes' blocks into the same target, then reads keys and values through the same views."""
+        """(gather target, keys, values [D, kv_heads, max_blocks * block_size, head_dim]): views of one buffer,
+        built once per step, that every layer gathers its decodes' blocks into."""
         if cache.dtype not in self._decode_context:
             num, (both_heads, head_dim) = self.decode_tokens.numel(), cache.shape[2:]
             target = _gather_target(cache, self.decode_blocks.numel())
@@ -171,11 +169,8 @@ class _BatchPlan:
 def allocate_kv_cache(
     config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: str | torch.device
 ) -> KVCache:
-    """Per layer (K, V), each [num_blocks, block_size, num_kv_heads, head_dim] (``LayerKV``), zero-filled.
-
-    Zeros, not empty: padded positions of a batched decode are masked, but NaN garbage there would still leak
-    through the softmax-weighted sum.
-    """
+    """Per layer (K, V), each [num_blocks, block_size, num_kv_heads, head_dim] (``LayerKV``), zero-filled:
+    padded decode positions are masked, but NaN garbage there would still leak through the weighted sum."""
     shape = (num_blocks, block_size, 2 * config.num_key_value_heads, config.head_dim)
     return [LayerKV(torch.zeros(shape, dtype=dtype, device=device)) for _ in range(config.num_hidden_layers)]
 
@@ -194,11 +189,8 @@ def paged_attention(
     scale: float,
     window: int | None = None,
 ) -> torch.Tensor:
-    """q: [T, q_heads, head_dim]; kv: [T, 2 * kv_heads, head_dim], the new tokens' K heads then V heads (as
-    ``LayerKV`` holds them). Returns [T, q_heads, head_dim].
-
-    Writes the new K/V into the cache by slot first, so each sequence then reads its whole context from its blocks.
-    """
+    """q: [T, q_heads, head_dim]; kv: [T, 2 * kv_heads, head_dim] (K heads then V heads). Returns [T, q_heads,
+    head_dim]. Writes the new K/V into the cache first, so each sequence reads its whole context from its blocks."""
     cache = kv_cache.kv
     block_size, kv_heads, head_dim = cache.shape[1], cache.shape[2] // 2, cache.shape[3]
     # index_copy_ copies whole rows (index_put_ goes element by element); kv may be a strided view.
@@ -228,15 +220,13 @@ def _prefill(q, k, v, cache, p: _Prefill, scale: float, window: int | None) -> t
         context = _gather(cache, p.block_ids).flatten(0, 1)[: p.seq_len]
         keys, values = context[:, : k.shape[1]], context[:, k.shape[1] :]
     if num_new == p.seq_len and window is None:
-        # A leading batch dim of 1: 4-D inputs take PyTorch's fused CPU attention kernel, 3-D ones the much slower
-        # math fallback (6x on a 1k-token prefill).
+        # 4-D inputs take PyTorch's fused CPU attention kernel; 3-D ones the much slower math fallback.
         query, keys, values = (x.transpose(0, 1)[None] for x in (query, keys, values))
         out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=True)
         return out[0].transpose(0, 1)
     # is_causal aligns the top-left corner, which is wrong once a cached prefix precedes the chunk: explicit mask.
-    # GQA folded into the query length: the `group` query heads of each KV head become one [group * new] block of
-    # rows over that head's keys, so K/V are not repeated per query head and the matmuls are larger (~15% faster
-    # for 48 tokens over 1k on CPU, bit-identical).
+    # GQA folded into the query length: each KV head's `group` query heads become [group * new] rows over its keys,
+    # so K/V are not repeated per query head (bit-identical).
     _, kv_heads, head_dim = keys.shape
     group = q.shape[1] // kv_heads
     query = query.view(num_new, kv_heads, group, head_dim).permute(1, 2, 0, 3)
@@ -260,18 +250,15 @@ def _decode(q, cache, plan: _BatchPlan, scale: float, window: int | None) -> tor
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """cache[block_ids]: [len(block_ids), block_size, 2 * kv_heads, head_dim], valid until the next gather.
-
-    index_select copies whole blocks (advanced indexing goes element by element, ~3x slower)."""
+    """cache[block_ids], valid until the next gather (index_select copies whole blocks; indexing goes by element)."""
     return torch.index_select(cache, 0, block_ids, out=_gather_target(cache, block_ids.numel()))
 
 
 def _gather_target(cache: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    """An uninitialized [num_blocks, block_size, 2 * kv_heads, head_dim] tensor to gather blocks of ``cache`` into.
+    """An uninitialized tensor to gather ``num_blocks`` blocks of ``cache`` into.
 
-    On CPU a view of a buffer reused across layers and steps: a fresh allocation above glibc's mmap threshold
-    (32 MB) is page-faulted in on every use, which cost 10x the copy itself (64 decodes x 1k tokens, float32: 20 ms
-    vs 2 ms). CUDA's caching allocator reuses memory already.
+    On CPU a view of a per-thread buffer reused across layers and steps: a fresh allocation above glibc's mmap
+    threshold is page-faulted in on every use, costing more than the copy. CUDA's caching allocator reuses memory.
     """
     shape = (num_blocks, *cache.shape[1:])
     if cache.device.type != "cpu":

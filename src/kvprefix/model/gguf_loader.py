@@ -1,8 +1,5 @@
 """Weights of a GGUF checkpoint: each tensor renamed to the decoder's parameter name and dequantized to float32
-with the `gguf` package (F32, F16, BF16, Q4_0 ... Q8_0, the K-quants and the other types it implements).
-
-Quantized blocks are expanded here, once, at load; a later path that keeps them compact would replace `dequantize`
-for the matmul weights and leave the renaming and the row order as they are.
+with the `gguf` package (every type it implements), once, at load; ``quantize_model`` may re-pack them compact.
 """
 
 from __future__ import annotations

@@ -21,9 +21,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The reference's rounding order: normalize in float32, round to the model dtype, then scale. PyTorch's
-        # fused kernel normalizes in float32 whatever the input dtype and rounds once, so without a weight it
-        # equals the reference's first step; in float32 the weight joins the same kernel (one op, not six).
+        # The reference's rounding: normalize in float32, round to the model dtype, then scale. The fused kernel
+        # without a weight equals the first step; in float32 the weight can join it.
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return F.rms_norm(x, self.weight.shape, None, self.eps) * self.weight
@@ -108,8 +107,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
-        # An uninitialized weight: the checkpoint overwrites it, and on the meta device (load_model) normal_'s
-        # Python decomposition alone imports sympy and torch._refs, seconds of a server's start-up.
+        # Uninitialized: the checkpoint overwrites it, and normal_ on the meta device imports sympy (slow start-up).
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
                                          _weight=torch.empty(config.vocab_size, config.hidden_size, dtype=dtype))
         self.layers = nn.ModuleList(DecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers))

@@ -31,9 +31,8 @@ def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
-    """The dtype "auto" means: bfloat16 on CUDA, and on CPUs with native bfloat16 matmuls (AVX512-BF16 or AMX),
-    where it prefills about 3x faster than float32 and decodes as fast (docs/model.md, "Speed and dtype"); float32
-    on other CPUs, which would emulate bfloat16."""
+    """The dtype "auto" means: bfloat16 on CUDA and on CPUs with native bfloat16 matmuls, else float32 (other CPUs
+    would emulate bfloat16; docs/model.md, "Speed and dtype")."""
     if device.type == "cuda":
         return torch.bfloat16
     return torch.bfloat16 if device.type == "cpu" and native_bfloat16_cpu() else torch.float32

@@ -1,16 +1,9 @@
-"""Weight-only quantized linear layers for CPU decode, on the int8/int4 matmuls that PyTorch ships.
+"""Weight-only int8/int4 linear layers for CPU decode (bound by the weight bytes read per step), on PyTorch's ops.
 
-Decode on CPU is bound by the bytes of weights read per step; these layers keep the weights compact:
-
-- ``Int8Linear``: one int8 per weight, one scale per output channel: ``w = q * scale``
-  (``torch.ops.aten._weight_int8pack_mm``).
-- ``Int4Linear``: 4 bits per weight in groups of 32 along the input dimension, with a scale and a zero per group:
-  ``w = (q - 8) * scale + zero``, q in 0..15 (``torch.ops.aten._weight_int4pack_mm_for_cpu``, the tinygemm
-  convention; tests/model/test_quantized_linear.py checks it against the op).
-
-Both ops run fast only with bfloat16 activations (float32 ones take a fallback that is 5-10x slower), so the layers
-compute in bfloat16 and return the caller's dtype. ``quantize_model`` swaps a loaded model's projections (and its
-lm_head, tied or not) for these layers; ``pack_gguf_tensors`` builds one straight from a GGUF file's blocks.
+``Int8Linear``: ``w = q * scale`` per output channel. ``Int4Linear``: groups of 32 along the input,
+``w = (q - 8) * scale + zero``, q in 0..15 (the tinygemm convention). The ops are fast only with bfloat16
+activations, so the layers compute in bfloat16 and return the caller's dtype (docs/model.md).
+``quantize_model`` swaps a loaded model's projections and lm_head; ``pack_gguf_tensors`` builds one from GGUF blocks.
 """
 
 from __future__ import annotations
@@ -29,9 +22,7 @@ from kvprefix.tokenizer.gguf_file import GGUFFile, open_gguf
 
 GROUP_SIZE = 32  # int4 group along the input dimension; also the block size of GGUF's Q4_0/Q4_1/Q8_0
 _COMPUTE = torch.bfloat16  # the ops' activations
-# Prefill-sized inputs take a dequantized weight and a dense matmul instead (the ops are matrix-vector kernels whose
-# time grows with the rows): in bfloat16 where this CPU's bfloat16 matmuls are native, else in float32
-# (docs/benchmarks.md, `benchmarks/bench_quantized_rows.py`).
+# Prefill-sized inputs dequantize and take a dense matmul (the ops are matrix-vector kernels); docs/model.md.
 _DENSE = torch.bfloat16 if native_bfloat16_cpu() else torch.float32
 _N_ALIGN = 16  # the int4 packing needs a multiple of 16 output channels: pad with zero rows
 
@@ -39,9 +30,7 @@ _N_ALIGN = 16  # the int4 packing needs a multiple of 16 output channels: pad wi
 class Int8Linear(nn.Module):
     """y = x @ (q * scale[:, None]).T + bias, with q int8 [out, in] and scale bfloat16 [out]."""
 
-    # Above this many rows a layer dequantizes: near the measured crossover of the op and dequantize-then-matmul
-    # (docs/model.md, compact weights).
-    dense_above_rows = 32
+    dense_above_rows = 32  # above this many rows, dequantize then matmul (docs/model.md)
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -52,8 +41,7 @@ class Int8Linear(nn.Module):
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
-        """Symmetric per-output-channel quantization: scale = max|w| / 127 (rounded to bfloat16 first, so q is
-        computed against the scale the matmul uses): |error| <= scale / 2 per weight."""
+        """Symmetric per output channel, scale = max|w| / 127 rounded to bfloat16 before q is chosen."""
         w = weight.detach().float()
         scales = (w.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny).to(_COMPUTE).float()
         q = torch.round(w / scales[:, None]).clamp(-127, 127)
@@ -99,8 +87,7 @@ class Int4Linear(nn.Module):
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int4Linear:
-        """Asymmetric min/max quantization per group of 32: scale = (max - min) / 15, zero = the value at q = 8;
-        both rounded to bfloat16 before q is chosen: |error| <= scale / 2 per weight (plus bfloat16 rounding)."""
+        """Asymmetric min/max per group of 32: scale = (max - min) / 15, zero = the value at q = 8 (both bfloat16)."""
         w = weight.detach().float()
         n, k = w.shape
         if k % GROUP_SIZE:
@@ -132,8 +119,7 @@ class Int4Linear(nn.Module):
         return _nbytes(self.qweight, self.scales_and_zeros, self.bias)
 
 
-# _rows, _as and _finish skip the reshapes and casts that are no-ops (the usual case: 2-D activations in the
-# dtype wanted): a decode step runs every projection through them.
+# _rows, _as and _finish skip no-op reshapes and casts (every projection of a decode step calls them).
 def _rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
     """x as a [rows, in] matrix."""
     return x if x.dim() == 2 else x.reshape(-1, in_features)
@@ -157,21 +143,16 @@ def _nbytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-# ---- GGUF blocks -------------------------------------------------------------------------------------------------
+# ---- GGUF blocks
 
 
 def pack_gguf_tensors(file: str | GGUFFile, parts: Sequence[tuple[str, torch.Tensor | None]],
                       bias: torch.Tensor | None = None) -> Int4Linear | Int8Linear:
-    """The linear layer for GGUF tensors ``parts`` of ``file`` (a path, or a reader to reuse) stacked along the
-    output in order (one part for a plain projection; q, k, v or gate, up for a stacked one), from their raw blocks.
-    Each part is (tensor name, row order or None): the row order reorders that tensor's output channels (the
-    loader's undoing of llama.cpp's q/k row permutation); blocks run along the input dimension, so it is lossless.
+    """The linear layer for GGUF tensors ``parts`` of ``file`` (a path or a reader) stacked along the output.
 
-    Q4_0 (w = d * (q - 8)) and Q4_1 (w = d * q + m) map onto int4 exactly: scale = d, zero = 0 or m + 8 d (the
-    only change is d and m going from float16 to bfloat16). Q8_0's scale is per block of 32 while the int8 matmul's
-    is per output channel, so Q8_0 (and every other type, dequantized by the gguf package) is re-quantized to
-    per-channel int8 (``Int8Linear.from_float``); so is a stack that mixes int4 and other types (its int4 parts
-    dequantized exactly first).
+    Each part is (tensor name, row order or None); the row order undoes llama.cpp's q/k permutation (lossless:
+    blocks run along the input). Q4_0/Q4_1 map onto int4 exactly (d and m rounded to bfloat16); every other type,
+    or a stack mixing types, is re-quantized to per-channel int8 (``Int8Linear.from_float``).
     """
     reader = open_gguf(file) if isinstance(file, str) else file
     weights = [_gguf_weight(reader, name, rows) for name, rows in parts]
@@ -229,18 +210,16 @@ def gguf_rows_from_permuted(out_features: int, num_heads: int) -> torch.Tensor:
 _GGUF_NAMES = {hf: g for g, hf in _LAYER_NAMES.items() if hf.endswith("_proj")}
 
 
-# ---- the hook ----------------------------------------------------------------------------------------------------
+# ---- the hook
 
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, method: str | None, gguf_path: str | None = None) -> nn.Module:
     """Swaps a loaded CausalLM's projections and lm_head for weight-only quantized layers, in place; returns it.
 
-    ``method``: None keeps dense weights; "int8" and "int4" re-quantize the loaded weights (a stacked projection
-    as a whole: both scale per output channel or per group within a row, so that equals quantizing its parts);
-    "gguf" packs each projection from the blocks of ``gguf_path`` (the file the model was loaded from;
-    ``pack_gguf_tensors``). The embedding stays dense (a decode step reads one row of it), as do norms, biases and
-    the KV cache.
+    ``method``: None keeps dense weights; "int8"/"int4" re-quantize the loaded weights; "gguf" packs each projection
+    from the blocks of ``gguf_path`` (the file the model was loaded from). Embedding, norms, biases and KV cache stay
+    dense.
     """
     if method is None:
         return model

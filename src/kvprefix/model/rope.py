@@ -54,10 +54,9 @@ class RotaryEmbedding(torch.nn.Module):
 
 
 def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotates x [T, heads, head_dim] (q and k heads together, a view into the projection's output) in place:
-    the halves (x1, x2) become (x1 cos - x2 sin, x2 cos + x1 sin), the reference's ``x * cos + rotate_half(x) *
-    sin`` as ``x * cos + swap_halves(x) * signed_sin``: one copy and two in-place ops (a decode step is bound by
-    the number of small ops), with the rounding of the two-halves form it replaced (negating sin is exact)."""
+    """Rotates x [T, heads, head_dim] (q and k heads, a view into the projection's output) in place, as the
+    reference's ``x * cos + rotate_half(x) * sin`` written ``x * cos + swap_halves(x) * signed_sin``: one copy and two
+    in-place ops, with the reference's rounding (negating sin is exact)."""
     tokens, heads, dim = x.shape
     swapped = x.view(tokens, heads, 2, dim // 2).flip(2).view(tokens, heads, dim)
     return x.mul_(cos).addcmul_(swapped, signed_sin)

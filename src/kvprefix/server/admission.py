@@ -49,10 +49,8 @@ class Admission:
         self._on_reject = on_reject
 
     async def acquire(self, k: int, tenant: str | None = None) -> Ticket:
-        """Claims ``k`` engine-request slots (one per prompt), waiting while an admin drain holds the gate.
-
-        Raises at once: 400 for a batch that could never be admitted, 429 when the tenant has its share pending
-        (so one tenant cannot starve the others), 503 when the server is full or shutting down."""
+        """Claims ``k`` engine-request slots (one per prompt), waiting while an admin drain holds the gate. Raises at
+        once: 400 for a batch that never fits, 429 when the tenant has its share pending, 503 when full or stopping."""
         limit, option = min((self.max_pending, "--max-pending"),
                             (self.max_pending_per_tenant or self.max_pending, "--max-pending-per-tenant"))
         if k > limit:

@@ -78,7 +78,7 @@ async def _validate(text: str, model: type[BaseModel]) -> Any:
     try:
         if len(text) < _PARSE_INLINE_BYTES:
             return model.model_validate_json(text)
-        # A body of millions of token ids takes a second to validate: off the event loop, so streams keep flowing.
+        # Large bodies validate off the event loop, so streams keep flowing.
         return await asyncio.to_thread(model.model_validate_json, text)
     except ValidationError as exc:
         raise from_validation_error(exc) from None

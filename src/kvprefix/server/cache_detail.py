@@ -1,9 +1,8 @@
 """Why a prompt missed the prefix cache: the opt-in per-request diagnosis (docs/server.md, docs/security.md).
 
-``CacheTracker`` mirrors the engine's cache from its KV events (which block hash is cached, its parent and its
-tokens, which hashes were evicted) and explains the first uncached block of a prompt. Every lookup uses the
-caller's own salted hashes: block hashes chain from a root that includes the tenant's salt, so the tracker can
-only ever find blocks of the caller's own tenant and salt; another tenant's cache contents are unreachable.
+``CacheTracker`` mirrors the engine's cache from its KV events and explains a prompt's first uncached block. Every
+lookup uses the caller's own salted hashes, whose chain roots in the tenant's salt, so another tenant's cache
+contents are unreachable.
 """
 
 from __future__ import annotations
@@ -66,7 +65,7 @@ class CacheTracker:
         self._children: dict[BlockHash, set[BlockHash]] = {}  # parent (the namespace root for first blocks) -> kids
         self._evicted: OrderedDict[BlockHash, None] = OrderedDict()
 
-    # -- event side -------------------------------------------------------------------------------------
+    # -- event side
 
     def on_event(self, event: KVCacheEvent) -> None:
         with self._lock:
@@ -108,7 +107,7 @@ class CacheTracker:
             if not siblings:
                 del self._children[parent]
 
-    # -- request side -----------------------------------------------------------------------------------
+    # -- request side
 
     def hasher_for(self, tenant: str | None, client_salt: str | None) -> BlockHasher:
         """The hasher the engine uses for this namespace."""

@@ -95,9 +95,8 @@ def _sampling(req: CompletionRequest | ChatCompletionRequest, max_tokens: int) -
 
 
 def _response_id(req, raw: Request, kind: str) -> tuple[str, str]:
-    """(the response's id, the base of its engine request ids). The id is the client's x-request-id header, else
-    the body's request_id (vLLM's order), else the id the middleware made. A client's id may repeat, an engine's
-    may not: then the engine ids get a unique suffix."""
+    """(the response's id, the base of its engine ids): x-request-id, else the body's request_id, else the
+    middleware's. A repeated client id gets a unique suffix for the engine."""
     header_id, chosen = request_id_of(raw)
     base = header_id if chosen or req.request_id is None else req.request_id
     if not valid_request_id(base):

@@ -1,12 +1,8 @@
-"""Prometheus metrics under vLLM's names with a ``kvprefix:`` prefix, or, with ``--metrics-names vllm``, under
-vLLM's exact names (``vllm:``) for every metric vLLM has, so its dashboards, alerts, autoscalers and the Gateway
-API Inference Extension read them unchanged (all listed in docs/metrics.md). Every series has vLLM's
-``model_name`` and ``engine`` labels.
+"""Prometheus metrics under vLLM's names with a ``kvprefix:`` prefix, or with ``--metrics-names vllm`` vLLM's exact
+names, so its dashboards and the Gateway API Inference Extension read them unchanged (docs/metrics.md).
 
-Two sources: the engine's own counters and gauges (prefix-cache queries and hits in tokens, preemptions,
-evictions, KV usage, running and waiting), read from the engine at scrape time so they are never a stale copy;
-and per-request observations the server makes as responses finish (tokens, finish reasons, latencies).
-Hit rate is a PromQL ratio of two counters, never a gauge.
+Engine counters and gauges are read at scrape time (never a stale copy); per-request observations are made as
+responses finish. Hit rate is a PromQL ratio of two counters, never a gauge.
 """
 
 from __future__ import annotations
@@ -124,10 +120,8 @@ class FinishedSequence:
 
 
 class ServerMetrics:
-    """One registry per server (no global state), so tests can run several servers in one process.
-
-    ``namespace`` "vllm" exposes vLLM's names (see metric_name); ``cache_config`` are the labels of
-    cache_config_info; ``max_model_len`` bounds the token-count buckets (as vLLM's do)."""
+    """One registry per server (no global state). ``namespace`` "vllm": vLLM's names; ``cache_config``: the labels
+    of cache_config_info; ``max_model_len`` bounds the token-count buckets."""
 
     def __init__(self, model_name: str, read_engine: Callable[[], Mapping[str, float]], namespace: str = "kvprefix",
                  cache_config: Mapping[str, str] | None = None, max_model_len: int = 8192):

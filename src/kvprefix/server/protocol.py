@@ -79,7 +79,7 @@ class ResponseFormat(_Body):
 
 class StreamOptions(_Body):
     include_usage: bool = False
-    # vLLM's: usage (so far) on every chunk, not only in the final one; needs include_usage, as in vLLM.
+    # vLLM's: usage so far on every chunk; needs include_usage.
     continuous_usage_stats: bool = False
 
 
@@ -141,7 +141,7 @@ class _SamplingFields(_Body):
     request_id: str | None = None
     # kvprefix extension (docs/server.md): per-prompt cache diagnosis in usage.cache_detail.
     cache_detail: bool = False
-    # Accepted so that clients sending OpenAI defaults work; a non-default value is refused in check_supported().
+    # Accepted at OpenAI defaults; other values are refused in check_supported().
     logit_bias: dict[str, Any] | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -214,8 +214,7 @@ class CompletionRequest(_SamplingFields):
 class TextPart(_Body):
     type: Literal["text"]
     text: str
-    # Anthropic-style cache breakpoint that LiteLLM and LangChain pass through: a hint with nothing to do here,
-    # since every full block of every prompt is cached automatically (docs/server.md).
+    # Anthropic-style cache breakpoint (LiteLLM, LangChain): nothing to do, every full block is cached (docs/server.md).
     cache_control: dict[str, Any] | None = None
 
 
@@ -241,9 +240,8 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | Annotated[list[TextPart], Field(min_length=1, max_length=MAX_CONTENT_PARTS)] | None = None
     name: str | None = None
-    # What the openai client's message.model_dump() carries back into the next turn: tool calls render (the
-    # template's way, or kvprefix.prompts.tools'), audio is refused in check_supported(), refusal and annotations
-    # are metadata with nothing to render.
+    # What the openai client's message.model_dump() carries into the next turn: tool calls render, audio is refused in
+    # check_supported(), refusal and annotations have nothing to render.
     refusal: str | None = None
     annotations: list[Any] | None = None
     tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOL_CALLS)] | None = None
@@ -254,7 +252,7 @@ class ChatMessage(_Body):
     @field_validator("content", mode="before")
     @classmethod
     def _text_parts_only(cls, content: Any) -> Any:
-        # Before the union is tried: otherwise an image part gets "should be a valid string" from the str member.
+        # Before the union is tried, so an image part does not get the str member's error.
         if isinstance(content, list):
             for part in content:
                 kind = part.get("type") if isinstance(part, dict) else None

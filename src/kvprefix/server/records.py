@@ -31,8 +31,8 @@ class Books:
         self.max_tokens = max_tokens  # after defaults
 
     def diagnose(self, job: Job) -> CacheDetail | None:
-        """Why the job's prompt missed the cache, when asked for or logged; made at its first output with a token
-        (a stream's first token, a whole response's final output), while the cache looks much as at admission."""
+        """Why the job's prompt missed the cache, when asked for or logged; made at its first output with a token,
+        while the cache looks much as at admission."""
         if self.tracker is None or not (self.req.cache_detail or self.request_log is not None):
             return None
         out = job.out

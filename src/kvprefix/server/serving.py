@@ -104,8 +104,7 @@ class Serving:
 
 
 async def _respond(run: Run, shape: Shape, raw: Request) -> JSONResponse:
-    """Non-streamed: waits for each job's final output. A client that goes away aborts its requests; they end
-    in-band, so they are booked as they stood."""
+    """Non-streamed: waits for each job's final output; a client that goes away aborts (booked as they stood)."""
 
     async def collect() -> None:
         async for _ in run.outputs():

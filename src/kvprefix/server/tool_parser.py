@@ -1,12 +1,10 @@
 """The default model's tool calls (SmolLM2's format, kvprefix.prompts.tools) out of generated text, as OpenAI
 tool-call deltas while the text streams in, or as a message's ``tool_calls`` at the end.
 
-One parser serves both: a non-streamed response is the streamed parse of the whole text, so the two always agree.
-A block is ``<tool_call>`` + a JSON list of ``{"name": ..., "arguments": {...}}`` objects (or one such object, the
-Hermes form other models write) + ``</tool_call>``. A call's name is sent as soon as it is complete and its arguments
-as they arrive; text outside blocks is content, and no part of a ``<tool_call>`` tag is ever sent as content.
-Whitespace next to a block is dropped. A block that does not have this shape (another key order, a name that
-is not a tool) is parsed whole once it ends, and is content if it still is not a list of calls to known tools.
+A non-streamed response is the streamed parse of the whole text, so the two agree. A block is ``<tool_call>`` + a
+JSON list of ``{"name": ..., "arguments": {...}}`` (or one such object, the Hermes form) + ``</tool_call>``. Names
+go out once complete, arguments as they arrive; no part of a tag is ever sent as content. A block of another shape
+is parsed whole when it ends, and is content unless it is a list of calls to known tools.
 """
 
 from __future__ import annotations

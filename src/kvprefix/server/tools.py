@@ -1,9 +1,7 @@
-"""``tools``, ``tool_choice`` and ``parallel_tool_calls`` of a chat request: which calls are read back from the
-output (kvprefix.server.tool_parser), and, under ``"required"`` or a named function, the grammar that makes the
-output a valid call (as vLLM constrains these choices with guided decoding): ``<tool_call>`` + a JSON list of
-calls to the allowed functions, each one's arguments matching its schema + ``</tool_call>``, in the form
-kvprefix.prompts.tools renders past calls. Under ``"auto"`` with ``strict`` tools the text stays free and every
-block of calls in it is held to the same grammar."""
+"""``tools``, ``tool_choice`` and ``parallel_tool_calls`` of a chat request: which calls are parsed from the output
+(tool_parser), and under ``"required"`` or a named function the grammar that makes the output a valid block of calls
+(as vLLM does with guided decoding). Under ``"auto"`` with ``strict`` tools, text stays free and every block of
+calls in it is held to the grammar."""
 
 from __future__ import annotations
 
@@ -38,8 +36,8 @@ class ToolPlan:
 
 
 def plan_tools(req: ChatCompletionRequest) -> ToolPlan | None:
-    """The request's tool plan (None: no calls are parsed, for no tools or tool_choice "none"); a 400 naming the
-    field for what the engine cannot honour. Compiles the grammar (a few milliseconds): run it off the loop."""
+    """The request's tool plan (None: no tools or tool_choice "none"); a 400 naming the field for what the engine
+    cannot honour. Compiles the grammar: run it off the event loop."""
     choice, tools = req.tool_choice, req.tools
     if tools is None:
         if choice not in (None, "none"):

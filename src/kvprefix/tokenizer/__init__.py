@@ -1,6 +1,5 @@
-"""Text <-> token ids, no torch: the tokenizer and its chat template (Hugging Face files or a GGUF file), the
-streaming detokenizer, the GGUF reader and vocabularies, and the memos that make tokenizing a repeated prompt
-cheap. The renderer of request bodies (`kvprefix.prompts`) and the engine use it."""
+"""Text <-> token ids, no torch: tokenizer and chat template (Hugging Face or GGUF), streaming detokenizer, GGUF
+reader and vocabularies, and the memos for repeated prompts."""
 
 from kvprefix.tokenizer.detokenizer import IncrementalDetokenizer
 from kvprefix.tokenizer.segment_cache import SegmentCachedTokenizer

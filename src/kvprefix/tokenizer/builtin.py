@@ -1,7 +1,6 @@
 """An offline, deterministic byte-level BPE tokenizer with a ChatML-style chat template.
 
-Used by the built-in default model and by test checkpoints, so nothing is ever downloaded. Byte-level means every
-string is encodable and multi-byte characters can split across tokens, as with real Llama/Qwen tokenizers.
+For test checkpoints, so nothing is downloaded; byte-level, so multi-byte characters split as with real ones.
 """
 
 from __future__ import annotations

@@ -8,9 +8,8 @@ from kvprefix.tokenizer.tokenizer import Tokenizer
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas for streaming.
 
-    Decodes a short window of recent tokens twice (before and after the new ones) and emits only the difference,
-    which keeps spacing right for tokenizers whose decoding depends on neighbours, and holds text back while it ends
-    in an incomplete UTF-8 sequence (decoded as U+FFFD) until the following tokens complete it.
+    Decodes a short window of recent tokens before and after the new ones and emits the difference (spacing that
+    depends on neighbours stays right); holds back text ending in an incomplete UTF-8 sequence.
     """
 
     def __init__(

@@ -1,14 +1,10 @@
 """A GGUF file opened once per process: its metadata and tensor descriptions, read from the file format's layout
 (ggml's docs/gguf.md) with ``struct`` over a memory map; tensor data stays memory-mapped.
 
-Our own reader rather than the `gguf` package's GGUFReader: that one builds two numpy memmap views per string of
-the metadata, which took 9 to 17 s on the default model's 49k-token vocabulary and merges (benchmarks/
-bench_gguf_open.py) each time a process opened the file, tokenizer-only processes (router, planner, doctor) too. The tensors it describes are the
-same objects for the loader: ``tensor_type`` (gguf.GGMLQuantizationType), ``shape`` (innermost dimension first) and
-``data`` (float16/float32/int arrays, or the raw bytes of quantized blocks shaped as gguf's ``quant_shape_to_byte_
-shape``); tests/model/test_gguf_file.py checks both against GGUFReader. Torch-free, so the tokenizer (and a router
-that only tokenizes) can read a .gguf checkpoint without loading a model. Every problem with the file is a
-ValueError whose one-line message names the file.
+Not the `gguf` package's GGUFReader, whose per-string numpy views make opening a large vocabulary slow
+(docs/model.md). Tensors are described as GGUFReader does: ``tensor_type``, ``shape`` (innermost first) and ``data``
+(plain arrays, or the raw bytes of quantized blocks). Torch-free. Every problem with the file is a ValueError whose
+one-line message names the file.
 """
 
 from __future__ import annotations

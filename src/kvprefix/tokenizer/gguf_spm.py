@@ -1,15 +1,10 @@
 """The SentencePiece vocabulary of a GGUF file (``tokenizer.ggml.model`` "llama": Llama 2, Mistral v0.1, ...),
-tokenized and detokenized as llama.cpp does. Written from llama.cpp's rules (src/llama-vocab.cpp: the SPM session,
-the special-token partition, the SPM branches of tokenize, token_to_piece and detokenize); no code is shared.
-Torch-free.
+tokenized and detokenized as llama.cpp does (written from src/llama-vocab.cpp's rules; no code shared). Torch-free.
 
-Tokenizing: the control, unknown and user-defined tokens written in the text are split out first (user-defined ones
-always, the others only when specials are parsed), longest spelling first, each spelling through the whole text
-before the next. Every remaining run of text gets a leading space when it starts the text or follows a token split
-out (``add_space_prefix``), has its spaces written as U+2581, and is merged from its characters: of all adjacent
-pairs whose concatenation is in the vocabulary, the one whose token has the highest score goes first (the leftmost
-on ties), until no pair is left. A character that is not in the vocabulary becomes its UTF-8 bytes as ``<0xXX>``
-tokens (the unknown token in a vocabulary without them).
+Tokenizing: special tokens written in the text are split out first (user-defined ones always, control and unknown
+ones only when specials are parsed), longest spelling first. Each remaining run gets a leading space at the start or
+after a split-out token, U+2581 for spaces, and is merged from its characters by highest-scoring pair (leftmost on
+ties). A character not in the vocabulary becomes ``<0xXX>`` byte tokens (or the unknown token without them).
 """
 
 from __future__ import annotations
@@ -69,14 +64,13 @@ class SpmVocab:
             found = self.ids.get(chr(byte))
         return found
 
-    # --- tokenizing -------------------------------------------------------------------------------------------
+    # --- tokenizing
 
     def encode(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
         return self.encode_parts([(text, parse_special)], add_special)
 
     def encode_parts(self, parts: list[tuple[str, bool]], add_special: bool = False) -> list[int]:
-        """One text given in parts, each with whether special tokens written in it are parsed (a chat template's
-        own text) or not (a message's content): the parts are partitioned apart, then tokenized as one text."""
+        """One text in parts, each with whether special tokens in it are parsed (template text) or not (content)."""
         fragments: list[str | int] = []
         for text, parse_special in parts:
             for fragment in self.partition(text, parse_special):
@@ -173,7 +167,7 @@ class SpmVocab:
             raise ValueError(f"the vocabulary has no token for {char!r}, no byte tokens and no unknown token")
         return [self.special.unk]
 
-    # --- detokenizing -----------------------------------------------------------------------------------------
+    # --- detokenizing
 
     def piece(self, token_id: int, special: bool) -> bytes:
         """One token's bytes: a normal token's text with U+2581 as space, a byte token's byte, a control or unknown

@@ -1,10 +1,7 @@
 """The tokenizer inside a GGUF file, rebuilt as a Hugging Face fast tokenizer that tokenizes as llama.cpp does.
 
-A GGUF keeps the vocabulary, the merges, each token's type, the special token ids and the chat template in its
-metadata, but its pre-tokenizer only as a name (``tokenizer.ggml.pre``): llama.cpp maps the name to a list of
-regular expressions, applied one after the other, each splitting the pieces of the previous one (the text between
-matches stays a piece too). The table below is that mapping (llama.cpp, src/llama-vocab.cpp, for the names we
-accept); dropping it loses rules such as SmolLM's "every numeral is a piece of its own". Torch-free.
+A GGUF names its pre-tokenizer only (``tokenizer.ggml.pre``); llama.cpp maps the name to regular expressions, each
+splitting the pieces of the previous one. The table below is that mapping (src/llama-vocab.cpp). Torch-free.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
-"""A tokenizer that tokenizes repeated text once: the same system prompt, tools and history come back on every
-request, and a fast tokenizer tokenizes the text between two added tokens (``<|im_start|>``, ...) on its own, so
-those pieces are memoized (least recently used dropped past ``capacity``).
+"""A tokenizer that tokenizes repeated text once: a fast tokenizer tokenizes the text between two added tokens on
+its own, so those pieces (system prompt, tools, history) are memoized, LRU past ``capacity``.
 
-``SegmentCachedTokenizer`` wraps a ``kvprefix.prompts.Tokenizer`` and stands in for it everywhere (the renderer
-stays the one renderer; only ``encode`` is memoized). The router and the doctor use it. It is exact only where the
-tokenizer works that way (``Tokenizer.tokenizes_between_added_tokens``: not with a normalizer over the whole text or
-added tokens that strip; yes for GGUF SentencePiece vocabularies, whose every run of text gets its own leading
-space), and the first encodings are checked against the plain tokenizer, any disagreement turning the memo off for
-good. A piece not in the memo is tokenized word by word where the tokenizer allows it
-(``kvprefix.tokenizer.word_memo``): a new piece is usually old words with a new timestamp among them.
+``SegmentCachedTokenizer`` wraps a Tokenizer and stands in for it (only ``encode`` is memoized); the router and
+the doctor use it. Used only where ``Tokenizer.tokenizes_between_added_tokens``; the first encodings are checked
+against the plain tokenizer and any disagreement turns the memo off for good. New pieces go word by word
+(``word_memo``) where the tokenizer allows.
 """
 
 from __future__ import annotations
@@ -88,9 +84,8 @@ class SegmentCachedTokenizer:
 
     def _pieces(self, text: str) -> list[str]:
         """``self._split.split(text)``: the texts between added tokens and the tokens, alternately. Where the added
-        tokens all start with one character, the search jumps from one of it to the next (``str.find`` runs at
-        memory speed, the pattern's alternation reads every character: a long system prompt is split on every
-        request) and tries the tokens only there."""
+        tokens all start with one character, ``str.find`` jumps between its occurrences and tries the tokens only
+        there (the regex alternation reads every character)."""
         first = self._first
         if first is None:
             return self._split.split(text)

@@ -1,6 +1,5 @@
-"""Tokenizer: a checkpoint's tokenizer and chat template, via transformers (which needs no torch for this); for a
-.gguf file, the tokenizer rebuilt from its metadata (kvprefix.tokenizer.gguf_tokenizer), or for a SentencePiece
-vocabulary in one, kvprefix's own llama.cpp-exact tokenizing (SpmTokenizer over kvprefix.tokenizer.gguf_spm)."""
+"""Tokenizer: a checkpoint's tokenizer and chat template via transformers (no torch); for a .gguf file, rebuilt from
+its metadata (gguf_tokenizer), or for a SentencePiece vocabulary, llama.cpp-exact (SpmTokenizer over gguf_spm)."""
 
 from __future__ import annotations
 
@@ -59,8 +58,8 @@ class Tokenizer:
         return self.hf(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
     def encode_parts(self, parts: list[tuple[str, bool]]) -> list[int]:
-        """One text in parts, each (text, whether special tokens written in it are parsed), without BOS/EOS. A fast
-        tokenizer cannot tokenize across a change of rule, so each part is tokenized on its own."""
+        """One text in parts, each (text, whether special tokens in it are parsed), without BOS/EOS; each part is
+        tokenized on its own (a fast tokenizer cannot change rule mid-text)."""
         return [i for text, parse in parts if text
                 for i in (self.encode(text, add_special_tokens=False) if parse else self.encode_literal(text))]
 
@@ -83,8 +82,7 @@ class Tokenizer:
 
     @functools.cached_property
     def max_chars_per_token(self) -> int:
-        """An upper bound on the characters of text one token can stand for, so that a prompt's length in
-        characters bounds its length in tokens from below without tokenizing it."""
+        """An upper bound on the characters one token stands for: a prompt's length bounds its tokens from below."""
         vocab = sorted(self.hf.get_vocab().items(), key=lambda item: len(item[0]), reverse=True)
         # The longest entries decoded exactly; every other entry is shorter than the last of those, and a vocab
         # character never stands for more than one text character (4 covers any unusual vocab encoding).
@@ -104,11 +102,8 @@ class Tokenizer:
         tokenize: bool = True, **kwargs: Any
     ) -> list[int] | str | list[str]:
         """Renders messages with the checkpoint's template: token ids by default, the text with tokenize=False; a
-        list of conversations renders to a list of texts. transformers' own template renderer does it, with the
-        variables its ``apply_chat_template`` gives the template (the special tokens), without that wrapper's copy
-        of every message; and plain conversations (role and content strings, nothing else to pass) go straight to
-        the compiled template, which is what the renderer would do after copying them (half its time: the router
-        and the doctor render every request)."""
+        list of conversations renders to a list of texts. Uses transformers' renderer without its wrapper's copy of
+        every message; plain conversations go straight to the compiled template (same result, no copy)."""
         from transformers.utils.chat_template_utils import render_jinja_template
 
         refused = WRAPPER_ARGUMENTS.intersection(kwargs)
@@ -164,9 +159,8 @@ _PLAIN_VALUES = (str, bool, int, float, type(None))
 
 
 def _plain(conversations: list[list[dict[str, Any]]], variables: dict[str, Any]) -> bool:
-    """Whether transformers' template renderer would hand the template exactly these objects (given no tools,
-    documents or message to continue): messages of exact strings under keys it passes as they are (no reasoning
-    fields to alias), variables of plain types (its sandbox copy rebuilds anything else out of plain types)."""
+    """Whether transformers' renderer would hand the template exactly these objects (no tools, documents or message
+    to continue): string messages under keys it passes as they are, variables of plain types."""
     return all(type(k) is str and k in _PLAIN_MESSAGE_KEYS and type(v) is str
                for c in conversations for m in c for k, v in m.items()) and all(
         type(v) in _PLAIN_VALUES or type(v) is list and all(type(x) is str for x in v) for v in variables.values())
@@ -174,10 +168,8 @@ def _plain(conversations: list[list[dict[str, Any]]], variables: dict[str, Any])
 
 @functools.lru_cache(maxsize=32)
 def _direct_renderer(template: str) -> Callable[[dict[str, Any]], str]:
-    """``variables -> text``: what ``jinja2.Template.render(**variables)`` gives for transformers' compiled
-    ``template``, with the template's globals merged into a plain dict once: Jinja copies its ChainMap of globals
-    into every render's context, which costs as much as rendering a short conversation (the router renders every
-    request)."""
+    """``variables -> text``, as ``jinja2.Template.render(**variables)`` for transformers' compiled ``template``, with
+    its globals merged once (Jinja would copy its ChainMap of globals into every render's context)."""
     from transformers.utils.chat_template_utils import _compile_jinja_template
 
     compiled = _compile_jinja_template(template)

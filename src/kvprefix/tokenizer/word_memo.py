@@ -1,13 +1,9 @@
-"""Tokenizing plain ASCII text word by word: a byte-level BPE tokenizer splits text into words with its
-pre-tokenizer's regular expressions and tokenizes each word on its own, so a text that is mostly words seen
-before (a system prompt with a new timestamp in front) costs a regex pass and a lookup per word instead of the
-tokenizer's own pass over the whole text, which is several times slower.
+"""Tokenizing plain ASCII text word by word: a byte-level BPE tokenizer tokenizes each word of its pre-tokenizer's
+regex splits on its own, so text of mostly known words costs a regex pass and a lookup per word.
 
-Only where that is certain: the pre-tokenizer is regex splits (each match and each run between matches a word)
-and a byte-level mapping, nothing else (``WordMemo.of`` gives None otherwise), and the text is printable ASCII,
-tabs and newlines, on which Python's ``re`` and the tokenizer's regex engine agree once ``\\p{L}`` and ``\\p{N}``
-are spelled as ASCII classes. A word new to the memo is tokenized by the tokenizer itself, after checking that
-its pre-tokenizer keeps the word whole (else the memo turns itself off for good).
+Exact only where the pre-tokenizer is regex splits plus a byte-level mapping (``WordMemo.of`` gives None otherwise)
+and the text is printable ASCII, tabs and newlines, where Python's ``re`` agrees with the tokenizer's engine once
+``\\p{L}`` and ``\\p{N}`` are ASCII classes. A word the pre-tokenizer would split turns the memo off for good.
 """
 
 from __future__ import annotations
@@ -33,8 +29,7 @@ class WordMemo:
         # Split around each match (a group keeps the matches): the runs between matches and the matches, in order.
         self._splits = [re.compile(f"({r})") for r in regexes]
         self._memo: dict[str, list[int]] = {}
-        # The last split's words of each piece the earlier splits gave (SmolLM2 splits digits off first: the run
-        # after a timestamp is the same on every request), up to _LAST_SPLIT_CHARS characters of pieces.
+        # The last split's words of each piece the earlier splits gave, up to _LAST_SPLIT_CHARS characters.
         self._last_split: dict[str, list[str]] = {}
         self._last_split_chars = 0
         self.enabled = True
