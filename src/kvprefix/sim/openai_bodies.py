@@ -16,8 +16,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvprefix.cache import BlockIdentity, block_identity, cdiv
+from kvprefix.logs import SharedTools, iter_bodies
 from kvprefix.prompts import PromptError, render_body
-from kvprefix.sim.trace import TimestampCheck, Trace, TraceError, TraceRequest, iter_rows, require
+from kvprefix.sim.trace import TimestampCheck, Trace, TraceError, TraceRequest, require
 from kvprefix.tokenizer import Tokenizer
 
 # The KV dtype only salts the root: hashes within one replay share it, whichever it is. float32 is the CPU default
@@ -88,33 +89,29 @@ def read_openai_bodies(path: str | Path, tokenizer_path: str, block_size: int | 
     base = replica.identity.hasher()
     check_time = TimestampCheck(path)
     requests = []
-    for line, row in iter_rows(path):
-        ts = require(row, "timestamp", path, line, (int, float)) if "timestamp" in row else 0
+    for entry in iter_bodies(path, SharedTools()):  # the one reader of body logs: one entry per prompt
+        body, line = entry.body, entry.line
+        ts = 0 if entry.timestamp is None else body["timestamp"]
         check_time(ts, line)
-        for key in ("tenant", "cache_salt"):
-            if row.get(key) is not None:
-                require(row, key, path, line, str, minimum=None)
         try:
-            prompts = render_body(tokenizer, row, replica.max_model_len)
+            (prompt,) = render_body(tokenizer, body, replica.max_model_len)
         except PromptError as e:
             raise TraceError(path, line, str(e)) from None
+        if not prompt.token_ids:
+            raise TraceError(path, line, "the prompt renders to zero tokens")
         out = default_output_tokens
         for key in ("max_tokens", "max_completion_tokens"):  # the newer name wins when both are given
-            if row.get(key) is not None:
-                out = require(row, key, path, line, minimum=1)
-        hasher = base.for_namespace(row.get("tenant"), row.get("cache_salt"))
-        for prompt in prompts:
-            if not prompt.token_ids:
-                raise TraceError(path, line, "the prompt renders to zero tokens")
-            requests.append(
-                TraceRequest(
-                    timestamp=ts / 1000.0,
-                    input_length=len(prompt.token_ids),
-                    output_length=out,
-                    block_hashes=hasher.hash_blocks(prompt.token_ids),
-                    num_blocks=cdiv(len(prompt.token_ids), block_size),
-                    session=row.get("user"),
-                    extra={k: row[k] for k in ("model", "user") if k in row},
-                )
+            if body.get(key) is not None:
+                out = require(body, key, path, line, minimum=1)
+        requests.append(
+            TraceRequest(
+                timestamp=ts / 1000.0,
+                input_length=len(prompt.token_ids),
+                output_length=out,
+                block_hashes=base.with_salt(entry.namespace).hash_blocks(prompt.token_ids),
+                num_blocks=cdiv(len(prompt.token_ids), block_size),
+                session=body.get("user"),
+                extra={k: body[k] for k in ("model", "user") if k in body},
             )
+        )
     return Trace(Path(path).name, block_size, requests)

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvprefix.logs import LogError as TraceError  # the planner's name for it: a line it cannot use
-from kvprefix.logs import iter_rows  # noqa: F401 - sim.openai_bodies reads its rows through here
 
 
 @dataclass(slots=True)
