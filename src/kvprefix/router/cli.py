@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import argparse
 
-from kvprefix.router.policies import POLICIES, RENAMED
+from kvprefix.router.policies import POLICIES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replica", action="append", required=True, metavar="URL",
                         help="a replica's base URL, e.g. http://10.0.0.5:8000 (repeat for each replica)")
-    parser.add_argument("--policy", default="round-robin", choices=[*POLICIES, *RENAMED],
+    parser.add_argument("--policy", default="round-robin", choices=list(POLICIES),
                         help="how to pick a replica (docs/router.md; default round-robin)")
     parser.add_argument("--model", default=None,
                         help="the replicas' checkpoint directory: prefix and kv-events render and hash prompts "

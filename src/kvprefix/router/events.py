@@ -36,7 +36,7 @@ async def read_hello(client: httpx.AsyncClient, url: str, headers: dict[str, str
 
 
 # Opens a replica's event stream with these query parameters and yields its lines: over HTTP here, through a
-# Ray Serve handle in ``router.ray_serve``. One follower for both.
+# Ray Serve handle in ``router.ray.ingress``. One follower for both.
 Lines = Callable[[dict[str, str]], AsyncIterator[bytes | str]]
 
 

@@ -6,7 +6,6 @@ import argparse
 
 from kvprefix.cache import COLLISION_SAFE_ALGOS, HASH_ALGOS
 from kvprefix.engine.args import QUANTIZATION_METHODS
-from kvprefix.router.policies import POLICIES
 
 # The KV cache fraction shared out as tenants' reserved room when there are tenants (docs/security.md): half stays
 # shared LRU room for whoever is busy; the other half is what idle tenants are owed and others cannot cache in.
@@ -83,17 +82,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     logs.add_argument("--request-log-prompts", action="store_true",
                       help="also log raw prompt text (off by default: prompts may hold private data)")
 
-    ray = parser.add_argument_group("Ray Serve: replicas on a Ray cluster, routed by a policy (docs/router.md)")
-    ray.add_argument("--ray", action="store_true", help="serve --replicas engine replicas as a Ray Serve deployment")
-    ray.add_argument("--replicas", type=_positive_int, default=2, help="with --ray: engine replicas (default 2)")
-    ray.add_argument("--ray-address", default=None,
-                     help="with --ray: a running cluster (auto, or HEAD_IP:6379); default: start a local one")
-    ray.add_argument("--policy", default="prefix", choices=list(POLICIES),
-                     help="with --ray: how to pick a replica (default prefix)")
-    ray.add_argument("--load-cap", type=float, default=1.25,
-                     help="with --ray: session, prefix and kv-events pass over replicas above this x the mean load")
-    ray.add_argument("--replica-cpus", type=float, default=1.0, help="with --ray: CPUs reserved per replica")
-
     eng = parser.add_argument_group("engine")
     eng.add_argument("--model", default=None,
                      help="checkpoint directory, .gguf file or hub id (default: the built-in SmolLM2-135M-Instruct)")
@@ -120,7 +108,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="cache_aware: a request waiting this many engine steps is admitted before cached ones")
 
 
-def run(args: argparse.Namespace) -> int:
+def prepare(args: argparse.Namespace):
+    """Checks the options (a bad one fails in a moment, before torch loads) and returns the engine's arguments and
+    the server's config, for one server (``run``) or for every replica of a Ray deployment."""
     import dataclasses
     import logging
     import socket
@@ -140,11 +130,8 @@ def run(args: argparse.Namespace) -> int:
                          f"resistant: one of {', '.join(COLLISION_SAFE_ALGOS)}")
     if args.tenant_kv_reserve is None:
         args.tenant_kv_reserve = DEFAULT_TENANT_KV_RESERVE if auth.enabled else 0.0
-    if args.ray and args.request_log:
-        raise SystemExit("kvprefix serve: --request-log is not supported with --ray (the replicas would share it)")
-    # Options are checked before the engine and web stack load: a bad one fails in a moment, not after torch.
-    from kvprefix.engine import AsyncLLM, EngineArgs
-    from kvprefix.server.app import ServerConfig, create_app, serve
+    from kvprefix.engine import EngineArgs
+    from kvprefix.server.app import ServerConfig
     # Every engine option we expose has EngineArgs' field name; a field without an option keeps its default.
     engine_args = EngineArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)
                                 if hasattr(args, f.name)})
@@ -160,10 +147,14 @@ def run(args: argparse.Namespace) -> int:
         allowed_hosts=hosts,
         metrics_names=args.metrics_names,
     )
-    if args.ray:
-        from kvprefix.router.ray_serve import run_on_ray
+    return engine_args, config
 
-        return run_on_ray(args, dataclasses.asdict(engine_args), config)
+
+def run(args: argparse.Namespace) -> int:
+    engine_args, config = prepare(args)
+    from kvprefix.engine import AsyncLLM
+    from kvprefix.server.app import create_app, serve
+
     try:  # a checkpoint that cannot be loaded (missing, truncated, unsupported) is a one-line error
         engine = AsyncLLM(engine_args)
     except (ValueError, FileNotFoundError) as exc:

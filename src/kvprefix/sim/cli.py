@@ -10,7 +10,7 @@ import math
 import sys
 
 from kvprefix.sim.formats import FORMATS
-from kvprefix.sim.replay import ACCEPTED_ROUTINGS, EVICTIONS, MODES, ROUTINGS
+from kvprefix.sim.replay import EVICTIONS, MODES, ROUTINGS
 
 
 def _positive_int(text: str) -> int:
@@ -58,7 +58,7 @@ def _int_list(text: str) -> list[int]:
 def _routing_list(text: str) -> list[str]:
     names = [p.strip() for p in text.split(",")]
     for name in names:
-        if name not in ACCEPTED_ROUTINGS:
+        if name not in ROUTINGS:
             raise argparse.ArgumentTypeError(f"unknown routing {name!r}; choose from {', '.join(ROUTINGS)}")
     return names
 

@@ -17,18 +17,18 @@ import math
 import sys
 import time
 from collections import deque
-from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from kvprefix.cache import CacheRequest, FreeBlockQueue, KVCacheManager, cdiv
-from kvprefix.router.pending import Outstanding, Routed
-from kvprefix.router.policies import POLICIES, RENAMED, make_policy
+from kvprefix.router.fleet import FleetView, Replica
+from kvprefix.router.ledger import Ledger
+from kvprefix.router.pending import Routed
+from kvprefix.router.policies import POLICIES, make_policy
 from kvprefix.sim.trace import Trace, TraceRequest
 
 MODES = ("order", "timed")
 SHARED = "shared"  # not a routing policy: one pool of replicas x capacity, the upper bound for any router
 ROUTINGS = (*POLICIES, SHARED)
-ACCEPTED_ROUTINGS = (*ROUTINGS, *RENAMED)  # earlier names still run
 # Eviction policy -> the pool's free-queue class (its popleft picks the victim). Add a policy here.
 EVICTIONS: dict[str, type[FreeBlockQueue]] = {"lru": FreeBlockQueue}
 
@@ -50,7 +50,7 @@ class ReplayConfig:
             raise ValueError(f"capacity must be at least one block, got {self.capacity_blocks} blocks")
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
-        if self.routing not in ACCEPTED_ROUTINGS:
+        if self.routing not in ROUTINGS:
             raise ValueError(f"unknown routing {self.routing!r}; choose one of {', '.join(ROUTINGS)}")
         if self.eviction not in EVICTIONS:
             raise ValueError(f"unknown eviction {self.eviction!r}; choose one of {', '.join(EVICTIONS)}")
@@ -74,32 +74,10 @@ class ReplayRecords:
     elapsed_s: float
 
 
-class _ManagersView:
-    """``ReplicaView`` over the replay's managers, for the routing policy. A replica's prefix counts blocks it
-    has cached plus blocks a request already routed to it will compute; its load is what was routed there and
-    has not finished (``Outstanding``, as the HTTP router counts it)."""
-
-    def __init__(self, managers: list[KVCacheManager]):
-        self.managers = managers
-        self.num_replicas = len(managers)
-        self.outstanding = [Outstanding() for _ in managers]
-
-    def route(self, replica: int, r: TraceRequest, policy) -> Routed:
-        """Counts a request routed to ``replica``: its prefill is the blocks the policy did not credit."""
-        return self.outstanding[replica].add(r.block_hashes, max(r.num_blocks - policy.credited, 0))
-
-    def healthy(self, replica: int) -> bool:
-        return True
-
-    def cached_prefix_blocks(self, replica: int, block_hashes: Sequence[Hashable]) -> int:
-        return self.outstanding[replica].blocks.cached_prefix_blocks(block_hashes,
-                                                                     self.managers[replica].pool.cached_blocks)
-
-    def load(self, replica: int) -> float:
-        return self.outstanding[replica].requests
-
-    def queued_prefill_blocks(self, replica: int) -> float:
-        return self.outstanding[replica].queued_prefill_blocks
+def pools_view(managers: list[KVCacheManager]) -> FleetView:
+    """The router's view of the replay's replicas: always healthy, holding what their pools cache; load is what
+    was routed there and has not finished, as `kvprefix route` counts it."""
+    return FleetView([Replica(f"replica-{i}", healthy=True, cached=m.pool.cached_blocks) for i, m in enumerate(managers)])
 
 
 def unbounded_capacity_blocks(trace: Trace) -> int:
@@ -116,17 +94,17 @@ def replay(trace: Trace, config: ReplayConfig, progress: bool = False) -> Replay
         managers = [KVCacheManager(per_replica * config.replicas, bs, free_queue_cls=queue_cls)]
     else:
         managers = [KVCacheManager(per_replica, bs, free_queue_cls=queue_cls) for _ in range(config.replicas)]
-    policy = None if len(managers) == 1 else make_policy(config.routing, config.seed, config.load_cap)
+    ledger = None if len(managers) == 1 else Ledger(make_policy(config.routing, config.seed, config.load_cap))
     n = len(trace.requests)
     rec = ReplayRecords([-1] * n, [0] * n, [0.0] * n, [], [m.pool.num_blocks for m in managers], 0.0)
     bar = _progress_bar(n, trace.name, progress)
     start = time.perf_counter()
     if config.mode == "order":
-        _replay_order(trace.requests, bs, managers, policy, rec, bar)
+        _replay_order(trace.requests, bs, managers, ledger, rec, bar)
     else:
         # The shared pool stands for all replicas' memory *and* compute: it prefills replicas x as fast.
         prefill_tps = config.prefill_tps * (config.replicas if config.routing == SHARED else 1)
-        _replay_timed(trace.requests, bs, managers, policy, prefill_tps, config.decode_tps, rec, bar)
+        _replay_timed(trace.requests, bs, managers, ledger, prefill_tps, config.decode_tps, rec, bar)
     rec.elapsed_s = time.perf_counter() - start
     rec.evictions = [m.stats.evictions for m in managers]
     if bar is not None:
@@ -146,11 +124,13 @@ def _progress_bar(total: int, name: str, enabled: bool):
 _BAR_STEP = 1024  # update the bar every so many requests: tqdm per request would cost more than the replay
 
 
-def _replay_order(reqs: list[TraceRequest], bs: int, managers: list[KVCacheManager], policy, rec, bar) -> None:
-    view = _ManagersView(managers)
+def _replay_order(reqs: list[TraceRequest], bs: int, managers: list[KVCacheManager], ledger: Ledger | None, rec,
+                  bar) -> None:
+    view = pools_view(managers)
     rec_replica, rec_blocks = rec.replica, rec.cached_blocks
     for i, r in enumerate(reqs):
-        rep = 0 if policy is None else policy.choose(r, view)
+        decision = None if ledger is None else ledger.choose(r, view)
+        rep = 0 if decision is None else decision.replica
         mgr = managers[rep]
         req = CacheRequest.from_block_hashes(str(i), r.block_hashes, r.input_length, bs)
         hits, num_hit_tokens = mgr.get_computed_blocks(req)
@@ -158,8 +138,8 @@ def _replay_order(reqs: list[TraceRequest], bs: int, managers: list[KVCacheManag
             continue  # larger than the whole pool: rejected
         mgr.cache_blocks(req, r.input_length)
         mgr.free(req)
-        if policy is not None:  # in order mode nothing is in flight: load = requests routed so far
-            view.route(rep, r, policy).prefilled()
+        if decision is not None:  # in order mode nothing is in flight: load = requests routed so far
+            ledger.record(r, decision, view.replicas[rep].outstanding).prefilled()
         rec_replica[i] = rep
         rec_blocks[i] = len(hits)
         if bar is not None and (i + 1) % _BAR_STEP == 0:
@@ -173,13 +153,13 @@ def _replay_timed(
     reqs: list[TraceRequest],
     bs: int,
     managers: list[KVCacheManager],
-    policy,
+    ledger: Ledger | None,
     prefill_tps: float,
     decode_tps: float,
     rec: ReplayRecords,
     bar,
 ) -> None:
-    view = _ManagersView(managers)
+    view = pools_view(managers)
     routed: dict[int, Routed] = {}  # trace index -> its share of the replica's load, until it finishes
     queues: list[deque[int]] = [deque() for _ in managers]
     prefilling = [False] * len(managers)
@@ -218,23 +198,24 @@ def _replay_timed(
             mgr = managers[rep]
             if kind == _PREFILL_DONE:
                 mgr.cache_blocks(req, req.num_tokens)
-                if policy is not None:
+                if ledger is not None:
                     routed[i].prefilled()
                 prefilling[rep] = False
                 push(now + reqs[i].output_length / decode_tps, _FINISH, rep, i, req)
             else:
                 mgr.free(req)
-                if policy is not None:
+                if ledger is not None:
                     routed.pop(i).finish()
             start_next(rep, now)
 
     for i, r in enumerate(reqs):
         run_events(r.timestamp)
-        rep = 0 if policy is None else policy.choose(r, view)
+        decision = None if ledger is None else ledger.choose(r, view)
+        rep = 0 if decision is None else decision.replica
         if cdiv(r.input_length + r.output_length, bs) > managers[rep].pool.num_blocks:
             continue  # could never fit, even alone: rejected
-        if policy is not None:
-            routed[i] = view.route(rep, r, policy)
+        if decision is not None:
+            routed[i] = ledger.record(r, decision, view.replicas[rep].outstanding)
         queues[rep].append(i)
         start_next(rep, r.timestamp)
         if bar is not None and (i + 1) % _BAR_STEP == 0:

@@ -1,0 +1,51 @@
+"""The engine deployment: each replica an AsyncLLM behind `kvprefix serve`'s own app, called over ASGI."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from ray import serve
+
+from kvprefix.router.hashing import RouteRequest
+from kvprefix.router.ray.asgi import call_asgi
+
+if TYPE_CHECKING:  # server.app loads the engine and torch: only the engine replicas do
+    from kvprefix.server.app import ServerConfig
+
+REPLICA_HEADER = "x-kvprefix-replica"
+
+
+@serve.deployment
+class Engine:
+    """One engine replica: an AsyncLLM behind `kvprefix serve`'s app. Every answer names the replica."""
+
+    async def __init__(self, engine_args: dict[str, Any], config: ServerConfig):
+        from kvprefix.engine import AsyncLLM, EngineArgs
+        from kvprefix.server.app import create_app
+
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.engine = AsyncLLM(EngineArgs(**engine_args))
+        self.app = create_app(self.engine, dataclasses.replace(config, replica_id=self.replica_id))
+        self._lifespan = self.app.router.lifespan_context(self.app)
+        await self._lifespan.__aenter__()
+
+    def block_identity(self) -> tuple[Any, int, str, Any]:
+        """What the ingress needs to hash prompts as this replica does (the hasher itself does not pickle)."""
+        h = self.engine.hasher
+        return self.engine.tokenizer, h.block_size, h.algo, h.context
+
+    async def handle(self, method: str, path: str, query: bytes, headers: list[tuple[str, str]], body: bytes,
+                     route: RouteRequest | None, exclude: tuple[str, ...] | None = None,
+                     forget: tuple[tuple[str, int], ...] = ()) -> AsyncIterator[Any]:
+        # ``route``, ``exclude`` and ``forget`` are for the request router (it reads the call's kwargs); the
+        # replica has no use for them.
+        async for item in call_asgi(self.app, method, path, query, headers, body):
+            if isinstance(item, tuple):
+                status, response_headers = item
+                item = status, [*response_headers, (REPLICA_HEADER, self.replica_id)]
+            yield item
+
+    async def __del__(self):
+        await self._lifespan.__aexit__(None, None, None)
