@@ -43,7 +43,17 @@ def _serve(args: argparse.Namespace) -> int:
 
     ray_options.check(args)
     engine_args, config = server_cli.prepare(args)
-    return ray_options.run_on_ray(args, dataclasses.asdict(engine_args), config)
+    return ray_options.run_on_ray(args, engine_replica, dataclasses.asdict(engine_args), config)
+
+
+def engine_replica(engine_args: dict, config):
+    """One engine replica of a Ray deployment: an AsyncLLM and `kvprefix serve`'s app over it (run in the replica:
+    the router's Ray code takes this function instead of importing the engine and the server)."""
+    from kvprefix.engine import AsyncLLM, EngineArgs
+    from kvprefix.server.app import create_app
+
+    engine = AsyncLLM(EngineArgs(**engine_args))
+    return engine, create_app(engine, config)
 
 
 def main(argv: list[str] | None = None) -> int:

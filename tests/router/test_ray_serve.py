@@ -22,12 +22,13 @@ UNEVICTED_BLOCKS = 512  # room for every prompt of the traffic on either replica
 
 def app(model_dir: str, policy: str, blocks: int = REPLICA_BLOCKS):
     """The Ray Serve app of two replicas of the session's small random checkpoint under ``policy``."""
+    from kvprefix.cli import engine_replica
     from kvprefix.router.ray.app import build_app
     from kvprefix.server.app import ServerConfig
 
     engine_args = {"model": model_dir, "dtype": "float32", "device": "cpu", "num_gpu_blocks": blocks,
                    "max_num_seqs": 16}
-    return build_app(engine_args, 2, policy, num_cpus=0.5, config=ServerConfig(served_model_name=MODEL))
+    return build_app(engine_replica, engine_args, ServerConfig(served_model_name=MODEL), 2, policy, num_cpus=0.5)
 
 
 @pytest.fixture

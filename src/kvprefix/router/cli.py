@@ -35,10 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import logging
 
-    import uvicorn
-
     from kvprefix.http.browsers import allowed_hosts
     from kvprefix.http.connections import timed_protocol
+    from kvprefix.http.launch import run_server
     from kvprefix.http.tenancy import Auth
     from kvprefix.router.app import RouterConfig, create_app
 
@@ -59,6 +58,6 @@ def run(args: argparse.Namespace) -> int:
         from uvicorn.protocols.http.h11_impl import H11Protocol as base
     # uvloop when installed (loop="auto"); no access log: a line per request would cost more than the relay; no
     # X-Forwarded-* rewriting of the client's address and scheme, which the router never reads
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                http=timed_protocol(20.0, 60.0, base), timeout_keep_alive=5, proxy_headers=False)
+    run_server(app, args.host, args.port, log_level=args.log_level, http=timed_protocol(20.0, 60.0, base),
+               timeout_keep_alive=5, access_log=False, proxy_headers=False)
     return 0

@@ -34,6 +34,12 @@ def _positive_int(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    _server_arguments(parser)
+    _tenancy_and_log_arguments(parser)
+    _engine_arguments(parser)
+
+
+def _server_arguments(parser: argparse.ArgumentParser) -> None:
     net = parser.add_argument_group("server")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     net.add_argument("--port", type=int, default=8000)
@@ -64,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--replica-id", default=None,
                      help="this replica's name in KV events and the request log (default: HOSTNAME:PORT)")
 
+
+
+def _tenancy_and_log_arguments(parser: argparse.ArgumentParser) -> None:
     sec = parser.add_argument_group("tenancy and admin (docs/security.md)")
     sec.add_argument("--api-key", default=None, help="one API key; its callers form the tenant 'default'")
     sec.add_argument("--api-keys-file", default=None,
@@ -82,6 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     logs.add_argument("--request-log-prompts", action="store_true",
                       help="also log raw prompt text (off by default: prompts may hold private data)")
 
+
+
+def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     eng = parser.add_argument_group("engine")
     eng.add_argument("--model", default=None,
                      help="checkpoint directory, .gguf file or hub id (default: the built-in SmolLM2-135M-Instruct)")
@@ -153,13 +165,20 @@ def prepare(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     engine_args, config = prepare(args)
     from kvprefix.engine import AsyncLLM
-    from kvprefix.server.app import create_app, serve
+    from kvprefix.http.connections import timed_protocol
+    from kvprefix.http.launch import run_server
+    from kvprefix.server.app import create_app
 
     try:  # a checkpoint that cannot be loaded (missing, truncated, unsupported) is a one-line error
         engine = AsyncLLM(engine_args)
     except (ValueError, FileNotFoundError) as exc:
         raise SystemExit(f"kvprefix serve: {exc}") from None
-    serve(create_app(engine, config), args.host, args.port, args.log_level, args.shutdown_timeout,
-          timeout_keep_alive=args.timeout_keep_alive, timeout_headers=args.timeout_headers,
-          timeout_body=args.timeout_body, limit_concurrency=args.limit_concurrency)
+    app = create_app(engine, config)
+    # Until SIGINT/SIGTERM; then the server's drain (app.state.drain) lets requests in flight finish, uvicorn's
+    # own deadline only backing it up.
+    run_server(app, args.host, args.port, log_level=args.log_level,
+               http=timed_protocol(args.timeout_headers, args.timeout_body),
+               timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.limit_concurrency,
+               on_shutdown=lambda: app.state.drain(args.shutdown_timeout),
+               graceful_timeout_s=args.shutdown_timeout + 10)
     return 0

@@ -82,6 +82,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="block size to replay at, a multiple of the trace's (default: the trace's own; 16 for OpenAI bodies)",
     )
     t.add_argument("--tokenizer", help="local Hugging Face tokenizer directory (OpenAI request bodies)")
+    _fleet_arguments(parser)
+    _timing_and_output_arguments(parser)
+
+
+def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
     c = parser.add_argument_group("cache and fleet (comma-separated lists make a sweep)")
     size = c.add_mutually_exclusive_group()
     size.add_argument(
@@ -103,6 +108,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     c.add_argument("--seed", type=int, default=0, help="seed of the random routing (default 0)")
     c.add_argument("--eviction", choices=list(EVICTIONS), default="lru", help="eviction policy (default lru)")
+
+
+def _timing_and_output_arguments(parser: argparse.ArgumentParser) -> None:
     m = parser.add_argument_group("timing")
     m.add_argument(
         "--mode",

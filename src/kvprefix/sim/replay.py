@@ -149,75 +149,79 @@ def _replay_order(reqs: list[TraceRequest], bs: int, managers: list[KVCacheManag
 _PREFILL_DONE, _FINISH = 0, 1
 
 
-def _replay_timed(
-    reqs: list[TraceRequest],
-    bs: int,
-    managers: list[KVCacheManager],
-    ledger: Ledger | None,
-    prefill_tps: float,
-    decode_tps: float,
-    rec: ReplayRecords,
-    bar,
-) -> None:
-    view = pools_view(managers)
-    routed: dict[int, Routed] = {}  # trace index -> its share of the replica's load, until it finishes
-    queues: list[deque[int]] = [deque() for _ in managers]
-    prefilling = [False] * len(managers)
-    # (time, seq, kind, replica, trace index, request); seq keeps simultaneous events in push order
-    events: list[tuple[float, int, int, int, int, CacheRequest]] = []
-    seq = 0
-
-    def push(when: float, kind: int, rep: int, i: int, req: CacheRequest) -> None:
-        nonlocal seq
-        heapq.heappush(events, (when, seq, kind, rep, i, req))
-        seq += 1
-
-    def start_next(rep: int, now: float) -> None:
-        """Admits the replica's first waiting request into prefill if the prefill unit is idle and blocks fit.
-        The lookup happens here, so a request queued behind one with the same prefix hits it."""
-        queue = queues[rep]
-        if prefilling[rep] or not queue:
-            return
-        i = queue[0]
-        r = reqs[i]
-        mgr = managers[rep]
-        req = CacheRequest.from_block_hashes(str(i), r.block_hashes, r.input_length, bs)
-        hits, num_hit_tokens = mgr.get_computed_blocks(req)
-        if mgr.allocate_slots(req, r.input_length - num_hit_tokens + r.output_length, hits) is None:
-            return  # waits for a running request to finish and release blocks
-        queue.popleft()
-        prefilling[rep] = True
-        rec.replica[i] = rep
-        rec.cached_blocks[i] = len(hits)
-        rec.wait_s[i] = now - r.timestamp
-        push(now + (r.input_length - num_hit_tokens) / prefill_tps, _PREFILL_DONE, rep, i, req)
-
-    def run_events(until: float) -> None:
-        while events and events[0][0] <= until:
-            now, _, kind, rep, i, req = heapq.heappop(events)
-            mgr = managers[rep]
-            if kind == _PREFILL_DONE:
-                mgr.cache_blocks(req, req.num_tokens)
-                if ledger is not None:
-                    routed[i].prefilled()
-                prefilling[rep] = False
-                push(now + reqs[i].output_length / decode_tps, _FINISH, rep, i, req)
-            else:
-                mgr.free(req)
-                if ledger is not None:
-                    routed.pop(i).finish()
-            start_next(rep, now)
-
+def _replay_timed(reqs: list[TraceRequest], bs: int, managers: list[KVCacheManager], ledger: Ledger | None,
+                  prefill_tps: float, decode_tps: float, rec: ReplayRecords, bar) -> None:
+    timed = _Timed(reqs, bs, managers, ledger, prefill_tps, decode_tps, rec)
+    view = timed.view
     for i, r in enumerate(reqs):
-        run_events(r.timestamp)
+        timed.run_events(r.timestamp)
         decision = None if ledger is None else ledger.choose(r, view)
         rep = 0 if decision is None else decision.replica
         if cdiv(r.input_length + r.output_length, bs) > managers[rep].pool.num_blocks:
             continue  # could never fit, even alone: rejected
         if decision is not None:
-            routed[i] = ledger.record(r, decision, view.replicas[rep].outstanding)
-        queues[rep].append(i)
-        start_next(rep, r.timestamp)
+            timed.routed[i] = ledger.record(r, decision, view.replicas[rep].outstanding)
+        timed.queues[rep].append(i)
+        timed.start_next(rep, r.timestamp)
         if bar is not None and (i + 1) % _BAR_STEP == 0:
             bar.update(_BAR_STEP)
-    run_events(math.inf)
+    timed.run_events(math.inf)
+
+
+class _Timed:
+    """The timed replay's state: per replica a FIFO of requests waiting for the prefill unit, and one heap of
+    events (prefill done, request finished) in time order."""
+
+    def __init__(self, reqs: list[TraceRequest], bs: int, managers: list[KVCacheManager], ledger: Ledger | None,
+                 prefill_tps: float, decode_tps: float, rec: ReplayRecords):
+        self.reqs, self.bs, self.managers, self.ledger, self.rec = reqs, bs, managers, ledger, rec
+        self.prefill_tps, self.decode_tps = prefill_tps, decode_tps
+        self.view = pools_view(managers)
+        self.routed: dict[int, Routed] = {}  # trace index -> its share of the replica's load, until it finishes
+        self.queues: list[deque[int]] = [deque() for _ in managers]
+        self.prefilling = [False] * len(managers)
+        # (time, seq, kind, replica, trace index, request); seq keeps simultaneous events in push order
+        self.events: list[tuple[float, int, int, int, int, CacheRequest]] = []
+        self.seq = 0
+
+    def push(self, when: float, kind: int, rep: int, i: int, req: CacheRequest) -> None:
+        heapq.heappush(self.events, (when, self.seq, kind, rep, i, req))
+        self.seq += 1
+
+    def start_next(self, rep: int, now: float) -> None:
+        """Admits the replica's first waiting request into prefill if the prefill unit is idle and blocks fit.
+        The lookup happens here, so a request queued behind one with the same prefix hits it."""
+        queue = self.queues[rep]
+        if self.prefilling[rep] or not queue:
+            return
+        i = queue[0]
+        r = self.reqs[i]
+        mgr = self.managers[rep]
+        req = CacheRequest.from_block_hashes(str(i), r.block_hashes, r.input_length, self.bs)
+        hits, num_hit_tokens = mgr.get_computed_blocks(req)
+        if mgr.allocate_slots(req, r.input_length - num_hit_tokens + r.output_length, hits) is None:
+            return  # waits for a running request to finish and release blocks
+        queue.popleft()
+        self.prefilling[rep] = True
+        rec = self.rec
+        rec.replica[i] = rep
+        rec.cached_blocks[i] = len(hits)
+        rec.wait_s[i] = now - r.timestamp
+        self.push(now + (r.input_length - num_hit_tokens) / self.prefill_tps, _PREFILL_DONE, rep, i, req)
+
+    def run_events(self, until: float) -> None:
+        events = self.events
+        while events and events[0][0] <= until:
+            now, _, kind, rep, i, req = heapq.heappop(events)
+            mgr = self.managers[rep]
+            if kind == _PREFILL_DONE:
+                mgr.cache_blocks(req, req.num_tokens)
+                if self.ledger is not None:
+                    self.routed[i].prefilled()
+                self.prefilling[rep] = False
+                self.push(now + self.reqs[i].output_length / self.decode_tps, _FINISH, rep, i, req)
+            else:
+                mgr.free(req)
+                if self.ledger is not None:
+                    self.routed.pop(i).finish()
+            self.start_next(rep, now)

@@ -1,33 +1,27 @@
 """The engine deployment: each replica an AsyncLLM behind `kvprefix serve`'s own app, called over ASGI."""
 
-from __future__ import annotations
-
 import dataclasses
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from ray import serve
 
 from kvprefix.router.hashing import RouteRequest
 from kvprefix.router.ray.asgi import call_asgi
 
-if TYPE_CHECKING:  # server.app loads the engine and torch: only the engine replicas do
-    from kvprefix.server.app import ServerConfig
-
 REPLICA_HEADER = "x-kvprefix-replica"
 
 
 @serve.deployment
 class Engine:
-    """One engine replica: an AsyncLLM behind `kvprefix serve`'s app. Every answer names the replica."""
+    """One engine replica: an AsyncLLM behind `kvprefix serve`'s app, both made by ``make_replica(engine_args,
+    config)`` (``kvprefix.cli.engine_replica``: the router imports neither the engine nor the server; Ray pickles the
+    function by name and the replica imports them). Every answer names the replica."""
 
-    async def __init__(self, engine_args: dict[str, Any], config: ServerConfig):
-        from kvprefix.engine import AsyncLLM, EngineArgs
-        from kvprefix.server.app import create_app
-
+    async def __init__(self, make_replica: Callable[[dict[str, Any], Any], tuple[Any, Any]],
+                       engine_args: dict[str, Any], config: Any):
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self.engine = AsyncLLM(EngineArgs(**engine_args))
-        self.app = create_app(self.engine, dataclasses.replace(config, replica_id=self.replica_id))
+        self.engine, self.app = make_replica(engine_args, dataclasses.replace(config, replica_id=self.replica_id))
         self._lifespan = self.app.router.lifespan_context(self.app)
         await self._lifespan.__aenter__()
 

@@ -1,7 +1,6 @@
 """The HTTP entry of the Ray Serve app: reads and hashes a request like `kvprefix route`, then lets the engine
-handle's request router (``routing.PolicyRequestRouter``) place it."""
-
-from __future__ import annotations
+handle's request router (``routing.PolicyRequestRouter``) place it. No ``from __future__ import annotations``:
+FastAPI must see the endpoints' ``Request`` annotations through Ray's ingress wrapper."""
 
 import asyncio
 import dataclasses

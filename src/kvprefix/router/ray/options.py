@@ -6,12 +6,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from kvprefix.router.policies import POLICIES
-
-if TYPE_CHECKING:
-    from kvprefix.server.app import ServerConfig
 
 log = logging.getLogger("kvprefix.router.ray")
 
@@ -42,16 +40,18 @@ def check(args: argparse.Namespace) -> None:
         raise SystemExit("kvprefix serve: --request-log is not supported with --ray (the replicas would share it)")
 
 
-def run_on_ray(args: argparse.Namespace, engine_args: dict[str, Any], config: ServerConfig) -> int:
-    """Deploys on the cluster at ``--ray-address`` (default: a new local one) and serves until interrupted."""
+def run_on_ray(args: argparse.Namespace, make_replica: Callable[[dict[str, Any], Any], tuple[Any, Any]],
+               engine_args: dict[str, Any], config: Any) -> int:
+    """Deploys replicas made by ``make_replica`` (``build_app``) on the cluster at ``--ray-address`` (default: a
+    new local one) and serves until interrupted."""
     import ray
     from ray import serve
 
     from kvprefix.router.ray.app import build_app
 
     try:
-        application = build_app(engine_args, args.replicas, args.policy, args.seed, args.load_cap, config,
-                                num_cpus=args.replica_cpus, num_gpus=1.0 if args.device == "cuda" else 0.0,
+        application = build_app(make_replica, engine_args, config, args.replicas, args.policy, args.seed,
+                                args.load_cap, num_cpus=args.replica_cpus, num_gpus=1.0 if args.device == "cuda" else 0.0,
                                 admin_key=args.admin_key)
     except ValueError as exc:
         raise SystemExit(f"kvprefix serve --ray: {exc}") from None
