@@ -10,7 +10,7 @@ import math
 import sys
 
 from kvprefix.sim.formats import FORMATS
-from kvprefix.sim.replay import EVICTIONS, MODES, ROUTINGS
+from kvprefix.sim.replay import MODES, ROUTINGS
 
 
 def _positive_int(text: str) -> int:
@@ -107,7 +107,6 @@ def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
         help="session, prefix, kv-events: pass over replicas above this x the mean load (default 1.25)",
     )
     c.add_argument("--seed", type=int, default=0, help="seed of the random routing (default 0)")
-    c.add_argument("--eviction", choices=list(EVICTIONS), default="lru", help="eviction policy (default lru)")
 
 
 def _timing_and_output_arguments(parser: argparse.ArgumentParser) -> None:
@@ -173,7 +172,6 @@ def _simulate(args: argparse.Namespace) -> int:
         decode_tps=args.decode_tps,
         load_cap=args.load_cap,
         seed=args.seed,
-        eviction=args.eviction,
     )
     summaries = sweep(trace, capacities, args.replicas, args.routing, base, progress=not args.no_progress)
     print(format_table(summaries))

@@ -29,8 +29,6 @@ from kvprefix.sim.trace import Trace, TraceRequest
 MODES = ("order", "timed")
 SHARED = "shared"  # not a routing policy: one pool of replicas x capacity, the upper bound for any router
 ROUTINGS = (*POLICIES, SHARED)
-# Eviction policy -> the pool's free-queue class (its popleft picks the victim). Add a policy here.
-EVICTIONS: dict[str, type[FreeBlockQueue]] = {"lru": FreeBlockQueue}
 
 
 @dataclass(frozen=True)
@@ -43,7 +41,7 @@ class ReplayConfig:
     decode_tps: float = 50.0  # output tokens per second per request
     load_cap: float = 1.25
     seed: int = 0
-    eviction: str = "lru"
+    free_queue_cls: type[FreeBlockQueue] = FreeBlockQueue  # the pools' eviction: its popleft picks the victim
 
     def __post_init__(self) -> None:
         if self.capacity_blocks is not None and self.capacity_blocks < 1:
@@ -52,8 +50,6 @@ class ReplayConfig:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
         if self.routing not in ROUTINGS:
             raise ValueError(f"unknown routing {self.routing!r}; choose one of {', '.join(ROUTINGS)}")
-        if self.eviction not in EVICTIONS:
-            raise ValueError(f"unknown eviction {self.eviction!r}; choose one of {', '.join(EVICTIONS)}")
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
         if self.load_cap < 1.0:
@@ -89,7 +85,7 @@ def unbounded_capacity_blocks(trace: Trace) -> int:
 def replay(trace: Trace, config: ReplayConfig, progress: bool = False) -> ReplayRecords:
     bs = trace.block_size
     per_replica = config.capacity_blocks or unbounded_capacity_blocks(trace)
-    queue_cls = EVICTIONS[config.eviction]
+    queue_cls = config.free_queue_cls
     if config.routing == SHARED:
         managers = [KVCacheManager(per_replica * config.replicas, bs, free_queue_cls=queue_cls)]
     else:
