@@ -116,6 +116,50 @@ def test_replicas_keep_their_positions_and_each_reset_is_forgotten_once():
     assert set(slots.replicas) == {a, b, c}
 
 
+def test_a_request_refused_by_a_full_replica_is_a_retry_counted_where_it_went():
+    """Ray asks again about a request whose replica refused it: the ledger's second decision is a retry naming the
+    refusing replica; the request is counted (decision, load, queued prefill) at the replica that took it, the
+    refusal as that replica's retry, and its load settles when Ray says it completed."""
+    from ray.serve._private.common import DeploymentID
+
+    from kvprefix.router.fleet import FleetView, Replica
+    from kvprefix.router.hashing import RouteRequest
+    from kvprefix.router.metrics import RouterMetrics
+    from kvprefix.router.policies import make_policy
+    from kvprefix.router.ray.routing import RayRouting, ReplicaID
+
+    deployment = DeploymentID(name="Engine", app_name="kvprefix")
+    a, b = (ReplicaID(u, deployment) for u in "ab")
+    view = FleetView([])
+    metrics = RouterMetrics(view)
+    replicas: dict[str, Replica] = {}
+
+    def replica(replica_id: str) -> Replica:
+        if replica_id not in replicas:
+            replicas[replica_id] = rep = Replica(replica_id)
+            view.replicas.append(rep)
+            metrics.add_replica(rep)
+        return replicas[replica_id]
+
+    routing = RayRouting(make_policy("round-robin"), metrics, replica)
+    routing.placement.place({a, b})
+    route = RouteRequest(("x", "y"), None, num_blocks=3)
+    assert routing.choose("r1", route, {a, b}) == a
+    assert routing.choose("r1", route, {a, b}) == b  # asked again: a refused it
+    routing.routed("r1", b)
+
+    def sample(name: str, **labels) -> float:
+        return metrics.registry.get_sample_value("kvprefix:router_" + name, labels) or 0.0
+
+    assert sample("requests_total", replica="b", reason="retry") == 1
+    assert sample("requests_total", replica="a", reason="no_prefix") == 0
+    assert sample("retries_total", replica="a") == 1
+    assert (replicas["b"].outstanding.requests, replicas["b"].outstanding.queued_prefill_blocks) == (1, 3)
+    routing.completed("r1")
+    routing.completed("r1")
+    assert (replicas["b"].outstanding.requests, replicas["b"].outstanding.queued_prefill_blocks) == (0, 0)
+
+
 @pytest.mark.slow
 def test_ray_serve_routes_like_the_standalone_prefix_policy(serve_port: int, default_model_dir: str):
     from ray import serve
