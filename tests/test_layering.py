@@ -19,20 +19,6 @@ REPO = Path(__file__).resolve().parents[1]
 SRC = REPO / "src" / "kvprefix"
 DOC = REPO / "docs" / "architecture.md"
 
-# Imports that exist today and that the table forbids: being removed by the reshape (issue 23). Each is
-# (importing module, imported module). The test fails on an entry that no longer exists, so the set only shrinks;
-# the lead deletes it at merge.
-KNOWN_VIOLATIONS = {
-    # being removed by the reshape: the Ray options move from `kvprefix serve` to router/.
-    ("kvprefix.server.cli", "kvprefix.router.policies"),
-    ("kvprefix.server.cli", "kvprefix.router.ray_serve"),
-    # being removed by the reshape: the Ray Serve deployment builds replicas (server app over the engine) and
-    # runs the `kvprefix` command; it must leave router/ or the table must name it.
-    ("kvprefix.router.ray_serve", "kvprefix.server.app"),
-    ("kvprefix.router.ray_serve", "kvprefix.engine"),
-    ("kvprefix.router.ray_serve", "kvprefix.cli"),
-}
-
 
 @dataclass(frozen=True)
 class Rule:
@@ -103,7 +89,7 @@ def node_of(module: str) -> str | None:
     return parts[1] if len(parts) > 1 else "kvprefix"
 
 
-def check(root: Path, rules: dict[str, Rule], known_violations: set[tuple[str, str]]) -> list[str]:
+def check(root: Path, rules: dict[str, Rule]) -> list[str]:
     """Everything wrong with the imports under ``root``, one line each; empty when the layering holds."""
     modules = module_names(root)
     problems = []
@@ -111,7 +97,6 @@ def check(root: Path, rules: dict[str, Rule], known_violations: set[tuple[str, s
     problems += [f"{n}: a package with no row in the table of {DOC.name}" for n in sorted(nodes - set(rules))]
     problems += [f"{n}: a row of {DOC.name} that names no package" for n in sorted(set(rules) - nodes)]
     graph: dict[str, set[str]] = {n: set() for n in rules}
-    seen = set()
     for name, path in modules.items():
         src = node_of(name)
         for imp in imports_of(name, path, set(modules)):
@@ -120,16 +105,10 @@ def check(root: Path, rules: dict[str, Rule], known_violations: set[tuple[str, s
                 problems.append(f"{name} (line {imp.line}) imports {imp.target}: {src} must not import torch")
             if dst is None or dst == src:
                 continue
-            pair = (imp.module, imp.target)
-            if pair in known_violations:
-                seen.add(pair)
-                continue
             graph.setdefault(src, set()).add(dst)
             if src in rules and dst not in rules[src].allowed:
                 problems.append(f"{name} (line {imp.line}) imports {imp.target}: {src} may not import {dst} "
                                 f"(allowed: {', '.join(sorted(rules[src].allowed)) or 'nothing of ours'})")
-    problems += [f"known violation {a} -> {b} no longer exists: delete it from KNOWN_VIOLATIONS"
-                 for a, b in sorted(known_violations - seen)]
     table = {n: set(r.allowed) for n, r in rules.items()}
     problems += [f"cycle in the table of {DOC.name}: {' -> '.join(c)}" for c in cycles(table)]
     problems += [f"cycle between packages: {' -> '.join(c)}" for c in cycles(graph)]
@@ -167,7 +146,7 @@ def torch_free_closure(rules: dict[str, Rule]) -> list[str]:
 
 
 def test_every_import_follows_the_table_in_architecture_md():
-    problems = check(SRC, read_table(), KNOWN_VIOLATIONS)
+    problems = check(SRC, read_table())
     assert not problems, "\n".join(problems)
 
 
@@ -189,7 +168,7 @@ def test_a_wrong_import_is_reported(tmp_path: Path, where: str, line: str):
     shutil.copytree(SRC, root)
     with open(root / "router" / "policies.py", "a") as f:
         f.write(line)
-    problems = check(root, read_table(), KNOWN_VIOLATIONS)
+    problems = check(root, read_table())
     assert any(p.startswith("kvprefix.router.policies (line ") and "imports kvprefix.server.app: router may not "
                "import server" in p for p in problems), (where, problems)
 
@@ -200,23 +179,21 @@ def test_a_cycle_between_packages_is_reported(tmp_path: Path):
     shutil.copytree(SRC, root)
     with open(root / "tokenizer" / "detokenizer.py", "a") as f:
         f.write("\n\ndef _wrong():\n    from kvprefix.prompts import render\n    return render\n")
-    problems = check(root, read_table(), KNOWN_VIOLATIONS)
+    problems = check(root, read_table())
     assert any("kvprefix.tokenizer.detokenizer (line" in p and "tokenizer may not import prompts" in p
                for p in problems), problems
     assert any(p.startswith("cycle between packages:") and "prompts -> tokenizer -> prompts" in p
                for p in problems), problems
 
 
-def test_torch_in_a_torch_free_package_and_a_stale_known_violation_are_reported(tmp_path: Path):
+def test_torch_in_a_torch_free_package_is_reported(tmp_path: Path):
     root = tmp_path / "kvprefix"
     shutil.copytree(SRC, root)
     with open(root / "cache" / "stats.py", "a") as f:
         f.write("\n\ndef _wrong():\n    import torch\n    return torch\n")
-    problems = check(root, read_table(), KNOWN_VIOLATIONS | {("kvprefix.cache.stats", "kvprefix.engine")})
+    problems = check(root, read_table())
     assert any(p.startswith("kvprefix.cache.stats (line") and "cache must not import torch" in p
                for p in problems), problems
-    assert "known violation kvprefix.cache.stats -> kvprefix.engine no longer exists: delete it from " \
-           "KNOWN_VIOLATIONS" in problems
 
 
 def test_torch_free_packages_import_without_torch_the_model_or_the_engine():
@@ -248,6 +225,6 @@ def test_a_main_module_is_a_command(tmp_path: Path):
     root = tmp_path / "kvprefix"
     shutil.copytree(SRC, root)
     (root / "router" / "__main__.py").write_text("from kvprefix.cli import main\nfrom kvprefix.logs import x\n")
-    problems = [p for p in check(root, read_table(), KNOWN_VIOLATIONS) if "__main__" in p]
+    problems = [p for p in check(root, read_table()) if "__main__" in p]
     assert problems == ["kvprefix.router.__main__ (line 2) imports kvprefix.logs: cli may not import logs "
                         "(allowed: doctor, engine, router, server, sim)"], problems

@@ -7,6 +7,8 @@ import argparse
 import importlib
 import sys
 
+from kvprefix.router.ray import options as ray_options
+
 # name -> module with `add_arguments(parser)` and `run(args) -> int`, plus a one-line help.
 SUBCOMMANDS = {
     "simulate": ("kvprefix.sim.cli", "replay a trace (or the seed example) on the real cache code"),
@@ -25,7 +27,33 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         module.add_arguments(p)
         p.set_defaults(_run=module.run)
+        if name == "serve":  # the server's replicas on a Ray cluster: the options live with the Ray code
+            ray_options.add_arguments(p)
+            p.set_defaults(_run=_serve)
     return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """`kvprefix serve`: one server, or with --ray its replicas as a Ray Serve deployment."""
+    from kvprefix.server import cli as server_cli
+
+    if not args.ray:
+        return server_cli.run(args)
+    import dataclasses
+
+    ray_options.check(args)
+    engine_args, config = server_cli.prepare(args)
+    return ray_options.run_on_ray(args, engine_replica, dataclasses.asdict(engine_args), config)
+
+
+def engine_replica(engine_args: dict, config):
+    """One engine replica of a Ray deployment: an AsyncLLM and `kvprefix serve`'s app over it (run in the replica:
+    the router's Ray code takes this function instead of importing the engine and the server)."""
+    from kvprefix.engine import AsyncLLM, EngineArgs
+    from kvprefix.server.app import create_app
+
+    engine = AsyncLLM(EngineArgs(**engine_args))
+    return engine, create_app(engine, config)
 
 
 def main(argv: list[str] | None = None) -> int:

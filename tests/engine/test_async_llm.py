@@ -355,4 +355,7 @@ def test_output_kinds(tiny_llama_path):
     deltas = [o for out in runs[RequestOutputKind.DELTA] for o in out.outputs]
     assert [t for o in deltas for t in o.token_ids] == full.token_ids
     assert "".join(o.text for o in deltas) == full.text and deltas[-1].finish_reason == full.finish_reason
-    assert len(final[0].metrics.token_gaps) == len(full.token_ids) - 1  # measured by the reader in every kind
+    # Measured by the reader in every kind: a gap per token after the first batch the reader saw (tokens that
+    # arrive together share the time since the previous ones), so at most one per token after the first.
+    gaps = final[0].metrics.token_gaps
+    assert len(gaps) <= len(full.token_ids) - 1 and all(g >= 0 for g in gaps)

@@ -151,7 +151,7 @@ def engine_nodes(dashboard: str) -> dict[str, str]:
 @pytest.mark.slow
 def test_serve_ray_deploys_one_replica_on_each_node_of_a_started_cluster(two_node_cluster: RayCluster,
                                                                          default_model_dir: str, tmp_path: Path):
-    from kvprefix.router.ray_serve import REPLICA_HEADER
+    from kvprefix.router.ray.engine import REPLICA_HEADER
 
     port = free_port()
     log = tmp_path / "serve-ray.log"

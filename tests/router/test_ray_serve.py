@@ -22,12 +22,13 @@ UNEVICTED_BLOCKS = 512  # room for every prompt of the traffic on either replica
 
 def app(model_dir: str, policy: str, blocks: int = REPLICA_BLOCKS):
     """The Ray Serve app of two replicas of the session's small random checkpoint under ``policy``."""
-    from kvprefix.router.ray_serve import build_app
+    from kvprefix.cli import engine_replica
+    from kvprefix.router.ray.app import build_app
     from kvprefix.server.app import ServerConfig
 
     engine_args = {"model": model_dir, "dtype": "float32", "device": "cpu", "num_gpu_blocks": blocks,
                    "max_num_seqs": 16}
-    return build_app(engine_args, 2, policy, num_cpus=0.5, config=ServerConfig(served_model_name=MODEL))
+    return build_app(engine_replica, engine_args, ServerConfig(served_model_name=MODEL), 2, policy, num_cpus=0.5)
 
 
 @pytest.fixture
@@ -54,7 +55,7 @@ def serve_port(default_model_dir: str) -> Iterator[int]:
 
 def chat(client: openai.OpenAI, messages: list[dict]) -> tuple[str, int]:
     """(replica that served, cached prompt tokens) of one short chat."""
-    from kvprefix.router.ray_serve import REPLICA_HEADER
+    from kvprefix.router.ray.engine import REPLICA_HEADER
 
     raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=2,
                                                            temperature=0)
@@ -87,13 +88,15 @@ def test_replicas_keep_their_positions_and_each_reset_is_forgotten_once():
     counts, and each reset empties the index once, however many calls (or asks about one request) bring it."""
     from ray.serve._private.common import DeploymentID  # ReplicaID's own field; Ray exports no public constructor
 
-    from kvprefix.router.policies import RoutedIndex
-    from kvprefix.router.ray_serve import ReplicaID, ReplicaSlots
+    from kvprefix.router.fleet import Replica
+    from kvprefix.router.ledger import Ledger
+    from kvprefix.router.policies import PrefixScore, RoutedIndex
+    from kvprefix.router.ray.routing import ReplicaID, ReplicaSlots
 
     deployment = DeploymentID(name="Engine", app_name="kvprefix")
     a, b, c = (ReplicaID(u, deployment) for u in "abc")
     routed = RoutedIndex(64)
-    slots = ReplicaSlots(routed)
+    slots = ReplicaSlots(Ledger(PrefixScore("prefix", routed=routed)), Replica)
     slots.place({b, a})
     assert slots.slots == [a, b]
     routed.record(0, ["x", "y"])
@@ -109,16 +112,60 @@ def test_replicas_keep_their_positions_and_each_reset_is_forgotten_once():
     routed.record(1, ["x"])
     slots.place({a, c}, [("a", 2), ("b", 1)])  # b gone, c new: c takes b's position, which holds nothing of b's
     assert slots.slots == [a, c] and routed.cached_prefix_blocks(1, ["x"]) == 0
-    assert set(slots.outstanding) == {a, b, c}
+    assert set(slots.replicas) == {a, b, c}
+
+
+def test_a_request_refused_by_a_full_replica_is_a_retry_counted_where_it_went():
+    """Ray asks again about a request whose replica refused it: the ledger's second decision is a retry naming the
+    refusing replica; the request is counted (decision, load, queued prefill) at the replica that took it, the
+    refusal as that replica's retry, and its load settles when Ray says it completed."""
+    from ray.serve._private.common import DeploymentID
+
+    from kvprefix.router.fleet import FleetView, Replica
+    from kvprefix.router.hashing import RouteRequest
+    from kvprefix.router.metrics import RouterMetrics
+    from kvprefix.router.policies import make_policy
+    from kvprefix.router.ray.routing import RayRouting, ReplicaID
+
+    deployment = DeploymentID(name="Engine", app_name="kvprefix")
+    a, b = (ReplicaID(u, deployment) for u in "ab")
+    view = FleetView([])
+    metrics = RouterMetrics(view)
+    replicas: dict[str, Replica] = {}
+
+    def replica(replica_id: str) -> Replica:
+        if replica_id not in replicas:
+            replicas[replica_id] = rep = Replica(replica_id)
+            view.replicas.append(rep)
+            metrics.add_replica(rep)
+        return replicas[replica_id]
+
+    routing = RayRouting(make_policy("round-robin"), metrics, replica)
+    routing.placement.place({a, b})
+    route = RouteRequest(("x", "y"), None, num_blocks=3)
+    assert routing.choose("r1", route, {a, b}) == a
+    assert routing.choose("r1", route, {a, b}) == b  # asked again: a refused it
+    routing.routed("r1", b)
+
+    def sample(name: str, **labels) -> float:
+        return metrics.registry.get_sample_value("kvprefix:router_" + name, labels) or 0.0
+
+    assert sample("requests_total", replica="b", reason="retry") == 1
+    assert sample("requests_total", replica="a", reason="no_prefix") == 0
+    assert sample("retries_total", replica="a") == 1
+    assert (replicas["b"].outstanding.requests, replicas["b"].outstanding.queued_prefill_blocks) == (1, 3)
+    routing.completed("r1")
+    routing.completed("r1")
+    assert (replicas["b"].outstanding.requests, replicas["b"].outstanding.queued_prefill_blocks) == (0, 0)
 
 
 @pytest.mark.slow
 def test_ray_serve_routes_like_the_standalone_prefix_policy(serve_port: int, default_model_dir: str):
     from ray import serve
 
+    from kvprefix.router.fleet import FleetView, Replica
     from kvprefix.router.hashing import RouteRequest
     from kvprefix.router.policies import make_policy
-    from kvprefix.router.ray_serve import _SlotView
     serve.run(app(default_model_dir, "prefix"), name="kvprefix", route_prefix="/")
     try:
         base = f"http://127.0.0.1:{serve_port}"
@@ -138,11 +185,11 @@ def test_ray_serve_routes_like_the_standalone_prefix_policy(serve_port: int, def
     finally:
         serve.delete("kvprefix")
 
-    policy, view = make_policy("prefix"), _SlotView(["a", "b"], {"a", "b"}, {})
+    policy, view = make_policy("prefix"), FleetView([Replica("a", True), Replica("b", True)])
     offline = []
     for m in [*traffic, traffic[0]]:  # the streamed request last
         hashes, num_blocks = hasher.hash_prompt({"messages": m}, None)
-        offline.append(policy.choose(RouteRequest(hashes, None, num_blocks), view))
+        offline.append(policy.choose(RouteRequest(tuple(hashes), None, num_blocks), view).replica)
     assert same_choices(served, offline[:-1]), (served, offline)
     first_round = len(traffic) // 3
     assert all(c > 0 for c in cached[first_round:]), cached  # every later question hits its system prompt
@@ -151,8 +198,7 @@ def test_ray_serve_routes_like_the_standalone_prefix_policy(serve_port: int, def
     # Had the index not forgotten, the last prompt would be credited at the replica it went to before
     hashes, num_blocks = hasher.hash_prompt({"messages": traffic[-1]}, None)
     stale = copy.deepcopy(policy)
-    stale.choose(RouteRequest(hashes, None, num_blocks), view)
-    assert stale.credited > 0
+    assert stale.choose(RouteRequest(tuple(hashes), None, num_blocks), view).credited > 0
     assert after_reset[1] == 0  # the replica's cache was emptied
     def grew(name: str, reason: str | None = None) -> float:
         return sum(by_replica(after, name, reason).values()) - sum(by_replica(before, name, reason).values())

@@ -9,7 +9,8 @@ import pytest
 from kvprefix.cache.event_index import BlockIndex, StreamMirror
 from kvprefix.router.fleet import FleetView, Replica
 from kvprefix.router.hashing import RouteRequest
-from kvprefix.router.policies import make_policy
+from kvprefix.router.ledger import Ledger
+from kvprefix.router.policies import Decision, make_policy
 
 
 def fleet(n: int) -> FleetView:
@@ -38,13 +39,13 @@ def test_queued_prefill_is_counted_until_the_first_token_and_everything_settles_
 def test_credit_is_weighed_against_queued_prefill():
     """A replica holding the prefix wins while its queue is short, and is passed over once its queued prefill
     exceeds what the prefix would save there; the blocks it was not credited become queued prefill."""
-    view, policy = fleet(3), make_policy("kv-events")
+    view, ledger = fleet(3), Ledger(make_policy("kv-events"))
     prefix = [f"h{i}" for i in range(8)]
     holder = view.replicas[1].outstanding
     first = holder.add(prefix, 8)  # a request computing the prefix there: its blocks count as cached
     request = RouteRequest(prefix + ["q1"], None, num_blocks=10)
-    assert policy.choose(request, view) == 1 and policy.credited == 8
-    second = holder.add(request.block_hashes, request.num_blocks - policy.credited)
+    decision, second = ledger.route(request, view)
+    assert decision == Decision(1, 8, "cached_prefix")
     assert view.queued_prefill_blocks(1) == 8 + 2
     for _ in range(6):  # far more queued there than the 8 blocks the prefix saves
         holder.add([], 10)
@@ -52,8 +53,8 @@ def test_credit_is_weighed_against_queued_prefill():
         for _ in range(8):
             view.replicas[i].outstanding.add([], 0)
     other = RouteRequest(prefix + ["q2"], None, num_blocks=10)
-    choice = policy.choose(other, view)
-    assert choice != 1 and policy.credited == 0
+    choice = ledger.choose(other, view)
+    assert choice.replica != 1 and choice.credited == 0 and choice.reason == "no_prefix"
     for r in (first, second):
         r.finish()
     assert view.load(1) == 6 and view.cached_prefix_blocks(1, prefix) == 0
@@ -64,7 +65,7 @@ def test_a_miss_goes_to_the_least_queued_replica():
     view.replicas[0].outstanding.add([], 40)
     view.replicas[2].outstanding.add([], 4)
     view.replicas[1].outstanding.add([], 9)
-    assert policy.choose(RouteRequest(["x"], None, 1), view) == 2  # all load 1: the shortest prefill queue
+    assert policy.choose(RouteRequest(["x"], None, 1), view).replica == 2  # all load 1: the shortest prefill queue
 
 
 def test_a_view_counts_a_prefix_cached_or_pending_block_by_block():
@@ -128,7 +129,7 @@ def test_pending_blocks_are_the_blocks_of_the_chains_in_flight():
 
 
 def test_the_prefix_policy_decides_the_same_without_the_pending_blocks():
-    """The relay does not count a `prefix` router's requests' blocks as pending (the policy's own RoutedIndex
+    """The ledger does not count a `prefix` router's requests' blocks as pending (the policy's own RoutedIndex
     remembers them; it never asks the view): the same choices, request for request, as with them counted."""
 
     def choices(count_blocks: bool) -> list[tuple[int, int]]:
@@ -139,16 +140,27 @@ def test_the_prefix_policy_decides_the_same_without_the_pending_blocks():
         for _ in range(400):
             prompt = rng.choice(prompts) + [f"q{rng.randrange(1000)}"]
             request = RouteRequest(prompt, None, num_blocks=len(prompt) + 1)
-            replica = policy.choose(request, view)
-            out.append((replica, policy.credited))
-            in_flight.append(view.replicas[replica].outstanding.add(
-                request.block_hashes if count_blocks else (), request.num_blocks - policy.credited))
+            decision = policy.choose(request, view)
+            out.append(decision)
+            in_flight.append(view.replicas[decision.replica].outstanding.add(
+                request.block_hashes if count_blocks else (), request.num_blocks - decision.credited))
             while in_flight and rng.random() < 0.5:
                 in_flight.pop(rng.randrange(len(in_flight))).finish()
             if rng.random() < 0.05:  # a replica reset through the router: it forgets, the pending blocks stay
-                policy.routed.forget(rng.randrange(4))
+                policy.forget(rng.randrange(4))
         return out
 
     counted = choices(True)
     assert choices(False) == counted
-    assert len({replica for replica, _ in counted}) == 4 and any(credited for _, credited in counted)
+    assert len({d.replica for d in counted}) == 4 and any(d.credited for d in counted)
+
+
+def test_the_ledger_counts_pending_blocks_only_for_a_policy_that_reads_the_cache():
+    request = RouteRequest(["a", "b"], None, num_blocks=3)
+    for name, pending in (("prefix", 0), ("kv-events", 2), ("round-robin", 0)):
+        view = fleet(2)
+        decision, routed = Ledger(make_policy(name)).route(request, view)
+        out = view.replicas[decision.replica].outstanding
+        assert (out.requests, out.queued_prefill_blocks, len(out.blocks)) == (1, 3, pending), name
+        routed.finish()
+        assert (out.requests, out.queued_prefill_blocks, len(out.blocks)) == (0, 0, 0)

@@ -15,16 +15,16 @@ def test_sweep_writes_table_json_and_plot(traces_dir, tmp_path, capsys):
     out_json, out_png = tmp_path / "sweep.json", tmp_path / "sweep.png"
     argv = [
         "simulate", str(traces_dir / "vllm_prefix_repetition_default_bs16.jsonl"), "--mode", "order",
-        "--capacity", "1024,4096,unbounded", "--replicas", "2", "--routing", "round-robin,prefix-affinity,shared",
+        "--capacity", "1024,4096,unbounded", "--replicas", "2", "--routing", "round-robin,kv-events,shared",
         "--json", str(out_json), "--plot", str(out_png), "--no-progress",
     ]  # fmt: skip
     assert main(argv) == 0
     table = capsys.readouterr().out
-    assert "prefix-affinity" in table and "unbounded" in table and "token-weighted" in table
+    assert "kv-events" in table and "unbounded" in table and "token-weighted" in table
     doc = json.loads(out_json.read_text())
     assert set(doc["hit_rate_definitions"]) == {"token_hit_rate", "block_hit_rate", "request_hit_rate"}
     runs = doc["runs"]
-    assert len(runs) == 9 and {r["routing"] for r in runs} == {"round-robin", "prefix-affinity", "shared"}
+    assert len(runs) == 9 and {r["routing"] for r in runs} == {"round-robin", "kv-events", "shared"}
     unbounded = [r for r in runs if r["capacity_tokens"] is None]
     assert all(r["per_replica"] for r in runs) and all(r["evictions"] == 0 for r in unbounded)
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -40,7 +40,7 @@ def test_sweep_writes_table_json_and_plot(traces_dir, tmp_path, capsys):
         (["simulate", "{trace}", "--replicas", "0"], "expected a positive integer"),
         (["simulate", "{trace}", "--block-size", "24"], "cannot convert 16-token blocks to 24-token blocks"),
         (["simulate", "{trace}", "--capacity", "8"], "smaller than one 16-token block"),
-        (["simulate", "{trace}", "--load-cap", "0.5", "--routing", "prefix-affinity"], "load_cap must be >= 1.0"),
+        (["simulate", "{trace}", "--load-cap", "0.5", "--routing", "kv-events"], "load_cap must be >= 1.0"),
         (["simulate", "{bad}"], "bad.jsonl:2: missing field 'input_length'"),
     ],
 )

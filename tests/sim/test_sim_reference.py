@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from kvprefix.cache import FreeBlockQueue, KVCacheBlock, KVCacheManager
 from kvprefix.sim import replay as replay_module
-from kvprefix.sim.replay import EVICTIONS, ReplayConfig, replay
+from kvprefix.sim.replay import ReplayConfig, replay
 from kvprefix.sim.trace import Trace, TraceRequest
 
 BS = 4
@@ -103,14 +103,13 @@ class MostRecentlyUsedFirst(FreeBlockQueue):
         return block
 
 
-def test_eviction_policy_is_pluggable(monkeypatch):
+def test_eviction_policy_is_pluggable():
     # Three prompts of two blocks in a cycle, room for four blocks: LRU always evicts the prompt that comes next.
     prompts = [[10, 11], [20, 21], [30, 31]]
     requests = [TraceRequest(float(i), 2 * BS + 1, 0, prompts[i % 3], 3) for i in range(30)]
     trace = Trace("cycle", BS, requests)
-    monkeypatch.setitem(EVICTIONS, "mru", MostRecentlyUsedFirst)
     lru = replay(trace, ReplayConfig(5, mode="order"))
-    mru = replay(trace, ReplayConfig(5, mode="order", eviction="mru"))
+    mru = replay(trace, ReplayConfig(5, mode="order", free_queue_cls=MostRecentlyUsedFirst))
     assert sum(lru.cached_blocks) == 0
     assert sum(mru.cached_blocks) > 20
 

@@ -7,6 +7,7 @@ import pytest
 
 from kvprefix.router.policies import (
     POLICIES,
+    Decision,
     LeastLoad,
     PrefixScore,
     RandomChoice,
@@ -104,39 +105,39 @@ def req(hashes, session=None) -> TraceRequest:
 
 def test_round_robin_cycles():
     view, policy = View([set()] * 3, [0, 0, 0]), RoundRobin()
-    assert [policy.choose(req([1]), view) for _ in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+    assert [policy.choose(req([1]), view).replica for _ in range(7)] == [0, 1, 2, 0, 1, 2, 0]
 
 
 def test_random_is_reproducible_with_a_seed():
     view = View([set()] * 5, [0] * 5)
     a, b = RandomChoice(7), RandomChoice(7)
-    picks = [a.choose(req([i]), view) for i in range(50)]
-    assert picks == [b.choose(req([i]), view) for i in range(50)]
+    picks = [a.choose(req([i]), view).replica for i in range(50)]
+    assert picks == [b.choose(req([i]), view).replica for i in range(50)]
     assert len(set(picks)) == 5
 
 
 def test_round_robin_and_random_skip_unhealthy_replicas():
     view = View([set()] * 3, [0, 0, 0], down=frozenset({1}))
     rr, rnd = RoundRobin(), RandomChoice(3)
-    assert [rr.choose(req([1]), view) for _ in range(4)] == [0, 2, 0, 2]
-    assert {rnd.choose(req([1]), view) for _ in range(50)} == {0, 2}
+    assert [rr.choose(req([1]), view).replica for _ in range(4)] == [0, 2, 0, 2]
+    assert {rnd.choose(req([1]), view).replica for _ in range(50)} == {0, 2}
 
 
 def test_least_load_takes_the_lighter_of_two():
     view = View([set()] * 4, [5, 0, 5, 5])
     policy = LeastLoad(seed=1)
-    picks = [policy.choose(req([1]), view) for _ in range(200)]
+    picks = [policy.choose(req([1]), view).replica for _ in range(200)]
     assert picks.count(1) > 200 * 0.4  # replica 1 wins whenever it is drawn (half the pairs contain it)
     view.down = frozenset({1})
-    assert 1 not in {policy.choose(req([1]), view) for _ in range(50)}
+    assert 1 not in {policy.choose(req([1]), view).replica for _ in range(50)}
 
 
 def test_session_keeps_sessions_and_moves_few_keys():
     policy = SessionAffinity(load_cap=1e9)  # unbounded: pure consistent hashing
     four, five = View([set()] * 4, [0] * 4), View([set()] * 5, [0] * 5)
-    before = {s: policy.choose(req([s], session=f"s{s}"), four) for s in range(400)}
-    assert all(policy.choose(req([99], session=f"s{s}"), four) == r for s, r in before.items())
-    after = {s: policy.choose(req([s], session=f"s{s}"), five) for s in range(400)}
+    before = {s: policy.choose(req([s], session=f"s{s}"), four).replica for s in range(400)}
+    assert all(policy.choose(req([99], session=f"s{s}"), four).replica == r for s, r in before.items())
+    after = {s: policy.choose(req([s], session=f"s{s}"), five).replica for s in range(400)}
     moved = sum(before[s] != after[s] for s in before)
     assert 0 < moved < 400 * 0.35  # about 1/5 of the keys move to the new replica, none between old ones
     assert all(after[s] == 4 for s in before if before[s] != after[s])
@@ -146,34 +147,36 @@ def test_session_load_is_bounded():
     policy = SessionAffinity(load_cap=1.25)
     view = View([set()] * 4, [0] * 4)
     for _ in range(400):  # one hot session
-        view.loads[policy.choose(req([1], session="hot"), view)] += 1
+        view.loads[policy.choose(req([1], session="hot"), view).replica] += 1
     assert max(view.loads) <= 1.25 * 400 / 4 + 1, view.loads
     home = SessionAffinity(load_cap=1.25).choose(req([1], session="hot"), View([set()] * 4, [0] * 4))
+    assert home.reason == "session" and home.credited == 0
+    home = home.replica
     assert view.loads[home] == max(view.loads)  # its home replica still takes the most
 
 
 def test_kv_events_prefers_the_longest_prefix_within_the_load_cap():
     policy = PrefixScore("kv-events", load_cap=1.25)
     view = View([{1}, {1, 2, 3}, set()], [0, 0, 0])
-    assert policy.choose(req([1, 2, 3, 4]), view) == 1
+    assert policy.choose(req([1, 2, 3, 4]), view) == Decision(1, 3, "cached_prefix")
     view.loads = [1, 9, 2]  # replica 1 is far above the mean (4): skipped
-    assert policy.choose(req([1, 2, 3, 4]), view) == 0
-    assert policy.choose(req([7]), View([set()] * 3, [3, 1, 2])) == 1  # no prefix anywhere: least loaded
+    assert policy.choose(req([1, 2, 3, 4]), view).replica == 0
+    assert policy.choose(req([7]), View([set()] * 3, [3, 1, 2])) == Decision(1)  # no prefix anywhere: least loaded
 
 
 def test_prefix_spreads_one_hot_prefix_and_breaks_ties_at_random():
     policy = PrefixScore("prefix", load_cap=1.25, seed=0, routed=RoutedIndex(1000))
     view = View([set()] * 4, [0] * 4)
     for _ in range(100):  # requests stay in flight: load grows where they go
-        view.loads[policy.choose(req([1, 2, 3]), view)] += 1
+        view.loads[policy.choose(req([1, 2, 3]), view).replica] += 1
     assert max(view.loads) <= 1.25 * 100 / 4 + 2, view.loads  # the cap spreads the hot prefix
     sequential, counts = PrefixScore("kv-events", load_cap=1.25), [0] * 4
     held = View([{1, 2, 3}, set(), set(), set()], [0] * 4)  # nothing stays in flight: only the recent share
     for _ in range(200):
-        counts[sequential.choose(req([1, 2, 3]), held)] += 1
+        counts[sequential.choose(req([1, 2, 3]), held).replica] += 1
     assert max(counts) <= 0.45 * 200, counts
     cold = PrefixScore("prefix", seed=5, routed=RoutedIndex(1000))
-    assert len({cold.choose(req([i]), View([set()] * 4, [0] * 4)) for i in range(40)}) == 4  # new prefixes rotate
+    assert len({cold.choose(req([i]), View([set()] * 4, [0] * 4)).replica for i in range(40)}) == 4  # new prefixes rotate
 
 
 def test_routed_index_is_lru_and_capped():
@@ -194,6 +197,6 @@ def test_routed_index_evicts_a_prefix_from_its_end():
 
 def test_make_policy_names_the_choices():
     assert set(POLICIES) == {"round-robin", "random", "least-load", "session", "prefix", "kv-events"}
-    assert make_policy("consistent-hash").name == "session" and make_policy("prefix-affinity").name == "kv-events"
-    with pytest.raises(ValueError, match="round-robin"):
-        make_policy("fastest")
+    for gone in ("fastest", "consistent-hash", "prefix-affinity"):  # the earlier names are gone with their aliases
+        with pytest.raises(ValueError, match="round-robin"):
+            make_policy(gone)

@@ -22,14 +22,17 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from kvprefix.http.admin import fan_out_response, replica_error, replica_result
 from kvprefix.http.bodies import receive_body
 from kvprefix.http.browsers import BrowserGuard
 from kvprefix.http.errors import APIError, install_error_handlers
+from kvprefix.http.forwarding import forwarded
+from kvprefix.http.metrics import metrics_response
 from kvprefix.http.tenancy import Auth
-from kvprefix.router.admin import fan_out_response, replica_result
 from kvprefix.router.events import follow, http_lines, read_hello
 from kvprefix.router.fleet import FleetView, Replica
 from kvprefix.router.hashing import RequestHasher, RouteRequest, route_request
+from kvprefix.router.ledger import Ledger
 from kvprefix.router.metrics import RouterMetrics
 from kvprefix.router.policies import make_policy
 from kvprefix.router.relay import Relay
@@ -38,10 +41,9 @@ from kvprefix.router.upstream import Pool
 log = logging.getLogger("kvprefix.router")
 
 HASHING_POLICIES = ("prefix", "kv-events")  # the policies that need the request's block hashes
-FORWARD_HEADERS = ("authorization", "content-type", "accept")  # of an admin call fanned out to the replicas
 READ_HEADERS = frozenset({b"authorization", b"content-length", b"x-session-id"})  # of a relayed request
 GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
-NO_ROUTE = RouteRequest([], None)
+NO_ROUTE = RouteRequest((), None)
 
 
 @dataclass
@@ -88,62 +90,94 @@ async def load_request_hasher(client: httpx.AsyncClient, config: RouterConfig,
 
 
 def create_app(config: RouterConfig) -> BrowserGuard:
-    if not config.replicas:
-        raise ValueError("give at least one --replica URL")
-    policy = make_policy(config.policy, config.seed, config.load_cap)
-    auth = config.auth or Auth()
-    replicas = [Replica(url.rstrip("/")) for url in config.replicas]
-    pools = [Pool(rep.url, config.connect_timeout_s) for rep in replicas]
-    view = FleetView(replicas)
-    metrics = RouterMetrics(view)
-    routed = getattr(policy, "routed", None)  # the prefix policy's own memory of where blocks went
-    admin_headers = {"authorization": f"Bearer {config.admin_key}"} if config.admin_key else {}
-    state: dict = {"hasher": None}
+    router = Router(config)
+    app = FastAPI(title="kvprefix router", version="0.1.0", lifespan=router.lifespan)
+    install_error_handlers(app)
 
-    def client() -> httpx.AsyncClient:
-        return state["client"]
+    @app.get("/health")
+    async def health() -> Response:
+        if not router.view.usable():
+            return APIError(503, "no replica is healthy", type="server_error").response()
+        return Response(status_code=200)
 
-    async def check(i: int) -> None:
-        rep = replicas[i]
+    @app.get("/metrics")
+    async def metrics_endpoint(raw: Request) -> Response:
+        return metrics_response(router.auth, raw, router.metrics.render)
+
+    app.post("/reset_prefix_cache")(router.fan_out)
+    app.post("/flush_cache")(router.fan_out)
+    return BrowserGuard(RouterApp(app, router.relayed), allowed_hosts=config.allowed_hosts)
+
+
+class Router:
+    """The router's state and what it does with the replicas: health checks, learning their block identity,
+    following their event streams (kv-events), the admin fan-out, and the relayed requests (``Relay``)."""
+
+    def __init__(self, config: RouterConfig):
+        if not config.replicas:
+            raise ValueError("give at least one --replica URL")
+        policy = make_policy(config.policy, config.seed, config.load_cap)
+        self.config = config
+        self.auth = config.auth or Auth()
+        self.replicas = [Replica(url.rstrip("/")) for url in config.replicas]
+        self.pools = [Pool(rep.name, config.connect_timeout_s) for rep in self.replicas]
+        self.view = FleetView(self.replicas)
+        self.metrics = RouterMetrics(self.view)
+        self.ledger = Ledger(policy)
+        self.relay = Relay(self.ledger, self.view, self.pools, self.metrics)
+        self.admin_headers = {"authorization": f"Bearer {config.admin_key}"} if config.admin_key else {}
+        self.client: httpx.AsyncClient | None = None
+        self.hasher: RequestHasher | None = None
+        self._parse = policy.name in (*HASHING_POLICIES, "session")  # the others route without reading the body
+
+    async def check(self, i: int) -> None:
+        rep = self.replicas[i]
         try:
-            ok = (await client().get(rep.url + "/health", timeout=config.connect_timeout_s)).status_code == 200
+            answer = await self.client.get(rep.name + "/health", timeout=self.config.connect_timeout_s)
+            ok = answer.status_code == 200
         except httpx.HTTPError:
             ok = False
-        if ok and not rep.healthy and routed is not None:
-            routed.forget(i)  # back from the dead (a restart, perhaps): it holds nothing we remember sending
+        if ok and not rep.healthy:
+            self.ledger.forget(i)  # back from the dead (a restart, perhaps): it holds nothing we remember sending
         if ok != rep.healthy:
-            log.warning("replica %s is %s", rep.url, "up" if ok else "down")
+            log.warning("replica %s is %s", rep.name, "up" if ok else "down")
         rep.healthy = ok
 
-    async def health_loop() -> None:
+    async def health_loop(self) -> None:
         while True:
-            await asyncio.gather(*(check(i) for i in range(len(replicas))))
-            await asyncio.sleep(config.health_interval_s)
+            await asyncio.gather(*(self.check(i) for i in range(len(self.replicas))))
+            await asyncio.sleep(self.config.health_interval_s)
 
-    def check_hello(rep: Replica):
+    def check_hello(self, rep: Replica):
+        """A replica's later hello (it restarted): logged when it no longer hashes like the router."""
         def check(hello) -> None:
-            if state["hasher"] is not None and hello.root != state["hasher"].hasher.root:
+            if self.hasher is not None and hello.root != self.hasher.hasher.root:
                 log.error("replica %s no longer hashes like the router (root %s...): none of its blocks will match "
-                          "until the router restarts", rep.url, hello.root.hex()[:16])
+                          "until the router restarts", rep.name, hello.root.hex()[:16])
         return check
 
+    def _followers(self) -> list[asyncio.Task]:
+        series = self.metrics.series
+        return [asyncio.create_task(follow(http_lines(self.client, rep.name, self.admin_headers), rep,
+                                           lambda r: series[r.name].resyncs.inc(), on_hello=self.check_hello(rep)))
+                for rep in self.replicas]
+
     @asynccontextmanager
-    async def lifespan(_: FastAPI):
+    async def lifespan(self, _: FastAPI):
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-        state["client"] = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=config.connect_timeout_s),
-                                            limits=limits)
-        tasks = [asyncio.create_task(health_loop())]
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=self.config.connect_timeout_s),
+                                        limits=limits)
+        tasks = [asyncio.create_task(self.health_loop())]
         try:
-            if policy.name in HASHING_POLICIES:
-                state["hasher"] = config.hasher or await load_request_hasher(client(), config, admin_headers)
+            if self.ledger.policy.name in HASHING_POLICIES:
+                self.hasher = self.config.hasher or await load_request_hasher(self.client, self.config,
+                                                                              self.admin_headers)
+                self.relay.block_size = self.hasher.hasher.block_size
             # What exists now (the tokenizer, the app) lives as long as the router: the collector's full passes
             # no longer walk it (as vLLM does after loading a model).
             gc.freeze()
-            if policy.name == "kv-events":
-                tasks += [asyncio.create_task(follow(http_lines(client(), rep.url, admin_headers), rep,
-                                                     lambda r: metrics.series[r.name].resyncs.inc(),
-                                                     on_hello=check_hello(rep)))
-                          for rep in replicas]
+            if self.ledger.policy.name == "kv-events":
+                tasks += self._followers()
             yield
         finally:
             for t in tasks:
@@ -151,65 +185,40 @@ def create_app(config: RouterConfig) -> BrowserGuard:
             for t in tasks:
                 with contextlib.suppress(asyncio.CancelledError):
                     await t
-            await state["client"].aclose()
-            for pool in pools:
+            await self.client.aclose()
+            for pool in self.pools:
                 pool.close()
 
-    app = FastAPI(title="kvprefix router", version="0.1.0", lifespan=lifespan)
-    install_error_handlers(app)
-
-    def forward_headers(raw: Request) -> dict[str, str]:
-        return {k: raw.headers[k] for k in FORWARD_HEADERS if k in raw.headers}
-
-    @app.get("/health")
-    async def health() -> Response:
-        if not view.usable():
-            return APIError(503, "no replica is healthy", type="server_error").response()
-        return Response(status_code=200)
-
-    @app.get("/metrics")
-    async def metrics_endpoint(raw: Request) -> Response:
-        auth.check_admin(raw.headers.get("authorization"))
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    async def fan_out(raw: Request) -> JSONResponse:
+    async def fan_out(self, raw: Request) -> JSONResponse:
         """Every replica's answer to the same admin call, side by side; success only if all succeeded."""
-        auth.check_admin(raw.headers.get("authorization"))
-        headers = forward_headers(raw) if "authorization" in raw.headers else admin_headers
+        self.auth.check_admin(raw.headers.get("authorization"))
+        headers = dict(forwarded(raw.headers)) if "authorization" in raw.headers else self.admin_headers
 
         async def one(i: int) -> dict:
-            rep = replicas[i]
+            rep = self.replicas[i]
             try:
-                r = await client().post(rep.url + raw.url.path, params=raw.query_params, headers=headers)
+                r = await self.client.post(rep.name + raw.url.path, params=raw.query_params, headers=headers)
             except httpx.HTTPError as exc:
-                return {"replica": rep.url, "status": None, "error": str(exc) or type(exc).__name__}
-            if r.status_code == 200 and routed is not None:
-                routed.forget(i)
-            return replica_result(rep.url, r.status_code, r.content)
+                return replica_error(rep.name, exc)
+            if r.status_code == 200:
+                self.ledger.forget(i)
+            return replica_result(rep.name, r.status_code, r.content)
 
-        return fan_out_response(await asyncio.gather(*(one(i) for i in range(len(replicas)))))
+        return fan_out_response(await asyncio.gather(*(one(i) for i in range(len(self.replicas)))))
 
-    app.post("/reset_prefix_cache")(fan_out)
-    app.post("/flush_cache")(fan_out)
-    relay = Relay(policy, view, pools, metrics)
-    parse = policy.name in (*HASHING_POLICIES, "session")  # the others route without reading the body
-
-    async def relayed(scope, receive, send) -> None:
+    async def relayed(self, scope, receive, send) -> None:
+        """A request for a replica: read what the policy needs, then relay it (``Relay``)."""
         try:
             if scope["method"] == "POST":
                 headers = request_headers(scope)
-                tenant = auth.tenant(headers.get("authorization"))
+                tenant = self.auth.tenant(headers.get("authorization"))
                 body = await receive_body(receive, headers.get("content-length", ""))
-                hasher = state["hasher"]
-                relay.block_size = hasher.hasher.block_size if hasher is not None else 0
-                route = route_request(body, headers, tenant, hasher) if parse else NO_ROUTE
+                route = route_request(body, headers, tenant, self.hasher) if self._parse else NO_ROUTE
             else:
                 body, route = b"", NO_ROUTE
-            await relay(scope, receive, send, route, body)
+            await self.relay(scope, receive, send, route, body)
         except APIError as exc:
             await exc.response()(scope, receive, send)
-
-    return BrowserGuard(RouterApp(app, relayed, view), allowed_hosts=config.allowed_hosts)
 
 
 def request_headers(scope) -> dict[str, str]:
@@ -226,10 +235,9 @@ class RouterApp:
     """The relayed endpoints as raw ASGI (the hot path: no routing table, no response objects); the rest (health,
     metrics, the admin fan-out, the lifespan that starts the health checks and event streams) is FastAPI."""
 
-    def __init__(self, app: FastAPI, relayed, view: FleetView):
+    def __init__(self, app: FastAPI, relayed):
         self.app = app
         self.relayed = relayed
-        self.view = view
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and (

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import argparse
 
-from kvprefix.router.policies import POLICIES, RENAMED
+from kvprefix.router.policies import POLICIES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replica", action="append", required=True, metavar="URL",
                         help="a replica's base URL, e.g. http://10.0.0.5:8000 (repeat for each replica)")
-    parser.add_argument("--policy", default="round-robin", choices=[*POLICIES, *RENAMED],
+    parser.add_argument("--policy", default="round-robin", choices=list(POLICIES),
                         help="how to pick a replica (docs/router.md; default round-robin)")
     parser.add_argument("--model", default=None,
                         help="the replicas' checkpoint, for prefix and kv-events (they render prompts with its "
@@ -37,10 +37,9 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
-    import uvicorn
-
     from kvprefix.http.browsers import allowed_hosts
     from kvprefix.http.connections import timed_protocol
+    from kvprefix.http.launch import run_server
     from kvprefix.http.tenancy import Auth
     from kvprefix.router.app import HASHING_POLICIES, RouterConfig, create_app
 
@@ -54,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         )
         app = create_app(config)
         # Before serving: a replica whose identity this router cannot reproduce is a one-line error.
-        if RENAMED.get(config.policy, config.policy) in HASHING_POLICIES:
+        if config.policy in HASHING_POLICIES:
             config.hasher = asyncio.run(_load_hasher(config))
     except (ValueError, RuntimeError) as exc:
         raise SystemExit(f"kvprefix route: {exc}") from None
@@ -64,8 +63,8 @@ def run(args: argparse.Namespace) -> int:
         from uvicorn.protocols.http.h11_impl import H11Protocol as base
     # uvloop when installed (loop="auto"); no access log: a line per request would cost more than the relay; no
     # X-Forwarded-* rewriting of the client's address and scheme, which the router never reads
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                http=timed_protocol(20.0, 60.0, base), timeout_keep_alive=5, proxy_headers=False)
+    run_server(app, args.host, args.port, log_level=args.log_level, http=timed_protocol(20.0, 60.0, base),
+               timeout_keep_alive=5, access_log=False, proxy_headers=False)
     return 0
 
 

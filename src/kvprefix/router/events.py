@@ -36,7 +36,7 @@ async def read_hello(client: httpx.AsyncClient, url: str, headers: dict[str, str
 
 
 # Opens a replica's event stream with these query parameters and yields its lines: over HTTP here, through a
-# Ray Serve handle in ``router.ray_serve``. One follower for both.
+# Ray Serve handle in ``router.ray.ingress``. One follower for both.
 Lines = Callable[[dict[str, str]], AsyncIterator[bytes | str]]
 
 
@@ -72,11 +72,11 @@ async def follow(lines: Lines, replica: Replica, on_resync: Callable[[Replica], 
                     replica.resyncs += 1
                     on_resync(replica)
         except StreamError as exc:
-            log.warning("kv events of %s: %s; starting over from a snapshot", replica.url, exc)
+            log.warning("kv events of %s: %s; starting over from a snapshot", replica.name, exc)
             replica.mirror = mirror = StreamMirror()
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the replica went away (any transport's error): reconnect
-            log.debug("kv events of %s: %s; reconnecting", replica.url, exc)
+            log.debug("kv events of %s: %s; reconnecting", replica.name, exc)
         mirror.ready = False  # until the next resume or snapshot
         await asyncio.sleep(retry_s)

@@ -11,7 +11,7 @@ identity says so at start, naming the replica and what differs, instead of routi
 from __future__ import annotations
 
 import os
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,18 +23,16 @@ from kvprefix.prompts import PromptError, render_body
 from kvprefix.tokenizer import SegmentCachedTokenizer, Tokenizer
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class RouteRequest:
-    """A request as a policy sees it (``policies.Routable``)."""
+    """A request as a policy sees it (``policies.Routable``), fixed once read."""
 
-    block_hashes: Sequence[Hashable]
+    block_hashes: tuple[Hashable, ...]
     session: str | None
     num_blocks: int = 0  # prompt blocks, the partial tail included (0: not hashed)
-    # replica id -> its exact cached prefix in blocks, where the caller follows the event streams (the Ray ingress)
-    replica_cached: Mapping[str, int] | None = None
-    # (reason, credited blocks, replicas that refused it first), written by the Ray request router, which runs in
-    # the ingress's process: the ingress's metrics read it once the request is routed
-    decision: tuple[str, int, tuple[str, ...]] | None = None
+    # replica id -> the request's blocks that replica holds, where the caller follows the event streams and the
+    # router does not (the Ray ingress hands them to Ray's request router with the call)
+    held: Mapping[str, frozenset[Hashable]] | None = None
 
 
 def route_request(body: bytes, headers: Mapping[str, str], tenant: str | None,
@@ -49,7 +47,7 @@ def route_request(body: bytes, headers: Mapping[str, str], tenant: str | None,
     parsed = parsed if isinstance(parsed, dict) else {}
     hashes, num_blocks = hasher.hash_prompt(parsed, tenant) if hasher is not None else ([], 0)
     session = parsed.get("prompt_cache_key") or parsed.get("user") or headers.get("x-session-id")
-    return RouteRequest(hashes, session if isinstance(session, str) else None, num_blocks)
+    return RouteRequest(tuple(hashes), session if isinstance(session, str) else None, num_blocks)
 
 
 class RequestHasher:

@@ -8,21 +8,11 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from kvprefix.router.fleet import FleetView, Replica
+from kvprefix.router.policies import REASONS, Decision
 
 P = "kvprefix:router_"
-# Why a replica was chosen: a retry after another failed, a cached prefix there, a session key, or neither.
-REASONS = ("retry", "cached_prefix", "session", "no_prefix")
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 TAIL_BYTES = 4096  # usage comes last in a body or stream: enough of the end to find it
-
-
-def decision_reason(retried: bool, credited_blocks: int, session_policy: bool, session: object) -> str:
-    """Why the replica was chosen (``REASONS``)."""
-    if retried:
-        return "retry"
-    if credited_blocks:
-        return "cached_prefix"
-    return "session" if session_policy and session is not None else "no_prefix"
 
 
 def reported_cached_tokens(tail: bytes) -> int | None:
@@ -41,6 +31,12 @@ class ReplicaSeries:
     reported_cached: Counter
     retries: Counter
     resyncs: Counter
+
+    def count(self, decision: Decision, block_size: int) -> None:
+        """A request this replica took: by why it was chosen, and the tokens the decision credited there."""
+        self.requests[decision.reason].inc()
+        if decision.credited:
+            self.predicted_cached.inc(decision.credited * block_size)
 
 
 class RouterMetrics:

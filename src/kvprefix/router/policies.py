@@ -14,6 +14,7 @@ import math
 import random
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import xxhash
@@ -51,11 +52,30 @@ class ReplicaView(Protocol):
         ...
 
 
+# Why a replica was chosen: a retry after another failed or refused, a cached prefix there, a session key, or none.
+REASONS = ("retry", "cached_prefix", "session", "no_prefix")
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """One routing decision: the replica (a view position), the leading blocks of the request credited as cached
+    there, why (``REASONS``), and the replicas (by name) that were chosen for it before and refused it."""
+
+    replica: int
+    credited: int = 0
+    reason: str = "no_prefix"
+    refused: tuple[str, ...] = ()
+
+
 class RoutingPolicy(Protocol):
     name: str
-    credited: int  # cached blocks the last choice was credited with (0: a policy that does not look)
+    reads_cache: bool  # whether ``choose`` asks the view what replicas cache (then requests in flight count)
 
-    def choose(self, request: Routable, view: ReplicaView) -> int: ...
+    def choose(self, request: Routable, view: ReplicaView) -> Decision: ...
+
+    def forget(self, replica: int) -> None:
+        """The replica restarted or was reset: it holds nothing this policy remembers sending it."""
+        ...
 
 
 def candidates(view: ReplicaView) -> list[int]:
@@ -77,14 +97,22 @@ def load_bound(view: ReplicaView, replicas: Sequence[int], load_cap: float) -> i
     return math.ceil(load_cap * total / len(replicas))
 
 
-class RoundRobin:
+class _Stateless:
+    """What a policy that remembers nothing about replicas' caches shares: nothing to read, nothing to forget."""
+
+    reads_cache = False
+
+    def forget(self, replica: int) -> None:
+        pass
+
+
+class RoundRobin(_Stateless):
     name = "round-robin"
-    credited = 0
 
     def __init__(self) -> None:
         self._next = 0
 
-    def choose(self, request: Routable, view: ReplicaView) -> int:
+    def choose(self, request: Routable, view: ReplicaView) -> Decision:
         n = view.num_replicas
         for step in range(n):
             replica = (self._next + step) % n
@@ -93,34 +121,32 @@ class RoundRobin:
         else:
             replica = self._next % n
         self._next = replica + 1
-        return replica
+        return Decision(replica)
 
 
-class RandomChoice:
+class RandomChoice(_Stateless):
     name = "random"
-    credited = 0
 
     def __init__(self, seed: int = 0) -> None:
         self._rng = random.Random(seed)
 
-    def choose(self, request: Routable, view: ReplicaView) -> int:
-        return self._rng.choice(candidates(view))
+    def choose(self, request: Routable, view: ReplicaView) -> Decision:
+        return Decision(self._rng.choice(candidates(view)))
 
 
-class LeastLoad:
+class LeastLoad(_Stateless):
     """Power of two choices: the less loaded of two replicas drawn at random. Nearly as even as asking every
     replica, without every router sending to the one that looked idlest a moment ago."""
 
     name = "least-load"
-    credited = 0
 
     def __init__(self, seed: int = 0) -> None:
         self._rng = random.Random(seed)
 
-    def choose(self, request: Routable, view: ReplicaView) -> int:
+    def choose(self, request: Routable, view: ReplicaView) -> Decision:
         up = candidates(view)
         pair = self._rng.sample(up, min(2, len(up)))
-        return least_loaded(pair, view, self._rng)
+        return Decision(least_loaded(pair, view, self._rng))
 
 
 def _stable_hash(key: Hashable) -> int:
@@ -128,7 +154,7 @@ def _stable_hash(key: Hashable) -> int:
     return xxhash.xxh64_intdigest(repr(key).encode())
 
 
-class SessionAffinity:
+class SessionAffinity(_Stateless):
     """A session (``prompt_cache_key``, ``user``, an ``x-session-id`` header, a trace's session id) lands on its
     replica of a hash ring, so a conversation keeps hitting its own history; adding a replica moves about 1/N of
     the sessions. The load is bounded: a replica over ``load_cap`` x the mean is passed over for the next one on
@@ -136,7 +162,6 @@ class SessionAffinity:
     to keep and goes by load (power of two choices)."""
 
     name = "session"
-    credited = 0
 
     def __init__(self, load_cap: float = 1.25, seed: int = 0, virtual_nodes: int = 64) -> None:
         if load_cap < 1.0:
@@ -156,7 +181,7 @@ class SessionAffinity:
         self._owners = [r for _, r in ring]
         self._ring_size = num_replicas
 
-    def choose(self, request: Routable, view: ReplicaView) -> int:
+    def choose(self, request: Routable, view: ReplicaView) -> Decision:
         if request.session is None:
             return self._fallback.choose(request, view)
         if view.num_replicas != self._ring_size:
@@ -172,8 +197,8 @@ class SessionAffinity:
                 continue
             first = replica if first is None else first
             if view.load(replica) + 1 <= bound:
-                return replica
-        return first
+                return Decision(replica, reason="session")
+        return Decision(first, reason="session")
 
 
 class RoutedIndex:
@@ -259,15 +284,19 @@ class PrefixScore:
         self._recent: RecentShare | None = None
         self._recent_size = 0
         self.load_cap = load_cap
-        self.routed = routed
-        self.credited = 0
+        self._routed = routed
+        self.reads_cache = routed is None
         self._rng = random.Random(seed)
         self._next = 0  # where the rotation of new prefixes continues
 
     def cached(self, replica: int, request: Routable, view: ReplicaView) -> int:
-        if self.routed is not None:
-            return self.routed.cached_prefix_blocks(replica, request.block_hashes)
+        if self._routed is not None:
+            return self._routed.cached_prefix_blocks(replica, request.block_hashes)
         return view.cached_prefix_blocks(replica, request.block_hashes)
+
+    def forget(self, replica: int) -> None:
+        if self._routed is not None:
+            self._routed.forget(replica)
 
     def _new_prefix_home(self, eligible: list[int], view: ReplicaView) -> int:
         """The least loaded replica; among equally loaded ones (an idle fleet), the next in rotation, so that new
@@ -279,7 +308,7 @@ class PrefixScore:
         self._next = replica + 1
         return replica
 
-    def choose(self, request: Routable, view: ReplicaView) -> int:
+    def choose(self, request: Routable, view: ReplicaView) -> Decision:
         up = candidates(view)
         # Not overloaded: at most load_cap x the mean (+1, so an idle fleet admits anyone); the least loaded
         # replica always qualifies.
@@ -303,11 +332,11 @@ class PrefixScore:
             replica = self._new_prefix_home(eligible, view)
         else:
             replica = least_loaded([r for r in eligible if scores[r] == best], view, self._rng)
-        self.credited = scores.get(replica, 0)
-        if self.routed is not None:
-            self.routed.record(replica, request.block_hashes)
+        credited = scores.get(replica, 0)
+        if self._routed is not None:
+            self._routed.record(replica, request.block_hashes)
         recent.record(replica)
-        return replica
+        return Decision(replica, credited, "cached_prefix" if credited else "no_prefix")
 
 
 # A predicted index this large costs a few tens of MB per replica at most and outlives typical pools.
@@ -322,13 +351,11 @@ POLICIES: dict[str, Callable[[int, float], RoutingPolicy]] = {
     "prefix": lambda seed, load_cap: PrefixScore("prefix", load_cap, seed, RoutedIndex(DEFAULT_ROUTED_BLOCKS)),
     "kv-events": lambda seed, load_cap: PrefixScore("kv-events", load_cap, seed),
 }
-# Earlier names, still accepted: the hash ring is now load-bounded, prefix affinity reads the exact view.
-RENAMED = {"consistent-hash": "session", "prefix-affinity": "kv-events"}
 
 
 def make_policy(name: str, seed: int = 0, load_cap: float = 1.25) -> RoutingPolicy:
     """A fresh policy by name."""
-    factory = POLICIES.get(RENAMED.get(name, name))
+    factory = POLICIES.get(name)
     if factory is None:
         raise ValueError(f"unknown routing policy {name!r}; choose one of {', '.join(POLICIES)}")
     return factory(seed, load_cap)

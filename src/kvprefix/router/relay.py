@@ -15,59 +15,54 @@ import contextlib
 import logging
 
 from kvprefix.http.errors import APIError
+from kvprefix.http.forwarding import FORWARD_RAW_HEADERS
 from kvprefix.router.fleet import FleetView, Replica
 from kvprefix.router.hashing import RouteRequest
-from kvprefix.router.metrics import TAIL_BYTES, RouterMetrics, decision_reason, reported_cached_tokens
+from kvprefix.router.ledger import Ledger
+from kvprefix.router.metrics import TAIL_BYTES, RouterMetrics, reported_cached_tokens
 from kvprefix.router.pending import Routed
-from kvprefix.router.policies import RoutingPolicy
 from kvprefix.router.upstream import Pool, ReplicaDown
 
 log = logging.getLogger("kvprefix.router")
 
-FORWARD_HEADERS = frozenset({b"authorization", b"content-type", b"accept"})
 DROP_RESPONSE_HEADERS = frozenset({b"transfer-encoding", b"connection", b"keep-alive", b"date",
                                    b"server"})
 REPLICA_HEADER = b"x-kvprefix-replica"
 
 
 class Relay:
-    def __init__(self, policy: RoutingPolicy, view: FleetView, pools: list[Pool], metrics: RouterMetrics):
-        self.policy = policy
+    def __init__(self, ledger: Ledger, view: FleetView, pools: list[Pool], metrics: RouterMetrics):
+        self.ledger = ledger
         self.view = view
         self.pools = pools
         self.metrics = metrics
         self.block_size = 0  # tokens per block, once the hashing identity is known (for the predicted metric)
         self._series = [metrics.series[rep.name] for rep in view.replicas]
-        # The view counts the blocks of requests in flight as cached, for the policies that ask it; `prefix`
-        # remembers every block it routed (its RoutedIndex) and never asks, so its requests' blocks are not counted.
-        self._pending_blocks = getattr(policy, "routed", None) is None
 
     async def __call__(self, scope, receive, send, route: RouteRequest, body: bytes) -> None:
         """Answers the request from a replica; APIError (503 no_replica) when none can take it."""
-        headers = [(k, v) for k, v in scope["headers"] if k in FORWARD_HEADERS]
+        headers = [(k, v) for k, v in scope["headers"] if k in FORWARD_RAW_HEADERS]
         target = scope["raw_path"] or scope["path"].encode()
         if scope["query_string"]:
             target += b"?" + scope["query_string"]
         method = scope["method"].encode()
-        view, attempt = self.view, 0
+        view = self.view
         while True:
             if not view.usable():
                 self.metrics.unroutable.inc()
                 raise APIError(503, "no replica can take the request now (all down or all failed it)",
                                type="server_error", code="no_replica")
-            i = self.policy.choose(route, view)
-            credited = self.policy.credited
+            decision, routed = self.ledger.route(route, view, view.excluded_names())
+            i = decision.replica
             rep = view.replicas[i]
-            routed = rep.outstanding.add(route.block_hashes if self._pending_blocks else (),
-                                         max(route.num_blocks - credited, 0))
             try:
                 upstream = await self.pools[i].request(method, target, headers, body)
             except ReplicaDown as exc:
                 routed.finish()
-                log.warning("replica %s failed before answering: %s; retrying elsewhere", rep.url, exc)
+                log.warning("replica %s failed before answering: %s; retrying elsewhere", rep.name, exc)
                 rep.healthy = False
                 self._series[i].retries.inc()
-                view, attempt = view.excluding(i), attempt + 1
+                view = view.excluding(i)
                 continue
             except BaseException:
                 routed.finish()
@@ -76,12 +71,9 @@ class Relay:
                 upstream.close()
                 routed.finish()
                 self._series[i].retries.inc()
-                view, attempt = view.excluding(i), attempt + 1
+                view = view.excluding(i)
                 continue
-            reason = decision_reason(attempt > 0, credited, self.policy.name == "session", route.session)
-            self._series[i].requests[reason].inc()
-            if credited:
-                self._series[i].predicted_cached.inc(credited * self.block_size)
+            self._series[i].count(decision, self.block_size)
             await self._answer(scope, receive, send, i, rep, routed, upstream)
             return
 
@@ -89,7 +81,7 @@ class Relay:
         """Sends the replica's answer to the client: whole when it has arrived whole (most non-streamed answers:
         one body, nothing to watch), else streamed chunk by chunk as it arrives."""
         headers = [(k, v) for k, v in upstream.headers if k.lower() not in DROP_RESPONSE_HEADERS]
-        headers.append((REPLICA_HEADER, rep.url.encode()))
+        headers.append((REPLICA_HEADER, rep.name.encode()))
         start = {"type": "http.response.start", "status": upstream.status, "headers": headers}
         if not upstream.complete:
             await self._stream(scope, receive, send, i, rep, routed, upstream, start)
@@ -142,7 +134,7 @@ class Relay:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             except ReplicaDown as exc:  # the replica went away mid-answer: nothing to retry once bytes went out
                 if not client_gone:
-                    log.warning("answer from %s cut off: %s", rep.url, exc)
+                    log.warning("answer from %s cut off: %s", rep.name, exc)
             routed.finish()
             self._count_reported(i, tail)
             await send({"type": "http.response.body", "body": last, "more_body": False})

@@ -6,7 +6,6 @@ import argparse
 
 from kvprefix.cache import COLLISION_SAFE_ALGOS, HASH_ALGOS
 from kvprefix.engine.args import QUANTIZATION_METHODS
-from kvprefix.router.policies import POLICIES
 
 # The KV cache fraction shared out as tenants' reserved room when there are tenants (docs/security.md): half stays
 # shared LRU room for whoever is busy; the other half is what idle tenants are owed and others cannot cache in.
@@ -35,6 +34,12 @@ def _positive_int(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    _server_arguments(parser)
+    _tenancy_and_log_arguments(parser)
+    _engine_arguments(parser)
+
+
+def _server_arguments(parser: argparse.ArgumentParser) -> None:
     net = parser.add_argument_group("server")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     net.add_argument("--port", type=int, default=8000)
@@ -65,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--replica-id", default=None,
                      help="this replica's name in KV events and the request log (default: HOSTNAME:PORT)")
 
+
+
+def _tenancy_and_log_arguments(parser: argparse.ArgumentParser) -> None:
     sec = parser.add_argument_group("tenancy and admin (docs/security.md)")
     sec.add_argument("--api-key", default=None, help="one API key; its callers form the tenant 'default'")
     sec.add_argument("--api-keys-file", default=None,
@@ -83,17 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     logs.add_argument("--request-log-prompts", action="store_true",
                       help="also log raw prompt text (off by default: prompts may hold private data)")
 
-    ray = parser.add_argument_group("Ray Serve: replicas on a Ray cluster, routed by a policy (docs/router.md)")
-    ray.add_argument("--ray", action="store_true", help="serve --replicas engine replicas as a Ray Serve deployment")
-    ray.add_argument("--replicas", type=_positive_int, default=2, help="with --ray: engine replicas (default 2)")
-    ray.add_argument("--ray-address", default=None,
-                     help="with --ray: a running cluster (auto, or HEAD_IP:6379); default: start a local one")
-    ray.add_argument("--policy", default="prefix", choices=list(POLICIES),
-                     help="with --ray: how to pick a replica (default prefix)")
-    ray.add_argument("--load-cap", type=float, default=1.25,
-                     help="with --ray: session, prefix and kv-events pass over replicas above this x the mean load")
-    ray.add_argument("--replica-cpus", type=float, default=1.0, help="with --ray: CPUs reserved per replica")
 
+
+def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     eng = parser.add_argument_group("engine")
     eng.add_argument("--model", default=None,
                      help="checkpoint directory, .gguf file or hub id (default: the built-in SmolLM2-135M-Instruct)")
@@ -120,7 +120,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="cache_aware: a request waiting this many engine steps is admitted before cached ones")
 
 
-def run(args: argparse.Namespace) -> int:
+def prepare(args: argparse.Namespace):
+    """Checks the options (a bad one fails in a moment, before torch loads) and returns the engine's arguments and
+    the server's config, for one server (``run``) or for every replica of a Ray deployment."""
     import dataclasses
     import logging
     import socket
@@ -140,11 +142,8 @@ def run(args: argparse.Namespace) -> int:
                          f"resistant: one of {', '.join(COLLISION_SAFE_ALGOS)}")
     if args.tenant_kv_reserve is None:
         args.tenant_kv_reserve = DEFAULT_TENANT_KV_RESERVE if auth.enabled else 0.0
-    if args.ray and args.request_log:
-        raise SystemExit("kvprefix serve: --request-log is not supported with --ray (the replicas would share it)")
-    # Options are checked before the engine and web stack load: a bad one fails in a moment, not after torch.
-    from kvprefix.engine import AsyncLLM, EngineArgs
-    from kvprefix.server.app import ServerConfig, create_app, serve
+    from kvprefix.engine import EngineArgs
+    from kvprefix.server.app import ServerConfig
     # Every engine option we expose has EngineArgs' field name; a field without an option keeps its default.
     engine_args = EngineArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)
                                 if hasattr(args, f.name)})
@@ -160,15 +159,26 @@ def run(args: argparse.Namespace) -> int:
         allowed_hosts=hosts,
         metrics_names=args.metrics_names,
     )
-    if args.ray:
-        from kvprefix.router.ray_serve import run_on_ray
+    return engine_args, config
 
-        return run_on_ray(args, dataclasses.asdict(engine_args), config)
+
+def run(args: argparse.Namespace) -> int:
+    engine_args, config = prepare(args)
+    from kvprefix.engine import AsyncLLM
+    from kvprefix.http.connections import timed_protocol
+    from kvprefix.http.launch import run_server
+    from kvprefix.server.app import create_app
+
     try:  # a checkpoint that cannot be loaded (missing, truncated, unsupported) is a one-line error
         engine = AsyncLLM(engine_args)
     except (ValueError, FileNotFoundError) as exc:
         raise SystemExit(f"kvprefix serve: {exc}") from None
-    serve(create_app(engine, config), args.host, args.port, args.log_level, args.shutdown_timeout,
-          timeout_keep_alive=args.timeout_keep_alive, timeout_headers=args.timeout_headers,
-          timeout_body=args.timeout_body, limit_concurrency=args.limit_concurrency)
+    app = create_app(engine, config)
+    # Until SIGINT/SIGTERM; then the server's drain (app.state.drain) lets requests in flight finish, uvicorn's
+    # own deadline only backing it up.
+    run_server(app, args.host, args.port, log_level=args.log_level,
+               http=timed_protocol(args.timeout_headers, args.timeout_body),
+               timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.limit_concurrency,
+               on_shutdown=lambda: app.state.drain(args.shutdown_timeout),
+               graceful_timeout_s=args.shutdown_timeout + 10)
     return 0

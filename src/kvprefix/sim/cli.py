@@ -10,7 +10,7 @@ import math
 import sys
 
 from kvprefix.sim.formats import FORMATS
-from kvprefix.sim.replay import ACCEPTED_ROUTINGS, EVICTIONS, MODES, ROUTINGS
+from kvprefix.sim.replay import MODES, ROUTINGS
 
 
 def _positive_int(text: str) -> int:
@@ -58,12 +58,22 @@ def _int_list(text: str) -> list[int]:
 def _routing_list(text: str) -> list[str]:
     names = [p.strip() for p in text.split(",")]
     for name in names:
-        if name not in ACCEPTED_ROUTINGS:
+        if name not in ROUTINGS:
             raise argparse.ArgumentTypeError(f"unknown routing {name!r}; choose from {', '.join(ROUTINGS)}")
     return names
 
 
-def _add_trace_arguments(t) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "trace", nargs="?", help="trace file (JSONL): Mooncake rows, a kvprefix request log, or OpenAI request bodies"
+    )
+    parser.add_argument("--example", choices=["seed"], help="run a built-in example instead of a trace")
+    _trace_arguments(parser.add_argument_group("trace"))
+    _fleet_arguments(parser)
+    _timing_and_output_arguments(parser)
+
+
+def _trace_arguments(t) -> None:
     t.add_argument("--format", choices=FORMATS, default="auto", help="trace format (default: from the first row)")
     t.add_argument(
         "--trace-block-size",
@@ -83,12 +93,7 @@ def _add_trace_arguments(t) -> None:
                         "file of its /v1/models listing (default: the --tokenizer checkpoint's own, float32, sha256)")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "trace", nargs="?", help="trace file (JSONL): Mooncake rows, a kvprefix request log, or OpenAI request bodies"
-    )
-    parser.add_argument("--example", choices=["seed"], help="run a built-in example instead of a trace")
-    _add_trace_arguments(parser.add_argument_group("trace"))
+def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
     c = parser.add_argument_group("cache and fleet (comma-separated lists make a sweep)")
     size = c.add_mutually_exclusive_group()
     size.add_argument(
@@ -109,7 +114,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="session, prefix, kv-events: pass over replicas above this x the mean load (default 1.25)",
     )
     c.add_argument("--seed", type=int, default=0, help="seed of the random routing (default 0)")
-    c.add_argument("--eviction", choices=list(EVICTIONS), default="lru", help="eviction policy (default lru)")
+
+
+def _timing_and_output_arguments(parser: argparse.ArgumentParser) -> None:
     m = parser.add_argument_group("timing")
     m.add_argument(
         "--mode",
@@ -177,7 +184,6 @@ def _simulate(args: argparse.Namespace) -> int:
         decode_tps=args.decode_tps,
         load_cap=args.load_cap,
         seed=args.seed,
-        eviction=args.eviction,
     )
     summaries = sweep(trace, capacities, args.replicas, args.routing, base, progress=not args.no_progress)
     print(format_table(summaries))

@@ -82,12 +82,7 @@ def summarize(trace: Trace, config: ReplayConfig, rec: ReplayRecords) -> ReplayS
         rep_requests[rep] += 1
         waits.append(wait)
     admitted = len(waits)
-    per_replica = [
-        ReplicaSummary(
-            i, rep_requests[i], rep_tokens[i], _ratio(rep_cached[i], rep_tokens[i]), _ratio(rep_tokens[i], prompt)
-        )
-        for i in range(n_rep)
-    ]
+    per_replica = _per_replica(rep_requests, rep_tokens, rep_cached, prompt)
     ttft_without = _ratio(prompt, admitted) / config.prefill_tps
     ttft_with = _ratio(prompt - cached, admitted) / config.prefill_tps
     refs = trace.num_block_refs
@@ -122,6 +117,11 @@ def summarize(trace: Trace, config: ReplayConfig, rec: ReplayRecords) -> ReplayS
         replay_s=rec.elapsed_s,
         block_refs_per_s=_ratio(refs, rec.elapsed_s),
     )
+
+
+def _per_replica(requests: list[int], tokens: list[int], cached: list[int], prompt: int) -> list[ReplicaSummary]:
+    return [ReplicaSummary(i, requests[i], tokens[i], _ratio(cached[i], tokens[i]), _ratio(tokens[i], prompt))
+            for i in range(len(requests))]
 
 
 def _ratio(a: float, b: float) -> float:

@@ -17,20 +17,18 @@ import math
 import sys
 import time
 from collections import deque
-from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from kvprefix.cache import CacheRequest, FreeBlockQueue, KVCacheManager, cdiv
-from kvprefix.router.pending import Outstanding, Routed
-from kvprefix.router.policies import POLICIES, RENAMED, make_policy
+from kvprefix.router.fleet import FleetView, Replica
+from kvprefix.router.ledger import Ledger
+from kvprefix.router.pending import Routed
+from kvprefix.router.policies import POLICIES, make_policy
 from kvprefix.sim.trace import Trace, TraceRequest
 
 MODES = ("order", "timed")
 SHARED = "shared"  # not a routing policy: one pool of replicas x capacity, the upper bound for any router
 ROUTINGS = (*POLICIES, SHARED)
-ACCEPTED_ROUTINGS = (*ROUTINGS, *RENAMED)  # earlier names still run
-# Eviction policy -> the pool's free-queue class (its popleft picks the victim). Add a policy here.
-EVICTIONS: dict[str, type[FreeBlockQueue]] = {"lru": FreeBlockQueue}
 
 
 @dataclass(frozen=True)
@@ -43,17 +41,15 @@ class ReplayConfig:
     decode_tps: float = 50.0  # output tokens per second per request
     load_cap: float = 1.25
     seed: int = 0
-    eviction: str = "lru"
+    free_queue_cls: type[FreeBlockQueue] = FreeBlockQueue  # the pools' eviction: its popleft picks the victim
 
     def __post_init__(self) -> None:
         if self.capacity_blocks is not None and self.capacity_blocks < 1:
             raise ValueError(f"capacity must be at least one block, got {self.capacity_blocks} blocks")
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
-        if self.routing not in ACCEPTED_ROUTINGS:
+        if self.routing not in ROUTINGS:
             raise ValueError(f"unknown routing {self.routing!r}; choose one of {', '.join(ROUTINGS)}")
-        if self.eviction not in EVICTIONS:
-            raise ValueError(f"unknown eviction {self.eviction!r}; choose one of {', '.join(EVICTIONS)}")
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
         if self.load_cap < 1.0:
@@ -74,32 +70,10 @@ class ReplayRecords:
     elapsed_s: float
 
 
-class _ManagersView:
-    """``ReplicaView`` over the replay's managers, for the routing policy. A replica's prefix counts blocks it
-    has cached plus blocks a request already routed to it will compute; its load is what was routed there and
-    has not finished (``Outstanding``, as the HTTP router counts it)."""
-
-    def __init__(self, managers: list[KVCacheManager]):
-        self.managers = managers
-        self.num_replicas = len(managers)
-        self.outstanding = [Outstanding() for _ in managers]
-
-    def route(self, replica: int, r: TraceRequest, policy) -> Routed:
-        """Counts a request routed to ``replica``: its prefill is the blocks the policy did not credit."""
-        return self.outstanding[replica].add(r.block_hashes, max(r.num_blocks - policy.credited, 0))
-
-    def healthy(self, replica: int) -> bool:
-        return True
-
-    def cached_prefix_blocks(self, replica: int, block_hashes: Sequence[Hashable]) -> int:
-        return self.outstanding[replica].blocks.cached_prefix_blocks(block_hashes,
-                                                                     self.managers[replica].pool.cached_blocks)
-
-    def load(self, replica: int) -> float:
-        return self.outstanding[replica].requests
-
-    def queued_prefill_blocks(self, replica: int) -> float:
-        return self.outstanding[replica].queued_prefill_blocks
+def pools_view(managers: list[KVCacheManager]) -> FleetView:
+    """The router's view of the replay's replicas: always healthy, holding what their pools cache; load is what
+    was routed there and has not finished, as `kvprefix route` counts it."""
+    return FleetView([Replica(f"replica-{i}", healthy=True, cached=m.pool.cached_blocks) for i, m in enumerate(managers)])
 
 
 def unbounded_capacity_blocks(trace: Trace) -> int:
@@ -111,22 +85,22 @@ def unbounded_capacity_blocks(trace: Trace) -> int:
 def replay(trace: Trace, config: ReplayConfig, progress: bool = False) -> ReplayRecords:
     bs = trace.block_size
     per_replica = config.capacity_blocks or unbounded_capacity_blocks(trace)
-    queue_cls = EVICTIONS[config.eviction]
+    queue_cls = config.free_queue_cls
     if config.routing == SHARED:
         managers = [KVCacheManager(per_replica * config.replicas, bs, free_queue_cls=queue_cls)]
     else:
         managers = [KVCacheManager(per_replica, bs, free_queue_cls=queue_cls) for _ in range(config.replicas)]
-    policy = None if len(managers) == 1 else make_policy(config.routing, config.seed, config.load_cap)
+    ledger = None if len(managers) == 1 else Ledger(make_policy(config.routing, config.seed, config.load_cap))
     n = len(trace.requests)
     rec = ReplayRecords([-1] * n, [0] * n, [0.0] * n, [], [m.pool.num_blocks for m in managers], 0.0)
     bar = _progress_bar(n, trace.name, progress)
     start = time.perf_counter()
     if config.mode == "order":
-        _replay_order(trace.requests, bs, managers, policy, rec, bar)
+        _replay_order(trace.requests, bs, managers, ledger, rec, bar)
     else:
         # The shared pool stands for all replicas' memory *and* compute: it prefills replicas x as fast.
         prefill_tps = config.prefill_tps * (config.replicas if config.routing == SHARED else 1)
-        _replay_timed(trace.requests, bs, managers, policy, prefill_tps, config.decode_tps, rec, bar)
+        _replay_timed(trace.requests, bs, managers, ledger, prefill_tps, config.decode_tps, rec, bar)
     rec.elapsed_s = time.perf_counter() - start
     rec.evictions = [m.stats.evictions for m in managers]
     if bar is not None:
@@ -146,11 +120,13 @@ def _progress_bar(total: int, name: str, enabled: bool):
 _BAR_STEP = 1024  # update the bar every so many requests: tqdm per request would cost more than the replay
 
 
-def _replay_order(reqs: list[TraceRequest], bs: int, managers: list[KVCacheManager], policy, rec, bar) -> None:
-    view = _ManagersView(managers)
+def _replay_order(reqs: list[TraceRequest], bs: int, managers: list[KVCacheManager], ledger: Ledger | None, rec,
+                  bar) -> None:
+    view = pools_view(managers)
     rec_replica, rec_blocks = rec.replica, rec.cached_blocks
     for i, r in enumerate(reqs):
-        rep = 0 if policy is None else policy.choose(r, view)
+        decision = None if ledger is None else ledger.choose(r, view)
+        rep = 0 if decision is None else decision.replica
         mgr = managers[rep]
         req = CacheRequest.from_block_hashes(str(i), r.block_hashes, r.input_length, bs)
         hits, num_hit_tokens = mgr.get_computed_blocks(req)
@@ -158,8 +134,8 @@ def _replay_order(reqs: list[TraceRequest], bs: int, managers: list[KVCacheManag
             continue  # larger than the whole pool: rejected
         mgr.cache_blocks(req, r.input_length)
         mgr.free(req)
-        if policy is not None:  # in order mode nothing is in flight: load = requests routed so far
-            view.route(rep, r, policy).prefilled()
+        if decision is not None:  # in order mode nothing is in flight: load = requests routed so far
+            ledger.record(r, decision, view.replicas[rep].outstanding).prefilled()
         rec_replica[i] = rep
         rec_blocks[i] = len(hits)
         if bar is not None and (i + 1) % _BAR_STEP == 0:
@@ -169,74 +145,79 @@ def _replay_order(reqs: list[TraceRequest], bs: int, managers: list[KVCacheManag
 _PREFILL_DONE, _FINISH = 0, 1
 
 
-def _replay_timed(
-    reqs: list[TraceRequest],
-    bs: int,
-    managers: list[KVCacheManager],
-    policy,
-    prefill_tps: float,
-    decode_tps: float,
-    rec: ReplayRecords,
-    bar,
-) -> None:
-    view = _ManagersView(managers)
-    routed: dict[int, Routed] = {}  # trace index -> its share of the replica's load, until it finishes
-    queues: list[deque[int]] = [deque() for _ in managers]
-    prefilling = [False] * len(managers)
-    # (time, seq, kind, replica, trace index, request); seq keeps simultaneous events in push order
-    events: list[tuple[float, int, int, int, int, CacheRequest]] = []
-    seq = 0
+def _replay_timed(reqs: list[TraceRequest], bs: int, managers: list[KVCacheManager], ledger: Ledger | None,
+                  prefill_tps: float, decode_tps: float, rec: ReplayRecords, bar) -> None:
+    timed = _Timed(reqs, bs, managers, ledger, prefill_tps, decode_tps, rec)
+    view = timed.view
+    for i, r in enumerate(reqs):
+        timed.run_events(r.timestamp)
+        decision = None if ledger is None else ledger.choose(r, view)
+        rep = 0 if decision is None else decision.replica
+        if cdiv(r.input_length + r.output_length, bs) > managers[rep].pool.num_blocks:
+            continue  # could never fit, even alone: rejected
+        if decision is not None:
+            timed.routed[i] = ledger.record(r, decision, view.replicas[rep].outstanding)
+        timed.queues[rep].append(i)
+        timed.start_next(rep, r.timestamp)
+        if bar is not None and (i + 1) % _BAR_STEP == 0:
+            bar.update(_BAR_STEP)
+    timed.run_events(math.inf)
 
-    def push(when: float, kind: int, rep: int, i: int, req: CacheRequest) -> None:
-        nonlocal seq
-        heapq.heappush(events, (when, seq, kind, rep, i, req))
-        seq += 1
 
-    def start_next(rep: int, now: float) -> None:
+class _Timed:
+    """The timed replay's state: per replica a FIFO of requests waiting for the prefill unit, and one heap of
+    events (prefill done, request finished) in time order."""
+
+    def __init__(self, reqs: list[TraceRequest], bs: int, managers: list[KVCacheManager], ledger: Ledger | None,
+                 prefill_tps: float, decode_tps: float, rec: ReplayRecords):
+        self.reqs, self.bs, self.managers, self.ledger, self.rec = reqs, bs, managers, ledger, rec
+        self.prefill_tps, self.decode_tps = prefill_tps, decode_tps
+        self.view = pools_view(managers)
+        self.routed: dict[int, Routed] = {}  # trace index -> its share of the replica's load, until it finishes
+        self.queues: list[deque[int]] = [deque() for _ in managers]
+        self.prefilling = [False] * len(managers)
+        # (time, seq, kind, replica, trace index, request); seq keeps simultaneous events in push order
+        self.events: list[tuple[float, int, int, int, int, CacheRequest]] = []
+        self.seq = 0
+
+    def push(self, when: float, kind: int, rep: int, i: int, req: CacheRequest) -> None:
+        heapq.heappush(self.events, (when, self.seq, kind, rep, i, req))
+        self.seq += 1
+
+    def start_next(self, rep: int, now: float) -> None:
         """Admits the replica's first waiting request into prefill if the prefill unit is idle and blocks fit.
         The lookup happens here, so a request queued behind one with the same prefix hits it."""
-        queue = queues[rep]
-        if prefilling[rep] or not queue:
+        queue = self.queues[rep]
+        if self.prefilling[rep] or not queue:
             return
         i = queue[0]
-        r = reqs[i]
-        mgr = managers[rep]
-        req = CacheRequest.from_block_hashes(str(i), r.block_hashes, r.input_length, bs)
+        r = self.reqs[i]
+        mgr = self.managers[rep]
+        req = CacheRequest.from_block_hashes(str(i), r.block_hashes, r.input_length, self.bs)
         hits, num_hit_tokens = mgr.get_computed_blocks(req)
         if mgr.allocate_slots(req, r.input_length - num_hit_tokens + r.output_length, hits) is None:
             return  # waits for a running request to finish and release blocks
         queue.popleft()
-        prefilling[rep] = True
+        self.prefilling[rep] = True
+        rec = self.rec
         rec.replica[i] = rep
         rec.cached_blocks[i] = len(hits)
         rec.wait_s[i] = now - r.timestamp
-        push(now + (r.input_length - num_hit_tokens) / prefill_tps, _PREFILL_DONE, rep, i, req)
+        self.push(now + (r.input_length - num_hit_tokens) / self.prefill_tps, _PREFILL_DONE, rep, i, req)
 
-    def run_events(until: float) -> None:
+    def run_events(self, until: float) -> None:
+        events = self.events
         while events and events[0][0] <= until:
             now, _, kind, rep, i, req = heapq.heappop(events)
-            mgr = managers[rep]
+            mgr = self.managers[rep]
             if kind == _PREFILL_DONE:
                 mgr.cache_blocks(req, req.num_tokens)
-                if policy is not None:
-                    routed[i].prefilled()
-                prefilling[rep] = False
-                push(now + reqs[i].output_length / decode_tps, _FINISH, rep, i, req)
+                if self.ledger is not None:
+                    self.routed[i].prefilled()
+                self.prefilling[rep] = False
+                self.push(now + self.reqs[i].output_length / self.decode_tps, _FINISH, rep, i, req)
             else:
                 mgr.free(req)
-                if policy is not None:
-                    routed.pop(i).finish()
-            start_next(rep, now)
-
-    for i, r in enumerate(reqs):
-        run_events(r.timestamp)
-        rep = 0 if policy is None else policy.choose(r, view)
-        if cdiv(r.input_length + r.output_length, bs) > managers[rep].pool.num_blocks:
-            continue  # could never fit, even alone: rejected
-        if policy is not None:
-            routed[i] = view.route(rep, r, policy)
-        queues[rep].append(i)
-        start_next(rep, r.timestamp)
-        if bar is not None and (i + 1) % _BAR_STEP == 0:
-            bar.update(_BAR_STEP)
-    run_events(math.inf)
+                if self.ledger is not None:
+                    self.routed.pop(i).finish()
+            self.start_next(rep, now)

@@ -17,6 +17,11 @@ def replica_result(replica: str, status: int, body: bytes) -> dict:
     return {"replica": replica, "status": status, "response": answer}
 
 
+def replica_error(replica: str | None, exc: BaseException) -> dict:
+    """The result of a replica the call did not reach, or that died under it."""
+    return {"replica": replica, "status": None, "error": str(exc) or type(exc).__name__}
+
+
 def fan_out_response(results: list[dict]) -> JSONResponse:
     ok = all(r["status"] == 200 for r in results)
     return JSONResponse({"success": ok, "replicas": results}, status_code=200 if ok else 502)
