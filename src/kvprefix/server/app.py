@@ -19,6 +19,7 @@ from kvprefix.engine.client import EngineClient
 from kvprefix.http.bodies import read_body
 from kvprefix.http.browsers import BrowserGuard
 from kvprefix.http.errors import APIError, bad_request, from_validation_error, install_error_handlers
+from kvprefix.http.metrics import metrics_response
 from kvprefix.http.request_ids import RequestIdMiddleware
 from kvprefix.http.tenancy import Auth, Caller
 from kvprefix.logs import RequestLogWriter
@@ -273,9 +274,7 @@ def _add_admin_routes(app: FastAPI, parts: _Parts) -> None:
 
     @app.get("/metrics")
     async def metrics_endpoint(raw: Request) -> Response:
-        # Aggregated over all tenants (prompt lengths, hits): the admin rule, so it fails closed with tenants.
-        auth.check_admin(raw.headers.get("authorization"))
-        return Response(parts.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return metrics_response(auth, raw, parts.metrics.render)
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(raw: Request, wait: bool = False,
@@ -322,26 +321,3 @@ async def _drain(engine: EngineClient, admission: Admission, timeout: float) -> 
     if admission.running:
         log.warning("shutdown: aborting %d request(s) still running after %g s", admission.running, timeout)
         await engine.shutdown()
-
-
-def serve(app: FastAPI, host: str, port: int, log_level: str = "info", shutdown_timeout: float = 30.0, *,
-          timeout_keep_alive: float = 5.0, timeout_headers: float = 20.0, timeout_body: float = 60.0,
-          limit_concurrency: int | None = 512) -> None:
-    """Runs ``app`` with uvicorn until SIGINT/SIGTERM, then shuts down gracefully (see ``_drain``). The timeouts
-    and the connection limit keep idle or slow clients from holding connections for ever (``connections``)."""
-    import uvicorn
-
-    from kvprefix.http.connections import timed_protocol
-
-    class _Server(uvicorn.Server):
-        async def shutdown(self, sockets=None) -> None:
-            # Our drain runs while uvicorn waits for connections; uvicorn's own (later) deadline only backs it up.
-            drain = asyncio.create_task(app.state.drain(shutdown_timeout))
-            await super().shutdown(sockets)
-            await drain
-
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=shutdown_timeout + 10,
-                            http=timed_protocol(timeout_headers, timeout_body),
-                            timeout_keep_alive=timeout_keep_alive, limit_concurrency=limit_concurrency)
-    _Server(config).run()
