@@ -51,6 +51,8 @@ class FleetView:
         return FleetView(self.replicas, self._excluded | {replica})
 
     def excluded_names(self) -> tuple[str, ...]:
+        if not self._excluded:  # the first attempt of every request: no generator, no sort
+            return ()
         return tuple(self.replicas[r].name for r in sorted(self._excluded))
 
     def usable(self) -> bool:
