@@ -1,0 +1,211 @@
+"""A local disk tier: one verified object per block, content-addressed by its hash, under an LRU byte budget.
+
+No index file: a block is found by its hash's path, so a restarted server (or another replica sharing the
+directory) finds every block. The byte budget is kept from an in-memory LRU view built by a scan at start and
+resynced by a rescan every ``rescan_seconds`` (other processes write and delete too); loads touch the file's
+mtime, so the LRU order is shared through the file system. Writes go to a temporary name and are renamed into
+place: readers see a whole object or none. A reader whose object is deleted meanwhile gets a miss.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+from kvprefix.tiers import disk_layout as layout
+from kvprefix.tiers.objects import (
+    PREFIX_SIZE,
+    BlockObject,
+    Expected,
+    KVSpec,
+    ObjectError,
+    decode,
+    decode_prefix,
+    encode,
+    verify,
+)
+from kvprefix.tiers.store import TierStats
+
+
+class DiskStore:
+    """``DiskStore(root, max_bytes, spec)``: the tier in ``root``, at most ``max_bytes`` of objects, loading
+    blocks computed under ``spec``. ``progress(n)`` is told of a long start-up scan."""
+
+    name = "disk"
+
+    def __init__(self, root: str, max_bytes: int, spec: KVSpec, *, progress: Callable[[int], None] | None = None,
+                 rescan_seconds: float = 60.0):
+        if max_bytes < 1:
+            raise ValueError(f"--kv-disk-size must be at least one byte, got {max_bytes}")
+        self.root = layout.prepare(root)
+        self.max_bytes = max_bytes
+        self.spec = spec
+        self.stats = TierStats()
+        self.rescan_seconds = rescan_seconds
+        self._lock = threading.Lock()  # the LRU view: loads (engine thread) and stores (writer thread)
+        self._lru: OrderedDict[bytes, int] = OrderedDict()  # hash -> size, least recently used first
+        self._usage = 0
+        self._last_scan = 0.0
+        self.rescan(progress)
+        if self._usage > max_bytes:
+            self.evict(self._usage - max_bytes)
+
+    # ---- the LRU view
+
+    def rescan(self, progress: Callable[[int], None] | None = None) -> None:
+        entries = layout.scan(self.root, progress)
+        with self._lock:
+            self._lru = OrderedDict((e.block_hash, e.size) for e in entries)
+            self._usage = sum(e.size for e in entries)
+            self._last_scan = time.monotonic()
+            self._gauges()
+
+    def _gauges(self) -> None:
+        self.stats.usage_bytes, self.stats.num_objects = self._usage, len(self._lru)
+
+    @property
+    def usage_bytes(self) -> int:
+        return self._usage
+
+    def _note(self, block_hash: bytes, size: int) -> None:
+        """Records (or refreshes) an object as most recently used. Caller holds the lock."""
+        old = self._lru.pop(block_hash, None)
+        self._usage += size - (old or 0)
+        self._lru[block_hash] = size
+        self._gauges()
+
+    def _forget(self, block_hash: bytes) -> None:
+        size = self._lru.pop(block_hash, None)
+        if size is not None:
+            self._usage -= size
+            self._gauges()
+
+    # ---- the BlockStore interface
+
+    def contains(self, block_hash: bytes) -> bool:
+        return os.path.exists(layout.object_path(self.root, block_hash))
+
+    def lookup(self, block_hashes: Sequence[bytes]) -> int:
+        self.stats.lookups += 1
+        self.stats.lookup_blocks += len(block_hashes)
+        for i, h in enumerate(block_hashes):
+            if not self.contains(h):
+                return i
+        return len(block_hashes)
+
+    def load(self, expected: Expected) -> BlockObject | None:
+        path = layout.object_path(self.root, expected.block_hash)
+        try:
+            obj, size = self._read(path)
+            verify(obj, self.spec, expected)
+        except FileNotFoundError:
+            return None  # deleted since the lookup (evicted, cleared): a plain miss
+        except ObjectError as exc:
+            with self.stats.lock:
+                self.stats.verify_failures[exc.reason] += 1
+            self._discard(expected.block_hash, path)
+            return None
+        except OSError:
+            with self.stats.lock:
+                self.stats.verify_failures["io"] += 1
+            return None
+        try:
+            os.utime(path)  # the shared LRU clock
+        except OSError:
+            pass
+        with self._lock:
+            self._note(expected.block_hash, size)
+        with self.stats.lock:
+            self.stats.hit_blocks += 1
+            self.stats.bytes_read += size
+        return obj
+
+    def _read(self, path: str) -> tuple[BlockObject, int]:
+        """Reads one object, its sizes bounded by the prefix and the file's size before the payload is read."""
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(PREFIX_SIZE)
+            prefix = decode_prefix(head, self.spec)
+            if size != prefix.total:
+                raise ObjectError("truncated", f"file of {size} bytes, its prefix says {prefix.total}")
+            return decode(head + f.read(prefix.total - len(head))), size
+
+    def _discard(self, block_hash: bytes, path: str) -> None:
+        """An object at a block's name that does not verify serves nobody: deleted, to be rewritten."""
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        with self._lock:
+            self._forget(block_hash)
+
+    def store(self, obj: BlockObject) -> bool:
+        data = encode(obj)
+        if len(data) > self.max_bytes:
+            return self._drop("too_large")
+        if time.monotonic() - self._last_scan > self.rescan_seconds:
+            self.rescan()
+        with self._lock:
+            over = self._usage + len(data) - self.max_bytes
+        if over > 0:
+            self.evict(over)
+        path = layout.object_path(self.root, obj.block_hash)
+        try:
+            self._write(path, data)
+        except OSError as exc:
+            return self._drop("disk_full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "io")
+        with self._lock:
+            self._note(obj.block_hash, len(data))
+        with self.stats.lock:
+            self.stats.stores += 1
+            self.stats.bytes_written += len(data)
+        return True
+
+    def _drop(self, reason: str) -> bool:
+        with self.stats.lock:
+            self.stats.dropped_writes[reason] += 1
+        return False
+
+    def _write(self, path: str, data: bytes) -> None:
+        """Temporary file (0600), then an atomic rename: concurrent writers of one block each rename a whole
+        object, and a reader opens the old file or the new one, never a partial one."""
+        tmp = os.path.join(self.root, layout.TMP, f"{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex}")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with open(fd, "wb") as f:
+                f.write(data)
+            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+            os.replace(tmp, path)
+        except OSError:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+
+    def evict(self, num_bytes: int) -> int:
+        """Deletes least recently used objects (of this process's view) until ``num_bytes`` are freed."""
+        freed = 0
+        with self._lock:
+            checked = 0
+            while freed < num_bytes and self._lru and checked < 2 * len(self._lru) + 1:
+                checked += 1
+                block_hash, size = next(iter(self._lru.items()))
+                path = layout.object_path(self.root, block_hash)
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass  # deleted by another process: its bytes are gone all the same
+                except OSError:
+                    self._lru.move_to_end(block_hash)
+                    continue
+                self._forget(block_hash)
+                freed += size
+                self.stats.evictions += 1
+        return freed
+
