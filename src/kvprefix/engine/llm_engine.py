@@ -13,6 +13,7 @@ import torch
 from kvprefix.cache import KVCacheManager, block_identity
 from kvprefix.cache.default_model import DEFAULT_MODEL_NAME, default_model_path
 from kvprefix.engine.args import EngineArgs
+from kvprefix.engine.kv_tier import open_kv_tier
 from kvprefix.engine.metrics import ITERATION_TOKEN_BUCKETS, engine_metrics
 from kvprefix.engine.model_runner import ModelRunner, num_kv_blocks
 from kvprefix.engine.output_state import OutputState
@@ -97,6 +98,9 @@ class LLMEngine:
             max_wait_steps=args.max_wait_steps,
         )
         self.runner = ModelRunner.create(model, num_blocks, self.manager, dtype, device)
+        self.kv_tier = open_kv_tier(args, self.identity, self.model_config, dtype, self.manager,
+                                    self.runner.kv_caches)
+        self.scheduler.lower_tier = self.kv_tier
         self.sampler = Sampler(args.seed, device)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | self.tokenizer.eos_token_ids
         self._requests: dict[str, _UserRequest] = {}
@@ -370,4 +374,9 @@ class LLMEngine:
     def get_metrics(self) -> dict[str, int | float]:
         """Counters, gauges and the tokens-per-step histogram (``engine.metrics.engine_metrics``)."""
         return engine_metrics(self.manager, self.scheduler, self._counters, self._iteration_tokens,
-                              self._iteration_tokens_sum)
+                              self._iteration_tokens_sum, self.kv_tier)
+
+    def close(self) -> None:
+        """Finishes the tier's queued writes and stops its writer (nothing else holds outside resources)."""
+        if self.kv_tier is not None:
+            self.kv_tier.close()

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 
 from kvprefix.cache import COLLISION_SAFE_ALGOS, HASH_ALGOS
-from kvprefix.engine.args import QUANTIZATION_METHODS
+from kvprefix.engine.args import DEFAULT_KV_DISK_SIZE, QUANTIZATION_METHODS
 from kvprefix.router.policies import POLICIES
+from kvprefix.tiers.sizes import parse_size
 
 # The KV cache fraction shared out as tenants' reserved room when there are tenants (docs/security.md): half stays
 # shared LRU room for whoever is busy; the other half is what idle tenants are owed and others cannot cache in.
@@ -32,6 +33,13 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
     return value
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,6 +90,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     logs.add_argument("--request-log", default=None, metavar="PATH", help="append one JSON line per prompt")
     logs.add_argument("--request-log-prompts", action="store_true",
                       help="also log raw prompt text (off by default: prompts may hold private data)")
+
+    tier = parser.add_argument_group("persistent KV tier (docs/tiers.md)")
+    tier.add_argument("--kv-disk", default=None, metavar="DIR",
+                      help="keep computed blocks' KV in DIR (verified on load): cached prefixes survive restarts")
+    tier.add_argument("--kv-disk-size", type=_size, default=DEFAULT_KV_DISK_SIZE, metavar="SIZE",
+                      help=f"with --kv-disk: its byte budget, least recently used blocks deleted past it "
+                           f"(e.g. 20GiB, 500MB; default {DEFAULT_KV_DISK_SIZE})")
+    tier.add_argument("--kv-disk-queue", type=_positive_int, default=256, metavar="BLOCKS",
+                      help="with --kv-disk: blocks waiting to be written; past it writes are dropped (counted)")
 
     ray = parser.add_argument_group("Ray Serve: replicas on a Ray cluster, routed by a policy (docs/router.md)")
     ray.add_argument("--ray", action="store_true", help="serve --replicas engine replicas as a Ray Serve deployment")
@@ -140,6 +157,13 @@ def run(args: argparse.Namespace) -> int:
                          f"resistant: one of {', '.join(COLLISION_SAFE_ALGOS)}")
     if args.tenant_kv_reserve is None:
         args.tenant_kv_reserve = DEFAULT_TENANT_KV_RESERVE if auth.enabled else 0.0
+    if args.kv_disk:
+        from kvprefix.tiers.disk_layout import prepare
+
+        try:  # a path that is a file or cannot be written fails now, in one line, not after the model loads
+            args.kv_disk = prepare(args.kv_disk)
+        except ValueError as exc:
+            raise SystemExit(f"kvprefix serve: {exc}") from None
     if args.ray and args.request_log:
         raise SystemExit("kvprefix serve: --request-log is not supported with --ray (the replicas would share it)")
     # Options are checked before the engine and web stack load: a bad one fails in a moment, not after torch.

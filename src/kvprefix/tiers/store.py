@@ -46,6 +46,7 @@ class TierStats:
 
 class BlockStore(Protocol):
     name: str  # the tier's name in counters and cache_detail: "disk"
+    max_bytes: int  # its byte budget
     stats: TierStats
 
     def lookup(self, block_hashes: Sequence[bytes]) -> int:

@@ -31,9 +31,13 @@ class WriteBehind:
             self._queue.put_nowait(obj)
             return True
         except queue.Full:
-            with self.store.stats.lock:
-                self.store.stats.dropped_writes["queue_full"] += 1
+            self.drop()
             return False
+
+    def drop(self) -> None:
+        """Counts a write dropped because the queue was full (a caller that checked ``has_room`` first)."""
+        with self.store.stats.lock:
+            self.store.stats.dropped_writes["queue_full"] += 1
 
     def has_room(self) -> bool:
         """Whether a submit now would be queued (so a caller can skip copying a payload that would be dropped)."""

@@ -1,0 +1,84 @@
+"""`kvprefix serve --kv-disk`: a prefix one server computed is served from disk by the next server on the same
+directory (counted as cached, the same greedy output as a cold server); a corrupted object is a miss, counted,
+with the right output; a path that cannot hold a tier refuses to start in one line."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+from support.servers import start_server, stop_server
+
+from kvprefix.cache import BlockIdentity
+from kvprefix.tiers import disk_layout as layout
+
+pytestmark = pytest.mark.slow
+rng = random.Random(11)
+PREFIX = [rng.randrange(3, 700) for _ in range(1000)]  # 62 full blocks, then 8 tokens
+QUESTIONS = [[rng.randrange(3, 700) for _ in range(30)] for _ in range(3)]
+
+
+def complete(server, prompt: list[int]) -> tuple[list[str], int]:
+    r = server.client().completions.create(model="default-model-v1", prompt=prompt, max_tokens=16, temperature=0,
+                                           logprobs=0)
+    return r.choices[0].logprobs.tokens, r.usage.prompt_tokens_details.cached_tokens
+
+
+def flip_byte(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - 100)  # inside the payload
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+def test_a_new_server_serves_the_prefix_from_disk(tmp_path, default_model_dir) -> None:
+    tier = tmp_path / "tier"
+    cold = start_server(tmp_path)
+    try:
+        expected = [complete(cold, PREFIX + q)[0] for q in QUESTIONS[1:]]
+        identity = BlockIdentity.from_dict(cold.get("/v1/models").json()["data"][0]["kvprefix"]["block_identity"])
+    finally:
+        stop_server(cold)
+    first = start_server(tmp_path, "--kv-disk", str(tier), "--kv-disk-size", "1GiB")
+    try:
+        complete(first, PREFIX + QUESTIONS[0])
+    finally:
+        stop_server(first)  # a graceful stop finishes the queued writes
+    second = start_server(tmp_path, "--kv-disk", str(tier))
+    try:
+        tokens, cached = complete(second, PREFIX + QUESTIONS[1])
+        assert (tokens, cached) == (expected[0], 62 * 16)
+        m = second.metrics()
+        assert m["kvprefix:kv_tier_hit_tokens_total{disk}"] == 62 * 16
+    finally:
+        stop_server(second)
+    hashes = identity.hasher().hash_blocks(PREFIX[: 62 * 16])
+    flip_byte(layout.object_path(str(tier), hashes[40]))
+    third = start_server(tmp_path, "--kv-disk", str(tier))
+    try:
+        tokens, cached = complete(third, PREFIX + QUESTIONS[2])
+        assert (tokens, cached) == (expected[1], 40 * 16)
+        assert third.metrics()["kvprefix:kv_tier_verify_failures_total{checksum,disk}"] == 1
+    finally:
+        stop_server(third)
+
+
+@pytest.mark.parametrize("kind", ["file", "unwritable"])
+def test_a_path_that_cannot_hold_a_tier_refuses_to_start_in_one_line(tmp_path, kind) -> None:
+    path = tmp_path / "file"
+    path.write_text("x")
+    arg = str(path) if kind == "file" else "/proc/kvprefix-tier"
+    r = subprocess.run([sys.executable, "-m", "kvprefix.cli", "serve", "--kv-disk", arg], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode != 0
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()] and "--kv-disk" in r.stderr and arg in r.stderr
+
+
+def test_a_bad_size_is_refused(tmp_path) -> None:
+    r = subprocess.run([sys.executable, "-m", "kvprefix.cli", "serve", "--kv-disk", str(tmp_path),
+                        "--kv-disk-size", "lots"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--kv-disk-size" in r.stderr and "'lots'" in r.stderr
