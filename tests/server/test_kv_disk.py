@@ -4,6 +4,7 @@ with the right output; a path that cannot hold a tier refuses to start in one li
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
@@ -21,9 +22,11 @@ PREFIX = [rng.randrange(3, 700) for _ in range(1000)]  # 62 full blocks, then 8 
 QUESTIONS = [[rng.randrange(3, 700) for _ in range(30)] for _ in range(3)]
 
 
-def complete(server, prompt: list[int]) -> tuple[list[str], int]:
+def complete(server, prompt: list[int], detail: list | None = None) -> tuple[list[str], int]:
     r = server.client().completions.create(model="default-model-v1", prompt=prompt, max_tokens=16, temperature=0,
-                                           logprobs=0)
+                                           logprobs=0, extra_body={"cache_detail": True})
+    if detail is not None:
+        detail += r.usage.model_extra["cache_detail"]
     return r.choices[0].logprobs.tokens, r.usage.prompt_tokens_details.cached_tokens
 
 
@@ -48,14 +51,22 @@ def test_a_new_server_serves_the_prefix_from_disk(tmp_path, default_model_dir) -
         complete(first, PREFIX + QUESTIONS[0])
     finally:
         stop_server(first)  # a graceful stop finishes the queued writes
-    second = start_server(tmp_path, "--kv-disk", str(tier))
+    second = start_server(tmp_path, "--kv-disk", str(tier), request_log=True)
     try:
-        tokens, cached = complete(second, PREFIX + QUESTIONS[1])
+        detail: list = []
+        tokens, cached = complete(second, PREFIX + QUESTIONS[1], detail)
         assert (tokens, cached) == (expected[0], 62 * 16)
+        assert detail[0]["cached_tokens_from"] == {"pool": 0, "disk": 62 * 16}
+        # The first server's prompt: the shared prefix now from the pool, its own two blocks still on disk.
+        (hit,) = complete(second, PREFIX + QUESTIONS[0], detail)[1:]
+        assert hit == 64 * 16 and detail[1]["cached_tokens_from"] == {"pool": 62 * 16, "disk": 2 * 16}
         m = second.metrics()
-        assert m["kvprefix:kv_tier_hit_tokens_total{disk}"] == 62 * 16
+        assert m["kvprefix:kv_tier_hit_tokens_total{disk}"] == 64 * 16
+        assert m["kvprefix:kv_tier_lookups_total{disk}"] >= 1
     finally:
         stop_server(second)
+    logged = [json.loads(line) for line in second.request_log.read_text().splitlines()]
+    assert [r["disk_cached_tokens"] for r in logged] == [62 * 16, 2 * 16]
     hashes = identity.hasher().hash_blocks(PREFIX[: 62 * 16])
     flip_byte(layout.object_path(str(tier), hashes[40]))
     third = start_server(tmp_path, "--kv-disk", str(tier))

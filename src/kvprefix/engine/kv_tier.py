@@ -74,6 +74,9 @@ class KVTier:
             finally:
                 self._loading = False
         self.hit_tokens += len(objects) * bs
+        if objects and request.num_cached_tokens < 0:  # loaded for its first admission: its cached tokens say so
+            name = self.store.name
+            request.tier_tokens[name] = request.tier_tokens.get(name, 0) + len(objects) * bs
         return len(objects)
 
     def _expected(self, request, i: int) -> Expected:

@@ -51,6 +51,7 @@ class _UserRequest:
             samples=samples,
             finished=all(s.finished for s in self.samples),
             num_cached_tokens=max(0, self.samples[0].num_cached_tokens),
+            cached_tokens_by_tier=self.samples[0].cached_tokens_by_tier(),
             metrics=dataclasses.replace(self.metrics),
             prompt_logprobs=prompt_logprobs,
         )
