@@ -158,7 +158,18 @@ def decode(data: bytes) -> BlockObject:
     body = memoryview(data)[: prefix.total - CHECKSUM_SIZE]
     if xxhash.xxh3_128_digest(body) != data[-CHECKSUM_SIZE:]:
         raise ObjectError("checksum", "checksum of header and payload does not match")
-    r = _Reader(body[PREFIX_SIZE : PREFIX_SIZE + prefix.header_len])
+    head = decode_header(body[: PREFIX_SIZE + prefix.header_len])
+    return BlockObject(head.spec, head.namespace, head.block_hash, head.parent_hash, head.token_ids,
+                       bytes(body[PREFIX_SIZE + prefix.header_len :]))
+
+
+def decode_header(data: bytes | memoryview) -> BlockObject:
+    """The prefix and header alone (``payload`` empty, nothing verified by the checksum): what an operator's
+    listing reads of each object without reading its KV."""
+    prefix = decode_prefix(data)
+    if len(data) < PREFIX_SIZE + prefix.header_len:
+        raise ObjectError("truncated", "the header is cut short")
+    r = _Reader(memoryview(data)[PREFIX_SIZE : PREFIX_SIZE + prefix.header_len])
     namespace, model, kv_dtype = r.text(), r.text(), r.text()
     (element_size,) = struct.unpack("<I", r.take(4))
     block_size, layers, heads, head_size = _DIMS.unpack(r.take(_DIMS.size))
@@ -171,8 +182,7 @@ def decode(data: bytes) -> BlockObject:
     spec = KVSpec(model, kv_dtype, element_size, block_size, layers, heads, head_size)
     if spec.payload_bytes != prefix.payload_len:
         raise ObjectError("header", f"layout says {spec.payload_bytes} payload bytes, the prefix {prefix.payload_len}")
-    payload = bytes(body[PREFIX_SIZE + prefix.header_len :])
-    return BlockObject(spec, namespace, block_hash, parent_hash, token_ids, payload)
+    return BlockObject(spec, namespace, block_hash, parent_hash, token_ids, b"")
 
 
 @dataclass(frozen=True)
