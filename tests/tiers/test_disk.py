@@ -68,17 +68,30 @@ KINDS = ["bit flip", "truncated", "swapped payloads", "another model", "another 
          "another block's object"]
 
 
+def load_into(store, obj):
+    """``load_into`` over spans the way the engine gives them (one per layer); the bytes, or None for a miss."""
+    buf = bytearray(SPEC.payload_bytes)
+    layer = SPEC.payload_bytes // SPEC.num_layers
+    spans = [memoryview(buf)[i : i + layer] for i in range(0, len(buf), layer)]
+    return bytes(buf) if store.load_into(expected(obj), spans) else None
+
+
 @pytest.mark.parametrize("kind", KINDS)
-def test_an_object_that_does_not_verify_is_a_counted_miss(tmp_path, kind) -> None:
+@pytest.mark.parametrize("into", [False, True], ids=["load", "load_into"])
+def test_an_object_that_does_not_verify_is_a_counted_miss(tmp_path, kind, into) -> None:
     blocks = chain(2, seed=3)
     store = DiskStore(str(tmp_path), BIG, SPEC)
     for b in blocks:
         store.store(b)
     corrupt(kind, tmp_path, blocks, store)
-    assert store.load(expected(blocks[0])) is None
+    if into:
+        assert load_into(store, blocks[0]) is None
+        assert load_into(store, blocks[1]) == blocks[1].payload
+    else:
+        assert store.load(expected(blocks[0])) is None
+        assert store.load(expected(blocks[1])) == blocks[1]
     assert sum(store.stats.verify_failures.values()) == 1
     assert not store.contains(blocks[0].block_hash)  # deleted: the next computation rewrites it
-    assert store.load(expected(blocks[1])) == blocks[1]
 
 
 def test_another_engine_spec_never_loads(tmp_path) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import logging
 
+import numpy as np
 import torch
 
 from kvprefix.cache import KVCacheManager
@@ -39,6 +40,12 @@ class KVTier:
                  max_queue: int = 256):
         self.store, self.spec, self.manager = store, spec, manager
         self.layers = [layer.kv for layer in kv_caches]  # each [num_blocks, block_size, 2 * kv_heads, head_size]
+        # Byte views of each layer's blocks: on CPU the paged tensors themselves (loads read straight into them,
+        # stores copy out of them), elsewhere one host block that loads stage through.
+        cpu = self.layers[0].device.type == "cpu"
+        host = self.layers if cpu else [torch.empty_like(layer[0], device="cpu") for layer in self.layers]
+        self._bytes = [t.view(torch.uint8).numpy().reshape(t.shape[0] if cpu else 1, -1) for t in host]
+        self._on_cpu = cpu
         self.hit_tokens = 0  # tokens loaded into the pool (counted as cached at admission)
         self.writer = WriteBehind(store, max_queue)
         self._loading = False  # blocks registered by a load are on the tier already: not written back
@@ -59,45 +66,42 @@ class KVTier:
         if not num:
             return 0
         blocks = self.manager.claim_for_load(request, hits, num)
-        objects: list[BlockObject] = []
+        loaded = 0
         try:
-            for i in range(first, first + len(blocks)):
-                obj = self.store.load(self._expected(request, i))
-                if obj is None:
+            for block in blocks:  # registered (finish_load) only if it verifies: else its bytes are never read
+                if not self.store.load_into(self._expected(request, first + loaded), self._spans(block.block_id)):
                     break
-                objects.append(obj)
-            self._copy_in([b.block_id for b in blocks[: len(objects)]], objects)
+                self._stage_in(block.block_id)
+                loaded += 1
         finally:
             self._loading = True
             try:
-                self.manager.finish_load(request, hits, blocks, len(objects))
+                self.manager.finish_load(request, hits, blocks, loaded)
             finally:
                 self._loading = False
-        self.hit_tokens += len(objects) * bs
-        if objects and request.num_cached_tokens < 0:  # loaded for its first admission: its cached tokens say so
+        self.hit_tokens += loaded * bs
+        if loaded and request.num_cached_tokens < 0:  # loaded for its first admission: its cached tokens say so
             name = self.store.name
-            request.tier_tokens[name] = request.tier_tokens.get(name, 0) + len(objects) * bs
-        return len(objects)
+            request.tier_tokens[name] = request.tier_tokens.get(name, 0) + loaded * bs
+        return loaded
 
     def _expected(self, request, i: int) -> Expected:
         bs, hashes = self.manager.block_size, request.block_hashes
         return Expected(hashes[i], hashes[i - 1] if i else request.hasher.root, request.hasher.namespace_id,
                         tuple(request.token_ids[i * bs : (i + 1) * bs]))
 
-    def _shape(self) -> tuple[int, ...]:
-        return tuple(self.layers[0].shape[1:])
+    def _spans(self, block_id: int) -> list[memoryview]:
+        """Where a block's payload goes, layer by layer: the block itself on CPU, else the host staging block."""
+        row = block_id if self._on_cpu else 0
+        return [memoryview(layer[row]) for layer in self._bytes]
 
     @torch.inference_mode()
-    def _copy_in(self, block_ids: list[int], objects: list[BlockObject]) -> None:
-        """Each object's payload (layers in order, each one block of the paged tensor) into its block, bytewise."""
-        if not objects:
+    def _stage_in(self, block_id: int) -> None:
+        """Off CPU: the verified staging block into the device's paged tensors (on CPU it was read in place)."""
+        if self._on_cpu:
             return
-        layer0 = self.layers[0]
-        raw = torch.frombuffer(bytearray(b"".join(o.payload for o in objects)), dtype=torch.uint8)
-        kv = raw.view(layer0.dtype).view(len(objects), len(self.layers), *self._shape()).to(layer0.device)
-        index = torch.tensor(block_ids, dtype=torch.long, device=layer0.device)
-        for n, layer in enumerate(self.layers):
-            layer.index_copy_(0, index, kv[:, n])
+        for layer, staged in zip(self.layers, self._bytes, strict=True):
+            layer[block_id].view(-1).view(torch.uint8).copy_(torch.from_numpy(staged[0]))
 
     # ---- writes
 
@@ -119,8 +123,10 @@ class KVTier:
                                            self._copy_out(block.block_id)))
 
     @torch.inference_mode()
-    def _copy_out(self, block_id: int) -> bytes:
+    def _copy_out(self, block_id: int) -> bytes | memoryview:
         """The block's KV bytes in the object's layout: every layer's block, in layer order."""
+        if self._on_cpu:
+            return memoryview(np.concatenate([layer[block_id] for layer in self._bytes]))
         kv = torch.stack([layer[block_id] for layer in self.layers]).cpu().contiguous()
         return kv.reshape(-1).view(torch.uint8).numpy().tobytes()
 

@@ -19,17 +19,22 @@ from collections.abc import Callable, Sequence
 
 from kvprefix.tiers import disk_layout as layout
 from kvprefix.tiers.objects import (
+    CHECKSUM_SIZE,
     PREFIX_SIZE,
     BlockObject,
     Expected,
     KVSpec,
     ObjectError,
+    checksum,
     decode,
+    decode_header,
     decode_prefix,
     encode,
     verify,
 )
 from kvprefix.tiers.store import TierStats
+
+HEADER_GUESS = 4096  # read with the prefix: any real header (a 16-token block's is about 300 bytes)
 
 
 class DiskStore:
@@ -99,10 +104,48 @@ class DiskStore:
         return len(block_hashes)
 
     def load(self, expected: Expected) -> BlockObject | None:
+        """The whole verified object (tests and tools; the engine loads with ``load_into``)."""
+        def read(fd: int, size: int) -> BlockObject:
+            data = os.pread(fd, size, 0)
+            if len(data) != size:
+                raise ObjectError("truncated", f"read {len(data)} of {size} bytes")
+            obj = decode(data)
+            verify(obj, self.spec, expected)
+            return obj
+
+        return self._guarded(expected, read)
+
+    def load_into(self, expected: Expected, spans: Sequence[memoryview]) -> bool:
+        """Reads the block's payload straight into ``spans`` (writable, in payload order: the caller's memory, e.g.
+        one block of each layer of the paged KV), after checking its header; True only once the checksum over
+        header and the bytes in ``spans`` verifies. On False the spans hold garbage: the caller must not use them."""
+        def read(fd: int, size: int) -> bool:
+            head = os.pread(fd, min(size, PREFIX_SIZE + HEADER_GUESS), 0)
+            prefix = decode_prefix(head, self.spec)
+            if size != prefix.total:
+                raise ObjectError("truncated", f"file of {size} bytes, its prefix says {prefix.total}")
+            if len(head) < PREFIX_SIZE + prefix.header_len:
+                head = os.pread(fd, PREFIX_SIZE + prefix.header_len, 0)
+            head = head[: PREFIX_SIZE + prefix.header_len]
+            verify(decode_header(head), self.spec, expected)
+            if sum(len(s) for s in spans) != prefix.payload_len:
+                raise ValueError(f"spans of {sum(len(s) for s in spans)} bytes for a {prefix.payload_len}-byte payload")
+            if os.preadv(fd, spans, len(head)) != prefix.payload_len:
+                raise ObjectError("truncated", "the payload was cut short")
+            if checksum(head, *spans) != os.pread(fd, CHECKSUM_SIZE, len(head) + prefix.payload_len):
+                raise ObjectError("checksum", "checksum of header and payload does not match")
+            return True
+
+        return bool(self._guarded(expected, read))
+
+    def _guarded(self, expected: Expected, read):
+        """Runs ``read(fd, file size)`` on the block's object: a missing file is a miss, one that does not verify a
+        counted miss (and deleted); a hit touches the file (the shared LRU clock) and is counted."""
         path = layout.object_path(self.root, expected.block_hash)
         try:
-            obj, size = self._read(path)
-            verify(obj, self.spec, expected)
+            with open(path, "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                out = read(f.fileno(), size)
         except FileNotFoundError:
             return None  # deleted since the lookup (evicted, cleared): a plain miss
         except ObjectError as exc:
@@ -115,7 +158,7 @@ class DiskStore:
                 self.stats.verify_failures["io"] += 1
             return None
         try:
-            os.utime(path)  # the shared LRU clock
+            os.utime(path)
         except OSError:
             pass
         with self._lock:
@@ -123,17 +166,7 @@ class DiskStore:
         with self.stats.lock:
             self.stats.hit_blocks += 1
             self.stats.bytes_read += size
-        return obj
-
-    def _read(self, path: str) -> tuple[BlockObject, int]:
-        """Reads one object, its sizes bounded by the prefix and the file's size before the payload is read."""
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            head = f.read(PREFIX_SIZE)
-            prefix = decode_prefix(head, self.spec)
-            if size != prefix.total:
-                raise ObjectError("truncated", f"file of {size} bytes, its prefix says {prefix.total}")
-            return decode(head + f.read(prefix.total - len(head))), size
+        return out
 
     def _discard(self, block_hash: bytes, path: str) -> None:
         """An object at a block's name that does not verify serves nobody: deleted, to be rewritten."""

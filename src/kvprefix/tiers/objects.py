@@ -63,7 +63,7 @@ class BlockObject:
     block_hash: bytes
     parent_hash: bytes  # the namespace root for a request's first block
     token_ids: tuple[int, ...]
-    payload: bytes
+    payload: bytes | bytearray | memoryview  # any bytes-like object of ``spec.payload_bytes`` bytes
 
 
 def _text(value: str) -> bytes:
@@ -90,16 +90,21 @@ def encode_header(obj: BlockObject) -> bytes:
     ))
 
 
+def checksum(*parts) -> bytes:
+    """XXH3-128 over ``parts`` (bytes-like) in order: the object's last 16 bytes cover prefix, header, payload."""
+    h = xxhash.xxh3_128()
+    for part in parts:
+        h.update(part)
+    return h.digest()
+
+
 def encode(obj: BlockObject) -> bytes:
     """The object's bytes: prefix, header, payload, checksum of all three."""
     if len(obj.payload) != obj.spec.payload_bytes:
         raise ValueError(f"payload of {len(obj.payload)} bytes, the spec says {obj.spec.payload_bytes}")
     header = encode_header(obj)
-    h = xxhash.xxh3_128()
     prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(header), len(obj.payload))
-    for part in (prefix, header, obj.payload):
-        h.update(part)
-    return b"".join((prefix, header, obj.payload, h.digest()))
+    return b"".join((prefix, header, obj.payload, checksum(prefix, header, obj.payload)))
 
 
 @dataclass(frozen=True)
@@ -150,8 +155,9 @@ class _Reader:
             raise ObjectError("header", "a header string is not UTF-8") from None
 
 
-def decode(data: bytes) -> BlockObject:
-    """Parses and checks one whole object (checksum first); ``ObjectError`` for anything that does not verify."""
+def decode(data: bytes | bytearray | memoryview) -> BlockObject:
+    """Parses and checks one whole object (checksum first); ``ObjectError`` for anything that does not verify.
+    The payload is a view of ``data`` (writable when ``data`` is a bytearray), not a copy."""
     prefix = decode_prefix(data)
     if len(data) != prefix.total:
         raise ObjectError("truncated", f"{len(data)} bytes, the prefix says {prefix.total}")
@@ -160,7 +166,7 @@ def decode(data: bytes) -> BlockObject:
         raise ObjectError("checksum", "checksum of header and payload does not match")
     head = decode_header(body[: PREFIX_SIZE + prefix.header_len])
     return BlockObject(head.spec, head.namespace, head.block_hash, head.parent_hash, head.token_ids,
-                       bytes(body[PREFIX_SIZE + prefix.header_len :]))
+                       body[PREFIX_SIZE + prefix.header_len :])
 
 
 def decode_header(data: bytes | memoryview) -> BlockObject:

@@ -2,7 +2,7 @@
 
 A tier is found by block hash alone: ``lookup`` says how many leading blocks of a run it holds (cheap, no
 payload read), ``load`` reads and verifies one block (None for a miss, counted by reason: nothing that does not
-verify is ever returned), ``store`` writes one (False when dropped: full, failing, over budget), ``evict`` frees
+verify is ever returned; ``load_into`` the same, straight into the caller's memory), ``store`` writes one (False when dropped: full, failing, over budget), ``evict`` frees
 bytes in LRU order. The engine talks to a ``BlockStore``; the disk is the first implementation, a shared store
 or a host-RAM tier under a CUDA pool are the next.
 """
@@ -56,6 +56,10 @@ class BlockStore(Protocol):
 
     def load(self, expected: Expected) -> BlockObject | None:
         """The verified block ``expected`` names, or None (absent or not verifying: counted, never served)."""
+
+    def load_into(self, expected: Expected, spans: Sequence[memoryview]) -> bool:
+        """Reads the block's payload into ``spans`` (the caller's memory, in payload order); True only when it
+        verifies (on False the spans hold garbage and must not be used)."""
 
     def store(self, obj: BlockObject) -> bool:
         """Writes one block; False when the write was dropped (counted by reason)."""
