@@ -42,6 +42,17 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _add_tier_arguments(parser: argparse.ArgumentParser) -> None:
+    tier = parser.add_argument_group("persistent KV tier (docs/tiers.md)")
+    tier.add_argument("--kv-disk", default=None, metavar="DIR",
+                      help="keep computed blocks' KV in DIR (verified on load): cached prefixes survive restarts")
+    tier.add_argument("--kv-disk-size", type=_size, default=DEFAULT_KV_DISK_SIZE, metavar="SIZE",
+                      help=f"with --kv-disk: its byte budget, least recently used blocks deleted past it "
+                           f"(e.g. 20GiB, 500MB; default {DEFAULT_KV_DISK_SIZE})")
+    tier.add_argument("--kv-disk-queue", type=_positive_int, default=256, metavar="BLOCKS",
+                      help="with --kv-disk: blocks waiting to be written; past it writes are dropped (counted)")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     net = parser.add_argument_group("server")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -91,14 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     logs.add_argument("--request-log-prompts", action="store_true",
                       help="also log raw prompt text (off by default: prompts may hold private data)")
 
-    tier = parser.add_argument_group("persistent KV tier (docs/tiers.md)")
-    tier.add_argument("--kv-disk", default=None, metavar="DIR",
-                      help="keep computed blocks' KV in DIR (verified on load): cached prefixes survive restarts")
-    tier.add_argument("--kv-disk-size", type=_size, default=DEFAULT_KV_DISK_SIZE, metavar="SIZE",
-                      help=f"with --kv-disk: its byte budget, least recently used blocks deleted past it "
-                           f"(e.g. 20GiB, 500MB; default {DEFAULT_KV_DISK_SIZE})")
-    tier.add_argument("--kv-disk-queue", type=_positive_int, default=256, metavar="BLOCKS",
-                      help="with --kv-disk: blocks waiting to be written; past it writes are dropped (counted)")
+    _add_tier_arguments(parser)
 
     ray = parser.add_argument_group("Ray Serve: replicas on a Ray cluster, routed by a policy (docs/router.md)")
     ray.add_argument("--ray", action="store_true", help="serve --replicas engine replicas as a Ray Serve deployment")
