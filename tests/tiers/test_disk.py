@@ -10,6 +10,8 @@ import stat
 import threading
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from support.tier_blocks import SPEC, chain, expected
 
 from kvprefix.tiers import DiskStore
@@ -226,3 +228,29 @@ def test_kill_9_during_heavy_writes_leaves_only_whole_objects_within_budget(tmp_
 
     for e in entries:
         assert decode(open(e.path, "rb").read()).block_hash == e.block_hash
+
+
+POOL = chain(12, seed=21)
+SIZE = len(encode(POOL[0]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(budget=st.integers(1, 4), ops=st.lists(st.tuples(st.booleans(), st.integers(0, 5)), max_size=30))
+def test_usage_matches_the_files_and_stays_within_budget(tmp_path_factory, budget, ops) -> None:
+    """Any sequence of stores and loads: the tracked usage equals the bytes on disk, never over the budget, and
+    what is evicted is the least recently stored or loaded."""
+    root = str(tmp_path_factory.mktemp("lru"))
+    store = DiskStore(root, budget * SIZE, SPEC)
+    recent: list[int] = []  # model: most recently used last
+    for is_store, i in ops:
+        if is_store:
+            store.store(POOL[i])
+        elif store.load(expected(POOL[i])) is None:
+            assert i not in recent
+            continue
+        recent = [j for j in recent if j != i] + [i]
+        recent = recent[-budget:]
+        on_disk = sum(e.size for e in layout.iter_objects(root))
+        assert store.usage_bytes == on_disk <= budget * SIZE
+        assert {POOL.index(next(b for b in POOL if b.block_hash == e.block_hash))
+                for e in layout.iter_objects(root)} == set(recent)

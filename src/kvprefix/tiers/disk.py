@@ -183,8 +183,11 @@ class DiskStore:
             return self._drop("too_large")
         if time.monotonic() - self._last_scan > self.rescan_seconds:
             self.rescan()
-        with self._lock:
-            over = self._usage + len(data) - self.max_bytes
+        with self._lock:  # a block stored again replaces itself: it is not room to make, nor a victim
+            old = self._lru.get(obj.block_hash)
+            if old is not None:
+                self._lru.move_to_end(obj.block_hash)
+            over = self._usage - (old or 0) + len(data) - self.max_bytes
         if over > 0:
             self.evict(over)
         path = layout.object_path(self.root, obj.block_hash)
