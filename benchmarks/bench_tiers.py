@@ -7,7 +7,7 @@ behind), in the pool, and only on disk (the pool emptied by /reset_prefix_cache,
 tier: the same path as after a restart), pool and disk alternating in order. Every request is a completion of
 token ids with max_tokens=1, so its latency is its TTFT. Also reads the tier's files back sequentially in this
 process (warm page cache, as the server's loads are) to compare the load throughput with the disk's, and compares
-decode tokens/s with the tier (write-behind of every generated block) and without, alternating two servers.
+decode tokens/s with the tier (write-behind of every generated block) and without, alternating two fresh servers.
 
     python benchmarks/bench_tiers.py [--rounds 5] [--prefix-tokens 2000] [--out results/bench_tiers.json]
 """
@@ -135,13 +135,16 @@ def main() -> None:
             args.tier = tier
             times, read_gbs = rounds(server, args, rng)
             m = counters(server.url)
-            plain = serve(args, None)
-            try:
-                rates = decode_rates({"tier on": server, "tier off": plain}, args.decode_tokens, args.rounds, rng)
-            finally:
-                plain.stop()
         finally:
             server.stop()
+        # Two fresh servers, started alike: in one process, which of two engines was created first moved decode
+        # tokens/s by 6%, tier or not, so the comparison takes like with like.
+        fresh, plain = serve(args, os.path.join(tmp, "fresh-tier")), serve(args, None)
+        try:
+            rates = decode_rates({"tier on": fresh, "tier off": plain}, args.decode_tokens, args.rounds, rng)
+        finally:
+            fresh.stop()
+            plain.stop()
     med = {k: statistics.median(v) for k, v in times.items()}
     prefix_bytes = m["kvprefix:kv_tier_bytes_read_total"] / (args.rounds + 1)
     # Paired within each round (the shared machine's load drifts between rounds more than within one).
