@@ -16,7 +16,7 @@ from support.tier_blocks import SPEC, chain, expected
 
 from kvprefix.tiers import DiskStore
 from kvprefix.tiers import disk_layout as layout
-from kvprefix.tiers.objects import encode
+from kvprefix.tiers.objects import decode, encode
 
 BIG = 1 << 30
 
@@ -224,8 +224,6 @@ def test_kill_9_during_heavy_writes_leaves_only_whole_objects_within_budget(tmp_
     store = DiskStore(str(tmp_path), 50 * size, SPEC)
     entries = list(layout.iter_objects(store.root))
     assert entries and store.usage_bytes <= 50 * size + size
-    from kvprefix.tiers.objects import decode
-
     for e in entries:
         assert decode(open(e.path, "rb").read()).block_hash == e.block_hash
 
@@ -254,3 +252,39 @@ def test_usage_matches_the_files_and_stays_within_budget(tmp_path_factory, budge
         assert store.usage_bytes == on_disk <= budget * SIZE
         assert {POOL.index(next(b for b in POOL if b.block_hash == e.block_hash))
                 for e in layout.iter_objects(root)} == set(recent)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A real 1 MiB tmpfs (needs the right to mount: skipped without it), unmounted at the end."""
+    import subprocess
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def test_a_full_disk_drops_writes_counted_and_leaves_only_whole_objects(small_tmpfs) -> None:
+    spec = dataclasses.replace(SPEC, num_layers=64, head_size=64)  # 64 KiB payloads: 16 fill the file system
+    store = DiskStore(str(small_tmpfs / "tier"), BIG, spec)
+    results = [store.store(b) for b in chain(40, spec=spec)]
+    assert results[0] and not all(results)
+    assert store.stats.dropped_writes["disk_full"] == results.count(False)
+    assert not os.listdir(os.path.join(store.root, "tmp"))  # no partial file left behind
+    entries = list(layout.iter_objects(store.root))
+    assert len(entries) == results.count(True) and store.usage_bytes == sum(e.size for e in entries)
+    for e in entries:
+        assert decode(open(e.path, "rb").read()).block_hash == e.block_hash
+
+
+def test_a_read_only_file_system_is_refused_at_start(small_tmpfs) -> None:
+    import subprocess
+
+    subprocess.run(["mount", "-o", "remount,ro", str(small_tmpfs)], check=True)
+    with pytest.raises(ValueError, match="read-only file system"):
+        DiskStore(str(small_tmpfs / "tier"), BIG, SPEC)
