@@ -93,3 +93,34 @@ def test_a_bad_size_is_refused(tmp_path) -> None:
     r = subprocess.run([sys.executable, "-m", "kvprefix.cli", "serve", "--kv-disk", str(tmp_path),
                         "--kv-disk-size", "lots"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--kv-disk-size" in r.stderr and "'lots'" in r.stderr
+
+
+def test_kill_9_during_heavy_writes_leaves_a_tier_that_verifies_within_budget(tmp_path, default_model_dir) -> None:
+    tier, budget = tmp_path / "tier", 3 * 2**20  # about 45 of the test model's blocks
+    server = start_server(tmp_path, "--kv-disk", str(tier), "--kv-disk-size", str(budget))
+    prompts = [[rng.randrange(3, 700) for _ in range(1500)] for _ in range(6)]
+    try:
+        for p in prompts[:2]:
+            complete(server, p)
+        with server.client() as client:
+            for p in prompts[2:]:  # still computing and writing when the kill comes
+                try:
+                    client.completions.create(model="default-model-v1", prompt=p, max_tokens=1, timeout=0.3)
+                except Exception:  # noqa: BLE001  (the timeout: the request goes on in the server)
+                    pass
+    finally:
+        server.proc.kill()  # SIGKILL: queued writes are lost, a write in progress is cut
+        server.proc.wait()
+    r = subprocess.run([sys.executable, "-m", "kvprefix.cli", "cache", "verify", str(tier), "--json"],
+                       capture_output=True, text=True, timeout=120)
+    report = json.loads(r.stdout)
+    assert r.returncode == 0 and report["ok"] == report["checked"] > 0, report
+    assert report["bytes"] <= budget + 70_000  # within one object of the budget
+    again = start_server(tmp_path, "--kv-disk", str(tier))
+    try:
+        _, cached = complete(again, prompts[1] + [5, 6, 7])
+        m = again.metrics()
+        assert cached % 16 == 0 and cached == m["kvprefix:kv_tier_hit_tokens_total{disk}"]
+        assert not any(k.startswith("kvprefix:kv_tier_verify_failures_total") and v for k, v in m.items())
+    finally:
+        stop_server(again)
