@@ -124,3 +124,30 @@ def test_kill_9_during_heavy_writes_leaves_a_tier_that_verifies_within_budget(tm
         assert not any(k.startswith("kvprefix:kv_tier_verify_failures_total") and v for k, v in m.items())
     finally:
         stop_server(again)
+
+
+def test_two_servers_on_one_directory_under_load(tmp_path, default_model_dir) -> None:
+    """Concurrent writers of the same blocks, readers of each other's objects, evictions: the same greedy outputs
+    on both, no object that fails to verify."""
+    import concurrent.futures
+
+    tier, budget = tmp_path / "tier", 4 * 2**20
+    servers = [start_server(tmp_path, "--kv-disk", str(tier), "--kv-disk-size", str(budget)) for _ in range(2)]
+    prefixes = [[rng.randrange(3, 700) for _ in range(400)] for _ in range(3)]
+    prompts = [p + [rng.randrange(3, 700) for _ in range(8)] for p in prefixes for _ in range(4)]
+    try:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            outs = [list(pool.map(lambda p, s=s: complete(s, p)[0], prompts)) for s in servers]
+        assert outs[0] == outs[1]  # the same greedy tokens whichever server, whatever it loaded from the other
+        for s in servers:
+            m = s.metrics()
+            assert not any(k.startswith("kvprefix:kv_tier_verify_failures_total") and v for k, v in m.items())
+    finally:
+        for s in servers:
+            stop_server(s)
+    r = subprocess.run([sys.executable, "-m", "kvprefix.cli", "cache", "verify", str(tier), "--json"],
+                       capture_output=True, text=True, timeout=120)
+    report = json.loads(r.stdout)
+    # Each process keeps the budget for what it has seen (docs/tiers.md): two can hold up to twice it until their
+    # rescans; a budget shared across processes is not built yet.
+    assert r.returncode == 0 and report["checked"] > 0 and report["bytes"] <= 2 * (budget + 70_000)
