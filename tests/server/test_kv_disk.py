@@ -148,6 +148,5 @@ def test_two_servers_on_one_directory_under_load(tmp_path, default_model_dir) ->
     r = subprocess.run([sys.executable, "-m", "kvprefix.cli", "cache", "verify", str(tier), "--json"],
                        capture_output=True, text=True, timeout=120)
     report = json.loads(r.stdout)
-    # Each process keeps the budget for what it has seen (docs/tiers.md): two can hold up to twice it until their
-    # rescans; a budget shared across processes is not built yet.
-    assert r.returncode == 0 and report["checked"] > 0 and report["bytes"] <= 2 * (budget + 70_000)
+    # One budget for the directory (each server rescans before evicting), give or take a write in flight each.
+    assert r.returncode == 0 and report["checked"] > 0 and report["bytes"] <= budget + 2 * 70_000

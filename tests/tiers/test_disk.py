@@ -192,7 +192,8 @@ def test_concurrent_writers_readers_and_eviction_see_whole_objects_or_misses(tmp
     assert not errors
     assert loaded and all(loaded)
     assert all(sum(s.stats.verify_failures.values()) == 0 for s in stores)
-    assert len(list(layout.iter_objects(str(tmp_path)))) <= 3 * 10  # each view keeps its budget
+    # One budget for the directory: each writer sees the others' objects before evicting (one write in flight each).
+    assert len(list(layout.iter_objects(str(tmp_path)))) <= 10 + 3
 
 
 WRITER = """

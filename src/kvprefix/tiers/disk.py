@@ -2,8 +2,9 @@
 
 No index file: a block is found by its hash's path, so a restarted server (or another replica sharing the
 directory) finds every block. The byte budget is kept from an in-memory LRU view built by a scan at start and
-resynced by a rescan every ``rescan_seconds`` (other processes write and delete too); loads touch the file's
-mtime, so the LRU order is shared through the file system. Writes go to a temporary name and are renamed into
+resynced by a rescan before writes (as often as scanning stays under a tenth of the time, at least every
+``rescan_seconds``): processes sharing the directory share its budget. Loads touch the file's mtime, so the LRU
+order is shared through the file system. Writes go to a temporary name and are renamed into
 place: readers see a whole object or none. A reader whose object is deleted meanwhile gets a miss.
 """
 
@@ -56,6 +57,7 @@ class DiskStore:
         self._lru: OrderedDict[bytes, int] = OrderedDict()  # hash -> size, least recently used first
         self._usage = 0
         self._last_scan = 0.0
+        self._scan_cost = 0.0  # seconds the last scan took
         self.rescan(progress)
         if self._usage > max_bytes:
             self.evict(self._usage - max_bytes)
@@ -63,8 +65,14 @@ class DiskStore:
     # ---- the LRU view
 
     def rescan(self, progress: Callable[[int], None] | None = None) -> None:
+        """Rebuilds the view from the directory: every process's objects, least recently used (by mtime) first.
+        File times are coarse (a few ms): objects of one tick keep this process's order, unknown ones first."""
+        start = time.monotonic()
         entries = layout.scan(self.root, progress)
+        self._scan_cost = time.monotonic() - start
         with self._lock:
+            rank = {h: i for i, h in enumerate(self._lru)}
+            entries.sort(key=lambda e: (e.mtime, rank.get(e.block_hash, -1)))
             self._lru = OrderedDict((e.block_hash, e.size) for e in entries)
             self._usage = sum(e.size for e in entries)
             self._last_scan = time.monotonic()
@@ -181,13 +189,11 @@ class DiskStore:
         data = encode(obj)
         if len(data) > self.max_bytes:
             return self._drop("too_large")
-        if time.monotonic() - self._last_scan > self.rescan_seconds:
+        # See what other processes wrote and deleted (a shared directory shares its budget), as often as scanning
+        # stays under a tenth of the time: a small directory at every write, a large one every second or two.
+        if time.monotonic() - self._last_scan >= min(self.rescan_seconds, 10 * self._scan_cost):
             self.rescan()
-        with self._lock:  # a block stored again replaces itself: it is not room to make, nor a victim
-            old = self._lru.get(obj.block_hash)
-            if old is not None:
-                self._lru.move_to_end(obj.block_hash)
-            over = self._usage - (old or 0) + len(data) - self.max_bytes
+        over = self._room_needed(obj.block_hash, len(data))
         if over > 0:
             self.evict(over)
         path = layout.object_path(self.root, obj.block_hash)
@@ -201,6 +207,15 @@ class DiskStore:
             self.stats.stores += 1
             self.stats.bytes_written += len(data)
         return True
+
+    def _room_needed(self, block_hash: bytes, size: int) -> int:
+        """Bytes to free before writing ``size`` bytes for ``block_hash`` (a block stored again replaces itself:
+        it is neither room to make nor a victim)."""
+        with self._lock:
+            old = self._lru.get(block_hash)
+            if old is not None:
+                self._lru.move_to_end(block_hash)
+            return self._usage - (old or 0) + size - self.max_bytes
 
     def _drop(self, reason: str) -> bool:
         with self.stats.lock:
