@@ -200,11 +200,11 @@ def test_torch_free_packages_import_without_torch_the_model_or_the_engine():
     """Every module of the packages whose allowed imports are all torch-free (cache, tokenizer, prompts, logs, http,
     router, sim, doctor, ...), and `kvprefix` and `kvprefix.cli`, import in a fresh interpreter without loading
     torch, the model, the engine or the server; none but tokenizer.builtin loads transformers. The Ray code
-    (router.ray_serve, router.ray) is left out: importing Ray takes seconds, and the static check holds it to no
+    (router.ray) is left out: importing Ray takes seconds, and the static check holds it to no
     torch."""
     packages = torch_free_closure(read_table())
     assert {"cache", "tokenizer", "prompts", "logs", "http", "router", "sim", "doctor"} <= set(packages)
-    names = [m for m in module_names(SRC) if node_of(m) in packages and not {"ray", "ray_serve"} & set(m.split("."))]
+    names = [m for m in module_names(SRC) if node_of(m) in packages and "ray" not in m.split(".")]
     names += ["kvprefix", "kvprefix.cli"]  # they import the engine and the subcommands lazily: light at import
     late = ["kvprefix.tokenizer.builtin"]  # its PreTrainedTokenizerFast is transformers (not torch)
     forbidden = ("torch", "kvprefix.model", "kvprefix.engine", "kvprefix.server")
@@ -227,4 +227,4 @@ def test_a_main_module_is_a_command(tmp_path: Path):
     (root / "router" / "__main__.py").write_text("from kvprefix.cli import main\nfrom kvprefix.logs import x\n")
     problems = [p for p in check(root, read_table()) if "__main__" in p]
     assert problems == ["kvprefix.router.__main__ (line 2) imports kvprefix.logs: cli may not import logs "
-                        "(allowed: doctor, engine, router, server, sim)"], problems
+                        "(allowed: doctor, engine, router, server, sim, tiers)"], problems

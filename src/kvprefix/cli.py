@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "serve": ("kvprefix.server.cli", "OpenAI-compatible server with prefix caching (default: 127.0.0.1:8000)"),
     "route": ("kvprefix.router.cli", "prefix-aware router over kvprefix serve replicas (default: 127.0.0.1:8100)"),
     "doctor": ("kvprefix.doctor.cli", "what breaks prefix reuse in a request log, and what fixing it would win"),
+    "cache": ("kvprefix.tiers.cli", "a KV tier directory (--kv-disk): stats, verify (full checksum pass), clear"),
     "lab": ("kvprefix.engine.lab", "the prefix cache on a real engine: shared system prompt, caching on vs off"),
 }
 

@@ -143,6 +143,29 @@ class KVCacheManager:
             self._num_cached_blocks[rid] = end
             self.pool.events.flush()
 
+    def claim_for_load(self, request: CacheRequest, hits: Sequence[KVCacheBlock], num_blocks: int
+                       ) -> list[KVCacheBlock]:
+        """Up to ``num_blocks`` fresh blocks to load the request's blocks after ``hits`` into from a lower tier
+        (fewer when the pool has fewer free). The hits are held meanwhile, so taking blocks cannot evict them;
+        ``finish_load`` registers what was loaded and releases everything."""
+        self.pool.touch(hits)
+        num = max(0, min(num_blocks, self.pool.num_free_blocks))
+        blocks = self.pool.get_new_blocks(num, request.eviction_group) if num else []
+        self.pool.events.flush()
+        return blocks
+
+    def finish_load(self, request: CacheRequest, hits: Sequence[KVCacheBlock], blocks: Sequence[KVCacheBlock],
+                    num_loaded: int) -> None:
+        """Registers ``blocks[:num_loaded]`` (their KV is written) under the request's block hashes that follow
+        ``hits``, then releases hits and blocks: the loaded ones stay cached (the next lookup hits them), the rest
+        go back clean."""
+        if num_loaded:
+            start = len(hits)
+            placed = [*hits, *blocks[:num_loaded]]
+            self.pool.cache_full_blocks(request, placed, start, start + num_loaded)
+        self.pool.free(reversed([*hits, *blocks]), request.eviction_group)
+        self.pool.events.flush()
+
     def free(self, request: CacheRequest) -> None:
         """Releases the request's blocks tail first, so the head of a shared prefix stays cached longest."""
         rid = request.request_id

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from kvprefix.cache.identity import QUANTIZATION_METHODS  # noqa: F401  (the CLI's --quantization choices)
 
+DEFAULT_KV_DISK_SIZE = "10GiB"
+
 
 @dataclass
 class EngineArgs:
@@ -15,7 +17,9 @@ class EngineArgs:
     ``max_position_embeddings``. ``tenant_kv_reserve`` > 0: that fraction of the cache is reserved per tenant
     (docs/security.md). ``share_inflight_prefixes``: wait (bounded) for prompt blocks a running request is computing.
     ``scheduling_policy``: "fcfs" or "cache_aware" (most cached first, bounded by ``max_wait_steps``;
-    docs/engine.md). ``quantization`` (CPU only): "int8", "int4" or "gguf" compact weights (docs/model.md)."""
+    docs/engine.md). ``quantization`` (CPU only): "int8", "int4" or "gguf" compact weights (docs/model.md).
+    ``kv_disk``: a directory for the persistent KV tier, at most ``kv_disk_size`` (bytes, or "20GiB"), writes
+    queued up to ``kv_disk_queue`` blocks (docs/tiers.md)."""
 
     model: str | None = None
     dtype: str = "auto"
@@ -35,3 +39,6 @@ class EngineArgs:
     share_inflight_prefixes: bool = True
     scheduling_policy: str = "fcfs"
     max_wait_steps: int = 100
+    kv_disk: str | None = None
+    kv_disk_size: int | str = DEFAULT_KV_DISK_SIZE
+    kv_disk_queue: int = 256

@@ -230,6 +230,7 @@ class AsyncLLM:
                 for out in engine.abort_all():
                     if (stream := self._streams.get(out.request_id)) is not None:
                         stream.put(out)
+                engine.close()
                 return
             if not engine.has_unfinished_requests():
                 continue

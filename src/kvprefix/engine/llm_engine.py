@@ -13,6 +13,7 @@ import torch
 from kvprefix.cache import KVCacheManager, block_identity
 from kvprefix.cache.default_model import DEFAULT_MODEL_NAME, default_model_path
 from kvprefix.engine.args import EngineArgs
+from kvprefix.engine.kv_tier import open_kv_tier
 from kvprefix.engine.metrics import ITERATION_TOKEN_BUCKETS, engine_metrics
 from kvprefix.engine.model_runner import ModelRunner, num_kv_blocks
 from kvprefix.engine.output_state import OutputState
@@ -50,6 +51,7 @@ class _UserRequest:
             samples=samples,
             finished=all(s.finished for s in self.samples),
             num_cached_tokens=max(0, self.samples[0].num_cached_tokens),
+            cached_tokens_by_tier=self.samples[0].cached_tokens_by_tier(),
             metrics=dataclasses.replace(self.metrics),
             prompt_logprobs=prompt_logprobs,
         )
@@ -97,6 +99,9 @@ class LLMEngine:
             max_wait_steps=args.max_wait_steps,
         )
         self.runner = ModelRunner.create(model, num_blocks, self.manager, dtype, device)
+        self.kv_tier = open_kv_tier(args, self.identity, self.model_config, dtype, self.manager,
+                                    self.runner.kv_caches)
+        self.scheduler.lower_tier = self.kv_tier
         self.sampler = Sampler(args.seed, device)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | self.tokenizer.eos_token_ids
         self._requests: dict[str, _UserRequest] = {}
@@ -370,4 +375,9 @@ class LLMEngine:
     def get_metrics(self) -> dict[str, int | float]:
         """Counters, gauges and the tokens-per-step histogram (``engine.metrics.engine_metrics``)."""
         return engine_metrics(self.manager, self.scheduler, self._counters, self._iteration_tokens,
-                              self._iteration_tokens_sum)
+                              self._iteration_tokens_sum, self.kv_tier)
+
+    def close(self) -> None:
+        """Finishes the tier's queued writes and stops its writer (nothing else holds outside resources)."""
+        if self.kv_tier is not None:
+            self.kv_tier.close()

@@ -9,7 +9,7 @@ ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 81
 
 
 def engine_metrics(manager, scheduler, counters: dict[str, int], iteration_tokens: list[int],
-                   iteration_tokens_sum: int) -> dict[str, int | float]:
+                   iteration_tokens_sum: int, kv_tier=None) -> dict[str, int | float]:
     """Counters since start (prefix_cache_* in tokens at first admission; prefix_cache_preempted_* at
     re-admissions; num_inflight_prefix_waits), gauges (num_requests_*, kv_cache_usage, num_free_blocks), and the
     tokens-per-step histogram (iteration_tokens_le_B: steps of at most B tokens; _count, _sum); docs/metrics.md."""
@@ -40,7 +40,21 @@ def engine_metrics(manager, scheduler, counters: dict[str, int], iteration_token
         "num_free_blocks": pool.num_free_blocks,
         "block_size": manager.block_size,
         **_iteration_token_stats(iteration_tokens, iteration_tokens_sum),
+        **(_tier_stats(kv_tier) if kv_tier is not None else {}),
     }
+
+
+def _tier_stats(kv_tier) -> dict[str, int]:
+    """``kv_<tier>_*``: the tier's counters (hit_tokens: prompt tokens loaded from it), its usage gauges, and
+    verification failures and dropped writes by reason (``..._verify_failures_<reason>``)."""
+    stats, name = kv_tier.store.stats, f"kv_{kv_tier.store.name}"
+    with stats.lock:
+        out = {f"{name}_{k}": v for k, v in stats.as_dict().items()}
+        out |= {f"{name}_verify_failures_{r}": n for r, n in stats.verify_failures.items()}
+        out |= {f"{name}_dropped_writes_{r}": n for r, n in stats.dropped_writes.items()}
+    out[f"{name}_hit_tokens"] = kv_tier.hit_tokens
+    out[f"{name}_max_bytes"] = kv_tier.store.max_bytes
+    return out
 
 
 def _iteration_token_stats(iteration_tokens: list[int], iteration_tokens_sum: int) -> dict[str, int]:

@@ -125,6 +125,7 @@ class OutputState:
         self.samples = [_Sample(i, tokenizer, prompt_token_ids, p) for i, p in enumerate(sample_params)]
         self.finished = False
         self.num_cached_tokens = 0
+        self.cached_tokens_by_tier: dict[str, int] = {}
         self.metrics = RequestMetrics(arrival_time)
         self.token_gaps: list[float] = []
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
@@ -137,6 +138,7 @@ class OutputState:
             self.prompt_logprobs = delta.prompt_logprobs
         self.finished = delta.finished
         self.num_cached_tokens = delta.num_cached_tokens
+        self.cached_tokens_by_tier = delta.cached_tokens_by_tier
         self.metrics = delta.metrics
 
     def stamp(self, now: float) -> None:
@@ -166,6 +168,7 @@ class OutputState:
             outputs=outputs,
             finished=self.finished,
             num_cached_tokens=self.num_cached_tokens,
+            cached_tokens_by_tier=self.cached_tokens_by_tier,
             metrics=dataclasses.replace(self.metrics, token_gaps=self.token_gaps),
             prompt_block_hashes=self.prompt_block_hashes,
             namespace_id=self.namespace_id,

@@ -77,6 +77,8 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
+    # Of num_cached_tokens, those loaded from each lower tier ({"disk": n}); the rest came from the pool.
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     prompt_block_hashes: list[bytes] = field(default_factory=list)
     namespace_id: str = ""
     # With SamplingParams.prompt_logprobs: per prompt token, {token id: Logprob} (None for the first token).
@@ -108,5 +110,6 @@ class RequestDelta:
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     # With prompt_logprobs: the whole list, once, in the delta that computed the last prompt token (or the abort).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None

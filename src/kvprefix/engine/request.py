@@ -54,6 +54,16 @@ class Request(CacheRequest):
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
             [None] * self.num_prompt_tokens if params.prompt_logprobs is not None and index == 0 else None)
         self.matcher: Any = None  # an llguidance matcher under structured outputs (engine.structured)
+        self.tier_tokens: dict[str, int] = {}  # prompt tokens loaded from each lower tier before first admission
+
+    def cached_tokens_by_tier(self) -> dict[str, int]:
+        """Of the cached tokens at first admission, those loaded from each lower tier (the rest came from the pool);
+        empty when none was."""
+        left, out = max(0, self.num_cached_tokens), {}
+        for tier, n in self.tier_tokens.items():
+            out[tier] = min(n, left)
+            left -= out[tier]
+        return out
 
     @property
     def skips_cache_reads(self) -> bool:

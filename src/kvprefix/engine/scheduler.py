@@ -36,7 +36,8 @@ class Scheduler:
     computes its last token samples a new one. Cached tokens cost no budget. When the pool is full, the
     latest-admitted running request is preempted (blocks freed but still cached, back to the queue's front).
     With ``share_inflight_prefixes``, a request waiting on blocks a running one is computing keeps its place while
-    later ones pass (``InflightPrefixes``). ``scheduling_policy``: see ``_admission_order``.
+    later ones pass (``InflightPrefixes``). ``scheduling_policy``: see ``_admission_order``. ``lower_tier``: blocks
+    past the pool's hits are loaded from it at admission (``engine.kv_tier``).
     """
 
     def __init__(
@@ -47,6 +48,7 @@ class Scheduler:
         share_inflight_prefixes: bool = True,
         scheduling_policy: str = "fcfs",
         max_wait_steps: int = 100,
+        lower_tier=None,
     ):
         if scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
@@ -68,6 +70,7 @@ class Scheduler:
         self.num_steps = 0
         self.scheduling_policy = scheduling_policy
         self.max_wait_steps = max_wait_steps
+        self.lower_tier = lower_tier  # a KVTier (engine.kv_tier): asked for the blocks after the pool's hits
         self.inflight = (
             InflightPrefixes(manager.block_size, max_num_batched_tokens)
             if share_inflight_prefixes and manager.enable_prefix_caching
@@ -118,6 +121,8 @@ class Scheduler:
             else:
                 # Looked up now, not when ranking: an admission before this one may have evicted free cached blocks.
                 hits, num_hit_tokens = self.manager.get_computed_blocks(req)
+                if self.lower_tier is not None and self.lower_tier.load_following(req, hits):
+                    hits, num_hit_tokens = self.manager.get_computed_blocks(req)  # now with the loaded blocks
                 if inflight is not None and inflight.should_wait(req, len(hits), self.num_steps):
                     continue  # keeps its place in the queue
             num_new = min(req.num_tokens - num_hit_tokens, budget)

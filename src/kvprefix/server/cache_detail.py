@@ -26,9 +26,13 @@ class CacheDetail:
     block_size: int
     reason: str  # a stable code: see REASONS
     message: str
+    cached_tokens_from: dict[str, int] | None = None  # with a lower tier: {"pool": n, "disk": m}
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if d["cached_tokens_from"] is None:
+            del d["cached_tokens_from"]
+        return d
 
 
 REASONS = {

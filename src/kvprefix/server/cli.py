@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 
 from kvprefix.cache import COLLISION_SAFE_ALGOS, HASH_ALGOS
-from kvprefix.engine.args import QUANTIZATION_METHODS
+from kvprefix.engine.args import DEFAULT_KV_DISK_SIZE, QUANTIZATION_METHODS
+from kvprefix.tiers.sizes import parse_size
 
 # The KV cache fraction shared out as tenants' reserved room when there are tenants (docs/security.md): half stays
 # shared LRU room for whoever is busy; the other half is what idle tenants are owed and others cannot cache in.
@@ -33,9 +34,28 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _add_tier_arguments(parser: argparse.ArgumentParser) -> None:
+    tier = parser.add_argument_group("persistent KV tier (docs/tiers.md)")
+    tier.add_argument("--kv-disk", default=None, metavar="DIR",
+                      help="keep computed blocks' KV in DIR (verified on load): cached prefixes survive restarts")
+    tier.add_argument("--kv-disk-size", type=_size, default=DEFAULT_KV_DISK_SIZE, metavar="SIZE",
+                      help=f"with --kv-disk: its byte budget, least recently used blocks deleted past it "
+                           f"(e.g. 20GiB, 500MB; default {DEFAULT_KV_DISK_SIZE})")
+    tier.add_argument("--kv-disk-queue", type=_positive_int, default=256, metavar="BLOCKS",
+                      help="with --kv-disk: blocks waiting to be written; past it writes are dropped (counted)")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     _server_arguments(parser)
     _tenancy_and_log_arguments(parser)
+    _add_tier_arguments(parser)
     _engine_arguments(parser)
 
 
@@ -142,6 +162,13 @@ def prepare(args: argparse.Namespace):
                          f"resistant: one of {', '.join(COLLISION_SAFE_ALGOS)}")
     if args.tenant_kv_reserve is None:
         args.tenant_kv_reserve = DEFAULT_TENANT_KV_RESERVE if auth.enabled else 0.0
+    if args.kv_disk:
+        from kvprefix.tiers.disk_layout import prepare as prepare_disk
+
+        try:  # a path that is a file or cannot be written fails now, in one line, not after the model loads
+            args.kv_disk = prepare_disk(args.kv_disk)
+        except ValueError as exc:
+            raise SystemExit(f"kvprefix serve: {exc}") from None
     from kvprefix.engine import EngineArgs
     from kvprefix.server.app import ServerConfig
     # Every engine option we expose has EngineArgs' field name; a field without an option keeps its default.

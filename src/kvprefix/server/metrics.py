@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from kvprefix.server.tier_metrics import tier_families
+
 NAMESPACES = ("kvprefix", "vllm")
 ENGINE_INDEX = "0"  # vLLM's `engine` label: one engine core per server
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
@@ -93,6 +95,7 @@ class _EngineCollector:
                                  labels=[*labels, *self._cache_config])
         info.add_metric([*self._labels, *self._cache_config.values()], 1.0)
         yield info
+        yield from tier_families(values, lambda n: metric_name(ns, n, False), labels, self._labels)
         # The inference extension's endpoint picker reads this for LoRA affinity: no adapters here.
         lora = GaugeMetricFamily(metric_name(ns, "lora_requests_info"), "Running and waiting LoRA adapters",
                                  labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])

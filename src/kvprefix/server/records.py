@@ -36,8 +36,12 @@ class Books:
         if self.tracker is None or not (self.req.cache_detail or self.request_log is not None):
             return None
         out = job.out
-        return self.tracker.diagnose(job.index, job.prompt.token_ids, out.prompt_block_hashes, out.num_cached_tokens,
-                                     self.caller.tenant, self.caller.client_salt)
+        detail = self.tracker.diagnose(job.index, job.prompt.token_ids, out.prompt_block_hashes,
+                                       out.num_cached_tokens, self.caller.tenant, self.caller.client_salt)
+        if detail is not None and out.cached_tokens_by_tier:
+            lower = sum(out.cached_tokens_by_tier.values())
+            detail.cached_tokens_from = {"pool": out.num_cached_tokens - lower, **out.cached_tokens_by_tier}
+        return detail
 
     def finish(self, job: Job, aborted: bool) -> None:
         """Feeds metrics and the request log once per job, whether it finished or was aborted."""
@@ -80,6 +84,7 @@ class Books:
             hash_algo=info.hash_algo,
             block_hashes=[h.hex() for h in hashes],
             cached_tokens=cached,
+            disk_cached_tokens=out.cached_tokens_by_tier.get("disk", 0) if out is not None else 0,
             miss_reason=job.detail.reason if job.detail is not None else None,
             output_tokens=sum(job.tokens),
             n=job.n,
