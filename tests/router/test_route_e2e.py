@@ -116,20 +116,29 @@ def test_streaming_passes_through_with_cached_tokens(routers):
 
 def test_a_killed_replica_loses_no_request_and_a_restarted_one_is_resynced(routers, replicas, router_tmp):
     router = routers["kv-events"]
-    victim = replicas[1]
-    resyncs_before = per_replica(router.metrics(), "kv_events_resyncs_total")[victim.url]
+    resyncs_before = per_replica(router.metrics(), "kv_events_resyncs_total")
     traffic = shared_prefix_traffic(rounds=2)
+    killed: list[int] = []
 
     async def run_and_kill() -> list:
         c = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="none", max_retries=0, timeout=120)
         async with c:
             tasks = [asyncio.create_task(c.chat.completions.create(model=MODEL, messages=m, max_tokens=16))
                      for m in traffic]
-            await asyncio.sleep(0.3)
-            victim.proc.send_signal(signal.SIGKILL)
+            # The victim is a replica with requests in flight: killed mid-answer, they must be retried elsewhere.
+            deadline = time.monotonic() + 60
+            while not killed and time.monotonic() < deadline:
+                busy = per_replica(await asyncio.to_thread(router.metrics), "requests_in_flight")
+                url = max(busy, key=busy.get)
+                if busy[url] >= 1:
+                    i = [r.url for r in replicas].index(url)
+                    replicas[i].proc.send_signal(signal.SIGKILL)
+                    killed.append(i)
             return await asyncio.gather(*tasks)
 
     results = asyncio.run(run_and_kill())  # none of them streamed, so every one must come back
+    assert killed, "no replica had a request in flight to kill"
+    victim = replicas[killed[0]]
     assert len(results) == len(traffic) and all(r.choices[0].finish_reason for r in results)
     victim.proc.wait(timeout=10)
     m = router.metrics()
@@ -139,10 +148,10 @@ def test_a_killed_replica_loses_no_request_and_a_restarted_one_is_resynced(route
                for msg in traffic[:3])  # served by the two that are left
 
     port = int(victim.url.rsplit(":", 1)[1])
-    replicas[1] = start_server(router_tmp, "--num-gpu-blocks", str(REPLICA_BLOCKS), "--max-num-seqs", "16",
-                               port=port)  # same URL, new process: a new epoch
+    replicas[killed[0]] = start_server(router_tmp, "--num-gpu-blocks", str(REPLICA_BLOCKS), "--max-num-seqs",
+                                       "16", port=port)  # same URL, new process: a new epoch
     m = wait_synced(router, 3, events=True)
-    assert per_replica(m, "kv_events_resyncs_total")[victim.url] > resyncs_before
+    assert per_replica(m, "kv_events_resyncs_total")[victim.url] > resyncs_before[victim.url]
     c = client(router)
     for _ in range(6):  # the restarted replica is back in rotation, and its mirror follows it
         c.chat.completions.create(model=MODEL, messages=traffic[0], max_tokens=1)
