@@ -25,8 +25,7 @@ def replicas(router_tmp: Path) -> Iterator[list[Server]]:
     # One after another: three starting at once on a loaded 2-core machine can each miss the start deadline.
     servers = [start_server(router_tmp, *args) for _ in range(3)]
     yield servers
-    for s in servers:
-        assert stop_server(s) in (0, -15) and "Traceback" not in s.log_path.read_text(), s.log_path.read_text()
+    _stop_all(servers)
 
 
 @pytest.fixture(scope="session")
@@ -39,5 +38,11 @@ def routers(router_tmp: Path, replicas: list[Server], default_model_dir: str) ->
             lambda policy: start_router(router_tmp, urls, policy, None), POLICIES_UNDER_TEST),
             strict=True))
     yield started
-    for r in started.values():
-        assert stop_server(r) in (0, -15) and "Traceback" not in r.log_path.read_text(), r.log_path.read_text()
+    _stop_all(list(started.values()))
+
+
+def _stop_all(servers: list[Server]) -> None:
+    """Stops every one (a failing one must not leave the others running), then checks each exited cleanly."""
+    codes = [stop_server(s) for s in servers]
+    for s, code in zip(servers, codes, strict=True):
+        assert code in (0, -15) and "Traceback" not in s.log_path.read_text(), s.log_path.read_text()
