@@ -145,6 +145,15 @@ def torch_free_closure(rules: dict[str, Rule]) -> list[str]:
     return sorted(n for n, r in rules.items() if not r.torch and not any(rules[d].torch for d in closure(n, set())))
 
 
+def source_with(tmp_path: Path, module: str, code: str) -> Path:
+    """A copy of the source tree with ``code`` appended to ``module`` (a path under kvprefix/, created if absent)."""
+    root = tmp_path / "kvprefix"
+    shutil.copytree(SRC, root)
+    with open(root / module, "a") as f:
+        f.write(code)
+    return root
+
+
 def test_every_import_follows_the_table_in_architecture_md():
     problems = check(SRC, read_table())
     assert not problems, "\n".join(problems)
@@ -164,22 +173,15 @@ def test_the_table_says_server_and_router_never_import_each_other():
 def test_a_wrong_import_is_reported(tmp_path: Path, where: str, line: str):
     """A copy of the source with router importing server, written three ways: the checker names the module, the
     line and the import."""
-    root = tmp_path / "kvprefix"
-    shutil.copytree(SRC, root)
-    with open(root / "router" / "policies.py", "a") as f:
-        f.write(line)
-    problems = check(root, read_table())
+    problems = check(source_with(tmp_path, "router/policies.py", line), read_table())
     assert any(p.startswith("kvprefix.router.policies (line ") and "imports kvprefix.server.app: router may not "
                "import server" in p for p in problems), (where, problems)
 
 
 def test_a_cycle_between_packages_is_reported(tmp_path: Path):
     """tokenizer importing prompts closes prompts -> tokenizer -> prompts: reported as a violation and a cycle."""
-    root = tmp_path / "kvprefix"
-    shutil.copytree(SRC, root)
-    with open(root / "tokenizer" / "detokenizer.py", "a") as f:
-        f.write("\n\ndef _wrong():\n    from kvprefix.prompts import render\n    return render\n")
-    problems = check(root, read_table())
+    code = "\n\ndef _wrong():\n    from kvprefix.prompts import render\n    return render\n"
+    problems = check(source_with(tmp_path, "tokenizer/detokenizer.py", code), read_table())
     assert any("kvprefix.tokenizer.detokenizer (line" in p and "tokenizer may not import prompts" in p
                for p in problems), problems
     assert any(p.startswith("cycle between packages:") and "prompts -> tokenizer -> prompts" in p
@@ -187,11 +189,8 @@ def test_a_cycle_between_packages_is_reported(tmp_path: Path):
 
 
 def test_torch_in_a_torch_free_package_is_reported(tmp_path: Path):
-    root = tmp_path / "kvprefix"
-    shutil.copytree(SRC, root)
-    with open(root / "cache" / "stats.py", "a") as f:
-        f.write("\n\ndef _wrong():\n    import torch\n    return torch\n")
-    problems = check(root, read_table())
+    code = "\n\ndef _wrong():\n    import torch\n    return torch\n"
+    problems = check(source_with(tmp_path, "cache/stats.py", code), read_table())
     assert any(p.startswith("kvprefix.cache.stats (line") and "cache must not import torch" in p
                for p in problems), problems
 
@@ -222,9 +221,7 @@ def test_torch_free_packages_import_without_torch_the_model_or_the_engine():
 def test_a_main_module_is_a_command(tmp_path: Path):
     """`python -m kvprefix.router` would be a command: held to the `cli` row, so it may run `kvprefix.cli` but not
     reach past what the command may import."""
-    root = tmp_path / "kvprefix"
-    shutil.copytree(SRC, root)
-    (root / "router" / "__main__.py").write_text("from kvprefix.cli import main\nfrom kvprefix.logs import x\n")
+    root = source_with(tmp_path, "router/__main__.py", "from kvprefix.cli import main\nfrom kvprefix.logs import x\n")
     problems = [p for p in check(root, read_table()) if "__main__" in p]
     assert problems == ["kvprefix.router.__main__ (line 2) imports kvprefix.logs: cli may not import logs "
                         "(allowed: doctor, engine, router, server, sim, tiers)"], problems

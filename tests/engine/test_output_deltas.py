@@ -10,9 +10,8 @@ from kvprefix.engine.outputs import RequestDelta, RequestMetrics, RequestOutputK
 from kvprefix.engine.text import SampleText
 
 PROMPT = list(range(30, 70))
-
-
-@pytest.mark.parametrize(
+# Sampled (n=2, logprobs) without stop strings, and greedy with them (text decides the stop on the engine thread).
+WITH_AND_WITHOUT_STOP_STRINGS = pytest.mark.parametrize(
     "params",
     [
         SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=24, ignore_eos=True, logprobs=2),
@@ -20,6 +19,9 @@ PROMPT = list(range(30, 70))
     ],
     ids=["no-stop-strings", "stop-strings"],
 )
+
+
+@WITH_AND_WITHOUT_STOP_STRINGS
 def test_folded_deltas_equal_the_offline_outputs(make_llm, assert_no_leaks, params):
     expected = make_llm().generate(PROMPT, params)[0]
     llm = make_llm()  # a second engine: a cache hit would round the logprobs differently
@@ -85,14 +87,7 @@ def test_skip_special_tokens_applies_where_text_is_decoded(make_llm, stop):
         assert (special in text) is (not skip) and text.endswith("plain words")
 
 
-@pytest.mark.parametrize(
-    "params",
-    [
-        SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=24, ignore_eos=True, logprobs=2),
-        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=["e", "a"]),
-    ],
-    ids=["no-stop-strings", "stop-strings"],
-)
+@WITH_AND_WITHOUT_STOP_STRINGS
 def test_delta_outputs_add_up_to_the_cumulative_output(make_llm, assert_no_leaks, params):
     """DELTA outputs hold only the samples that changed, each with only its new text, tokens and logprob entries
     (already decoded); joined, they are the cumulative output, and streamed text is never retracted."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from support.tokenizer_files import tokenizer_dir
 
 from kvprefix.prompts import PromptError, completion_prompts, render_body, render_chat, render_completion
 from kvprefix.tokenizer import Tokenizer
@@ -96,13 +97,10 @@ def test_a_prompt_too_long_in_characters_is_refused_before_tokenizing(tokenizer:
 
 
 def test_template_kwargs_reach_the_template_and_reserved_names_do_not(tmp_path, tiny_llama_path: str) -> None:
-    import shutil
-
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(f"{tiny_llama_path}/{name}", tmp_path / name)
-    (tmp_path / "chat_template.jinja").write_text(
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking %}<think>{% endif %}{% endif %}")
+    tokenizer_dir(tmp_path, tiny_llama_path,
+                  "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking %}<think>{% endif %}"
+                  "{% endif %}")
     tok = Tokenizer(str(tmp_path))
     messages = [{"role": "user", "content": "Hi"}]
     assert render_chat(tok, messages, template_kwargs={"enable_thinking": True}).text.endswith("<think>")

@@ -4,9 +4,9 @@ results in the history, a template's own tools rendering, and the same text from
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
+from support.tokenizer_files import tokenizer_dir
 
 from kvprefix.prompts import PromptError, render_bodies, render_body, render_chat
 from kvprefix.prompts.tools import format_tool_calls, template_renders_tools
@@ -76,9 +76,8 @@ def test_every_renderer_renders_tools_the_same(tokenizer: Tokenizer, tiny_llama_
 
 
 def test_a_template_that_renders_tools_gets_them_as_they_are(tmp_path, tiny_llama_path: str) -> None:
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(f"{tiny_llama_path}/{name}", tmp_path / name)
-    (tmp_path / "chat_template.jinja").write_text(
+    tokenizer_dir(
+        tmp_path, tiny_llama_path,
         "{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}\n{% endif %}"
         "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
         "{% for c in m.tool_calls or [] %}CALL {{ c.function.name }}({{ c.function.arguments.city }}){% endfor %}"

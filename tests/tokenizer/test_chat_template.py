@@ -2,9 +2,9 @@
 template's renderer called without the wrapper) wherever that path is taken."""
 
 import json
-import shutil
 
 import pytest
+from support.tokenizer_files import tokenizer_dir
 
 from kvprefix.prompts import PromptError, render_chat
 from kvprefix.tokenizer import Tokenizer
@@ -19,15 +19,6 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi", "name": None}]
 
 
-def _tokenizer_files(tmp_path, tiny_llama_path: str, chat_template=None) -> dict:
-    """The tiny model's tokenizer files in ``tmp_path``; returns its tokenizer_config (to change and write back)."""
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(f"{tiny_llama_path}/{name}", tmp_path / name)
-    if chat_template is not None:
-        (tmp_path / "chat_template.jinja").write_text(chat_template)
-    return json.loads((tmp_path / "tokenizer_config.json").read_text())
-
-
 class Text(str):  # a caller's own string type: transformers' renderer copies it to a plain string
     pass
 
@@ -35,7 +26,7 @@ class Text(str):  # a caller's own string type: transformers' renderer copies it
 def test_the_template_renders_as_transformers_apply_chat_template(tmp_path, tiny_llama_path: str) -> None:
     """The same text as the wrapper for tools, special-token variables, keys set to None, continuing a message and
     a batch; the wrapper's errors for what it refuses."""
-    _tokenizer_files(tmp_path, tiny_llama_path, TEMPLATE)
+    tokenizer_dir(tmp_path, tiny_llama_path, TEMPLATE)
     tok = Tokenizer(str(tmp_path))
     tools = TOOLS
     chats = [CHAT,
@@ -68,7 +59,7 @@ def test_the_template_renders_as_transformers_apply_chat_template(tmp_path, tiny
 
 def test_a_tokenizer_with_several_templates_renders_the_one_named(tmp_path, tiny_llama_path: str) -> None:
     """Several templates by name: "tool_use" when tools are given, else "default", as the wrapper picks them."""
-    config = _tokenizer_files(tmp_path, tiny_llama_path)
+    config = tokenizer_dir(tmp_path, tiny_llama_path)
     config["chat_template"] = [{"name": "default", "template": "plain{{ messages[0]['content'] }}"},
                                {"name": "tool_use", "template": "tools{{ tools | length }}"}]
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
@@ -83,7 +74,7 @@ def test_a_tokenizer_with_several_templates_renders_the_one_named(tmp_path, tiny
 
 def test_the_direct_path_has_the_templates_globals_and_fails_as_the_wrapper(tmp_path, tiny_llama_path: str) -> None:
     """The template's globals (Jinja's namespace and range, transformers' raise_exception), and its errors."""
-    config = _tokenizer_files(tmp_path, tiny_llama_path)
+    config = tokenizer_dir(tmp_path, tiny_llama_path)
     config["chat_template"] = ("{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}"
                                "{% if m['content'] == 'boom' %}{{ raise_exception('no booms') }}{% endif %}"
                                "{% endfor %}{{ ns.n }}{% for i in range(2) %}{{ i }}{% endfor %}{{ bos_token }}")
