@@ -1,10 +1,12 @@
-"""The engine's side of a tier below the pool: copies KV between the paged tensors and verified block objects.
+"""The engine's side of the tiers below the pool: copies KV between the paged tensors and verified block objects.
 
-Loads: after the pool's run of hits stops, the tier is asked for the following run (``load_following``); the
-blocks it holds are read and verified one by one, their KV bytes copied exactly into fresh pool blocks, which are
-then registered like computed blocks, so the request's next lookup hits them and prefill starts at the first block
-found nowhere. Writes: every block the pool registers (``BlockStored``) that the tier lacks is copied out and
-queued to the write-behind thread; a full queue drops it (counted), a step never waits for the disk.
+The tiers form a chain, fastest first (disk, then a shared store). Loads: when a request's pool hits stop, the
+chain is asked for the following run (each tier for what the ones before it lack); the blocks found are read and
+verified on a loader thread straight into fresh pool blocks while the engine keeps stepping the other requests
+(``TierLoads``); once done they are registered like computed blocks, so the request's next lookup hits them and its
+prefill starts at the first block found nowhere. Writes: every block the pool registers (``BlockStored``) is copied
+out once and queued to each tier that lacks it, on that tier's write-behind thread; a full queue drops the write
+(counted): a step never waits for a tier.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ import torch
 from kvprefix.cache import KVCacheManager
 from kvprefix.cache.events import BlockStored
 from kvprefix.cache.identity import BlockIdentity
+from kvprefix.engine.tier_loads import TierLoads
 from kvprefix.model import ModelConfig
-from kvprefix.tiers import BlockObject, BlockStore, DiskStore, Expected, KVSpec, parse_size
+from kvprefix.tiers import BlockObject, BlockStore, DiskStore, KVSpec, parse_size
 from kvprefix.tiers.write_behind import WriteBehind
 
 log = logging.getLogger(__name__)
@@ -34,11 +37,11 @@ def kv_spec(identity: BlockIdentity, config: ModelConfig, dtype: torch.dtype) ->
 
 
 class KVTier:
-    """One tier under one engine's pool: loads into it at admission, writes behind it after each step."""
+    """The chain of tiers under one engine's pool: loads into it at admission, writes behind it after each step."""
 
-    def __init__(self, store: BlockStore, spec: KVSpec, manager: KVCacheManager, kv_caches: list,
+    def __init__(self, stores: list[BlockStore], spec: KVSpec, manager: KVCacheManager, kv_caches: list,
                  max_queue: int = 256):
-        self.store, self.spec, self.manager = store, spec, manager
+        self.stores, self.spec, self.manager = stores, spec, manager
         self.layers = [layer.kv for layer in kv_caches]  # each [num_blocks, block_size, 2 * kv_heads, head_size]
         # Byte views of each layer's blocks: on CPU the paged tensors themselves (loads read straight into them,
         # stores copy out of them), elsewhere one host block that loads stage through.
@@ -46,49 +49,15 @@ class KVTier:
         host = self.layers if cpu else [torch.empty_like(layer[0], device="cpu") for layer in self.layers]
         self._bytes = [t.view(torch.uint8).numpy().reshape(t.shape[0] if cpu else 1, -1) for t in host]
         self._on_cpu = cpu
-        self.hit_tokens = 0  # tokens loaded into the pool (counted as cached at admission)
-        self.writer = WriteBehind(store, max_queue)
-        self._loading = False  # blocks registered by a load are on the tier already: not written back
+        self.writers = [WriteBehind(store, max_queue) for store in stores]
+        self.loads = TierLoads(stores, manager, self._spans, self._stage_in)
         self._unsubscribe = manager.events.subscribe(self._on_event)
         atexit.register(self.close)
 
-    # ---- loads
-
-    def load_following(self, request, hits: list) -> int:
-        """Loads the request's blocks after its pool ``hits`` that the tier holds (leaving its last token to
-        compute) into the pool; returns how many were loaded and registered."""
-        bs = self.manager.block_size
-        first, last = len(hits), (request.num_tokens - 1) // bs
-        hashes = request.block_hashes[first:last]
-        if not hashes or request.hasher is None:
-            return 0
-        num = self.store.lookup(hashes)
-        if not num:
-            return 0
-        blocks = self.manager.claim_for_load(request, hits, num)
-        loaded = 0
-        try:
-            for block in blocks:  # registered (finish_load) only if it verifies: else its bytes are never read
-                if not self.store.load_into(self._expected(request, first + loaded), self._spans(block.block_id)):
-                    break
-                self._stage_in(block.block_id)
-                loaded += 1
-        finally:
-            self._loading = True
-            try:
-                self.manager.finish_load(request, hits, blocks, loaded)
-            finally:
-                self._loading = False
-        self.hit_tokens += loaded * bs
-        if loaded and request.num_cached_tokens < 0:  # loaded for its first admission: its cached tokens say so
-            name = self.store.name
-            request.tier_tokens[name] = request.tier_tokens.get(name, 0) + loaded * bs
-        return loaded
-
-    def _expected(self, request, i: int) -> Expected:
-        bs, hashes = self.manager.block_size, request.block_hashes
-        return Expected(hashes[i], hashes[i - 1] if i else request.hasher.root, request.hasher.namespace_id,
-                        tuple(request.token_ids[i * bs : (i + 1) * bs]))
+    @property
+    def hit_tokens(self) -> dict[str, int]:
+        """Prompt tokens loaded from each tier into the pool, by tier name."""
+        return self.loads.hit_tokens
 
     def _spans(self, block_id: int) -> list[memoryview]:
         """Where a block's payload goes, layer by layer: the block itself on CPU, else the host staging block."""
@@ -106,47 +75,57 @@ class KVTier:
     # ---- writes
 
     def _on_event(self, event) -> None:
-        if self._loading or not isinstance(event, BlockStored) or event.token_ids is None:
+        if not isinstance(event, BlockStored) or event.token_ids is None:
             return
         pool, bs = self.manager.pool, self.manager.block_size
         parent = event.parent_block_hash
         for k, block_hash in enumerate(event.block_hashes):
             block = pool.cached_blocks.get(block_hash)
             prev, parent = parent, block_hash
-            if block is None or prev is None or self.store.contains(block_hash):
+            if block is None or prev is None:
                 continue
-            if not self.writer.has_room():
-                self.writer.drop()
-                continue
-            tokens = tuple(event.token_ids[k * bs : (k + 1) * bs])
-            self.writer.submit(BlockObject(self.spec, event.namespace, block_hash, prev, tokens,
-                                           self._copy_out(block.block_id)))
+            obj = None  # copied out once, for the first tier that lacks it and has room
+            for store, writer in zip(self.stores, self.writers, strict=True):
+                if store.contains(block_hash):  # e.g. just loaded from it
+                    continue
+                if not writer.has_room():
+                    writer.drop()
+                    continue
+                if obj is None:
+                    tokens = tuple(event.token_ids[k * bs : (k + 1) * bs])
+                    obj = BlockObject(self.spec, event.namespace, block_hash, prev, tokens,
+                                      self._copy_out(block.block_id))
+                writer.submit(obj)
 
     @torch.inference_mode()
-    def _copy_out(self, block_id: int) -> bytes | memoryview:
+    def _copy_out(self, block_id: int) -> bytes:
         """The block's KV bytes in the object's layout: every layer's block, in layer order."""
         if self._on_cpu:
-            return memoryview(np.concatenate([layer[block_id] for layer in self._bytes]))
+            return np.concatenate([layer[block_id] for layer in self._bytes]).data
         kv = torch.stack([layer[block_id] for layer in self.layers]).cpu().contiguous()
         return kv.reshape(-1).view(torch.uint8).numpy().tobytes()
 
     def flush(self) -> None:
         """Waits until every queued write is done."""
-        self.writer.flush()
+        for writer in self.writers:
+            writer.flush()
 
     def close(self) -> None:
-        """Stops listening to the pool, finishes the queued writes and stops the writer (idempotent)."""
+        """Stops listening to the pool, lets loads in flight end, finishes the queued writes and stops the
+        threads (idempotent)."""
         if self._unsubscribe is None:
             return
         self._unsubscribe()
         self._unsubscribe = None
         atexit.unregister(self.close)
-        self.writer.close()
+        self.loads.close()
+        for writer in self.writers:
+            writer.close()
 
 
 def open_kv_tier(args, identity: BlockIdentity, config: ModelConfig, dtype: torch.dtype, manager: KVCacheManager,
                  kv_caches: list) -> KVTier | None:
-    """The tier ``args`` ask for (``kv_disk``), or None; ValueError with one line for a path or size that cannot
+    """The tiers ``args`` ask for (``kv_disk``), or None; ValueError with one line for a path or size that cannot
     be used."""
     if not args.kv_disk:
         return None
@@ -155,7 +134,8 @@ def open_kv_tier(args, identity: BlockIdentity, config: ModelConfig, dtype: torc
     size = parse_size(args.kv_disk_size) if isinstance(args.kv_disk_size, str) else int(args.kv_disk_size)
     if args.kv_disk_queue < 1:
         raise ValueError(f"kv_disk_queue must be >= 1, got {args.kv_disk_queue}")
-    store = DiskStore(args.kv_disk, size, kv_spec(identity, config, dtype),
+    spec = kv_spec(identity, config, dtype)
+    store = DiskStore(args.kv_disk, size, spec,
                       progress=lambda n: log.info("kv disk %s: scanned %d objects", args.kv_disk, n))
     log.info("kv disk %s: %d objects, %d of %d bytes", store.root, store.stats.num_objects, store.usage_bytes, size)
-    return KVTier(store, store.spec, manager, kv_caches, args.kv_disk_queue)
+    return KVTier([store], spec, manager, kv_caches, args.kv_disk_queue)

@@ -258,6 +258,8 @@ class LLMEngine:
             )
         sched = self.scheduler.schedule()
         if not sched.scheduled:
+            if self.kv_tier is not None and self.kv_tier.loads.has_pending():
+                self.kv_tier.loads.wait(timeout=0.05)  # everyone waits on a load: sleep until it moves
             return []
         self._count_step(sched)
         sample_rows = [

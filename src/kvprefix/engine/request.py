@@ -55,6 +55,7 @@ class Request(CacheRequest):
             [None] * self.num_prompt_tokens if params.prompt_logprobs is not None and index == 0 else None)
         self.matcher: Any = None  # an llguidance matcher under structured outputs (engine.structured)
         self.tier_tokens: dict[str, int] = {}  # prompt tokens loaded from each lower tier before first admission
+        self.tier_probe: tuple[int, int] | None = None  # the block range last asked of the tiers (asked once)
 
     def cached_tokens_by_tier(self) -> dict[str, int]:
         """Of the cached tokens at first admission, those loaded from each lower tier (the rest came from the pool);

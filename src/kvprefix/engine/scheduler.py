@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from kvprefix.cache import KVCacheManager
 from kvprefix.engine.inflight import InflightPrefixes
 from kvprefix.engine.request import Request, RequestStatus
+from kvprefix.engine.tier_loads import LoadState
 
 
 @dataclass
@@ -37,7 +38,7 @@ class Scheduler:
     latest-admitted running request is preempted (blocks freed but still cached, back to the queue's front).
     With ``share_inflight_prefixes``, a request waiting on blocks a running one is computing keeps its place while
     later ones pass (``InflightPrefixes``). ``scheduling_policy``: see ``_admission_order``. ``lower_tier``: blocks
-    past the pool's hits are loaded from it at admission (``engine.kv_tier``).
+    past the pool's hits are loaded from it before admission, while other requests step (``engine.tier_loads``).
     """
 
     def __init__(
@@ -112,6 +113,8 @@ class Scheduler:
         if not self.waiting:
             return budget
         inflight = self.inflight
+        if self.lower_tier is not None:
+            self.lower_tier.loads.reap()
         admitted: set[int] = set()
         for req in self._admission_order():
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
@@ -121,8 +124,12 @@ class Scheduler:
             else:
                 # Looked up now, not when ranking: an admission before this one may have evicted free cached blocks.
                 hits, num_hit_tokens = self.manager.get_computed_blocks(req)
-                if self.lower_tier is not None and self.lower_tier.load_following(req, hits):
-                    hits, num_hit_tokens = self.manager.get_computed_blocks(req)  # now with the loaded blocks
+                if self.lower_tier is not None:
+                    state = self.lower_tier.loads.poll(req, hits)
+                    if state is LoadState.WAIT:
+                        continue  # its blocks are being loaded: keeps its place in the queue
+                    if state is LoadState.LOADED:
+                        hits, num_hit_tokens = self.manager.get_computed_blocks(req)  # now with the loaded blocks
                 if inflight is not None and inflight.should_wait(req, len(hits), self.num_steps):
                     continue  # keeps its place in the queue
             num_new = min(req.num_tokens - num_hit_tokens, budget)
@@ -182,6 +189,8 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.manager.free(req)
+        if self.lower_tier is not None:
+            self.lower_tier.loads.forget(req)
 
     def _leave_running(self, req: Request) -> None:
         """Whoever waits behind ``req``'s in-flight blocks is free to go (hitting whatever it registered)."""

@@ -43,6 +43,7 @@ class DiskStore:
     blocks computed under ``spec``. ``progress(n)`` is told of a long start-up scan."""
 
     name = "disk"
+    local_lookup = True  # a lookup is a stat per block: cheap enough to ask on the engine's step
 
     def __init__(self, root: str, max_bytes: int, spec: KVSpec, *, progress: Callable[[int], None] | None = None,
                  rescan_seconds: float = 60.0):

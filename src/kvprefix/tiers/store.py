@@ -2,9 +2,11 @@
 
 A tier is found by block hash alone: ``lookup`` says how many leading blocks of a run it holds (cheap, no
 payload read), ``load`` reads and verifies one block (None for a miss, counted by reason: nothing that does not
-verify is ever returned; ``load_into`` the same, straight into the caller's memory), ``store`` writes one (False when dropped: full, failing, over budget), ``evict`` frees
-bytes in LRU order. The engine talks to a ``BlockStore``; the disk is the first implementation, a shared store
-or a host-RAM tier under a CUDA pool are the next.
+verify is ever returned; ``load_into`` the same, straight into the caller's memory), ``store`` writes one (False
+when dropped: full, failing, over budget), ``evict`` frees bytes in LRU order. Loads run on the engine's loader
+thread and stores on each tier's writer thread, so every method is thread-safe. The engine talks to a chain of
+``BlockStore``s (``engine.kv_tier``); the disk is the first implementation, a shared store or a host-RAM tier
+under a CUDA pool are the next.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ class TierStats:
 class BlockStore(Protocol):
     name: str  # the tier's name in counters and cache_detail: "disk"
     max_bytes: int  # its byte budget
+    # True when ``lookup`` answers without a round trip (the engine then asks on its step, else on its loader
+    # thread); ``contains`` must always be cheap: it may answer from what this process knows (False when unsure).
+    local_lookup: bool
     stats: TierStats
 
     def lookup(self, block_hashes: Sequence[bytes]) -> int:

@@ -1,0 +1,206 @@
+"""Loads from the tiers below the pool that run beside the engine's steps, so a load never stalls other requests.
+
+A request whose pool hits stop before its prompt does is probed: the chain of tiers is asked how many of the
+following blocks it holds (inline when every tier answers from local state, as the disk does; on the loader
+thread when a tier needs a round trip), fresh pool blocks are claimed for them, and the loader thread reads and
+verifies each block straight into its pool block. Meanwhile the request keeps its place in the queue and the
+engine steps the others; when the load is done the blocks are registered and the request is admitted with them
+as hits. A request whose next blocks another request is loading waits for that load instead of loading them too.
+Each request is probed once per position, so a request held back by the token budget does not ask again.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from kvprefix.cache import KVCacheManager
+from kvprefix.tiers import BlockStore, Expected
+
+log = logging.getLogger(__name__)
+
+
+class LoadState(enum.Enum):
+    NONE = "none"  # nothing to load: admit the request with its pool hits
+    WAIT = "wait"  # a load (its own or another request's) is in flight: keep its place, try next step
+    LOADED = "loaded"  # blocks were just registered: look the request up again
+
+
+@dataclass
+class _Load:
+    """One request's load: the blocks after its ``first`` pool hits, found then read into claimed pool blocks."""
+
+    request: object
+    first: int
+    expected: list[Expected]
+    future: Future
+    sources: list[int] | None = None  # the tier of each leading block found (once the lookup is done)
+    hits: list = field(default_factory=list)  # the pool hits held while loading
+    blocks: list | None = None  # the claimed pool blocks (once loading)
+    abandoned: bool = False  # its request finished while loading: register what arrives, admit nobody
+
+
+class TierLoads:
+    def __init__(self, stores: Sequence[BlockStore], manager: KVCacheManager,
+                 spans: Callable[[int], list[memoryview]], stage_in: Callable[[int], None]):
+        self.stores, self.manager = list(stores), manager
+        self._spans, self._stage_in = spans, stage_in
+        self._local_lookup = all(getattr(store, "local_lookup", False) for store in self.stores)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvprefix-tier-loader")
+        self._jobs: dict[str, _Load] = {}
+        self._abandoned: list[_Load] = []
+        self._in_flight: set[bytes] = set()  # block hashes some job is finding or loading
+        self._progress = threading.Event()
+        self.hit_tokens = {store.name: 0 for store in self.stores}
+
+    # ---- the scheduler's side (engine thread)
+
+    def poll(self, request, hits: list) -> LoadState:
+        """Starts, advances or ends the load of ``request``'s blocks after its pool ``hits`` (looked up after
+        ``reap``)."""
+        job = self._jobs.get(request.request_id)
+        if job is None:
+            return self._start(request, hits)
+        if not job.future.done():
+            return LoadState.WAIT
+        if job.blocks is None:  # found: claim pool blocks and read into them
+            job.sources = self._result(job.future, [])
+            if len(hits) != job.first:  # the pool changed meanwhile: probe again from where it stands now
+                self._end(job)
+                return self._start(request, hits)
+            return self._load(job, hits)
+        loaded = self._finish(job)
+        return LoadState.LOADED if loaded else LoadState.NONE
+
+    def forget(self, request) -> None:
+        """``request`` finished or was aborted: a load in flight still completes (its blocks get registered)."""
+        job = self._jobs.pop(request.request_id, None)
+        if job is None:
+            return
+        if job.blocks is None:
+            self._in_flight.difference_update(e.block_hash for e in job.expected)
+        else:
+            job.abandoned = True
+            self._abandoned.append(job)
+
+    def has_pending(self) -> bool:
+        return bool(self._jobs or self._abandoned)
+
+    def wait(self, timeout: float) -> None:
+        """Blocks until a load makes progress or ``timeout`` passes (the engine, when nothing else can run)."""
+        self._progress.clear()
+        if any(job.future.done() for job in [*self._jobs.values(), *self._abandoned]):
+            return
+        self._progress.wait(timeout)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+    # ---- steps of one load
+
+    def _start(self, request, hits: list) -> LoadState:
+        bs = self.manager.block_size
+        first, last = len(hits), (request.num_tokens - 1) // bs  # its last token is always computed
+        if request.hasher is None or first >= last or request.tier_probe == (first, last):
+            return LoadState.NONE
+        hashes = request.block_hashes[first:last]
+        if self._in_flight.intersection(hashes[:1]):
+            return LoadState.WAIT  # another request is loading them: they will be pool hits
+        request.tier_probe = (first, last)
+        expected = [self._expected(request, first + i) for i in range(len(hashes))]
+        if self._local_lookup:
+            future: Future = Future()
+            future.set_result(self._find(hashes))
+        else:
+            future = self._submit(self._find, hashes)
+        job = _Load(request, first, expected, future)
+        self._jobs[request.request_id] = job
+        self._in_flight.update(hashes)
+        return self.poll(request, hits) if future.done() else LoadState.WAIT
+
+    def _load(self, job: _Load, hits: list) -> LoadState:
+        if not job.sources:
+            self._end(job)
+            return LoadState.NONE
+        job.hits = list(hits)
+        job.blocks = self.manager.claim_for_load(job.request, job.hits, len(job.sources))
+        if not job.blocks:  # no free pool block to load into
+            self.manager.finish_load(job.request, job.hits, job.blocks, 0)
+            self._end(job)
+            return LoadState.NONE
+        job.future = self._submit(self._read, job.expected, job.sources, [b.block_id for b in job.blocks])
+        return LoadState.WAIT
+
+    def _finish(self, job: _Load) -> int:
+        """Registers the blocks that verified, releases the rest; returns how many were loaded."""
+        loaded = self._result(job.future, 0)
+        request, bs = job.request, self.manager.block_size
+        try:
+            self.manager.finish_load(request, job.hits, job.blocks, loaded)
+        finally:
+            self._end(job)
+        found = job.sources[:loaded]
+        for k, store in enumerate(self.stores):
+            tokens = found.count(k) * bs
+            if not tokens:
+                continue
+            self.hit_tokens[store.name] += tokens
+            if request.num_cached_tokens < 0 and not job.abandoned:  # its first admission: cached tokens say so
+                request.tier_tokens[store.name] = request.tier_tokens.get(store.name, 0) + tokens
+        if loaded < len(job.sources):  # stopped at a block that did not verify: do not ask for it again
+            request.tier_probe = (job.first + loaded, request.tier_probe[1])
+        return loaded
+
+    def _end(self, job: _Load) -> None:
+        if self._jobs.get(job.request.request_id) is job:
+            del self._jobs[job.request.request_id]
+        self._in_flight.difference_update(e.block_hash for e in job.expected)
+
+    def reap(self) -> None:
+        """Registers what finished loads of finished requests brought (before this step's lookups)."""
+        for job in [job for job in self._abandoned if job.future.done()]:
+            self._abandoned.remove(job)
+            self._finish(job)
+
+    def _expected(self, request, i: int) -> Expected:
+        bs, hashes = self.manager.block_size, request.block_hashes
+        return Expected(hashes[i], hashes[i - 1] if i else request.hasher.root, request.hasher.namespace_id,
+                        tuple(request.token_ids[i * bs : (i + 1) * bs]))
+
+    # ---- the loader thread
+
+    def _submit(self, fn, *args) -> Future:
+        future = self._executor.submit(fn, *args)
+        future.add_done_callback(lambda _: self._progress.set())
+        return future
+
+    def _find(self, hashes: Sequence[bytes]) -> list[int]:
+        """The tier holding each leading block of ``hashes``: each tier is asked for what the ones before lack."""
+        sources: list[int] = []
+        for k, store in enumerate(self.stores):
+            num = store.lookup(hashes[len(sources):])
+            sources += [k] * num
+            if len(sources) == len(hashes):
+                break
+        return sources
+
+    def _read(self, expected: list[Expected], sources: list[int], block_ids: list[int]) -> int:
+        """Reads and verifies blocks in order into ``block_ids``; returns how many verified (a block that does not
+        is left out, and so is everything after it: a chain continues only from a verified parent)."""
+        for i, block_id in enumerate(block_ids):
+            if not self.stores[sources[i]].load_into(expected[i], self._spans(block_id)):
+                return i
+            self._stage_in(block_id)
+        return len(block_ids)
+
+    @staticmethod
+    def _result(future: Future, default):
+        try:
+            return future.result()
+        except Exception:  # a tier that fails is a miss, never an error of the request
+            log.exception("kv tier load failed")
+            return default
