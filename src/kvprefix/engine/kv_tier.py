@@ -62,7 +62,7 @@ class KVTier:
         hashes = request.block_hashes[first:last]
         if not hashes or request.hasher is None:
             return 0
-        num = self.store.lookup(hashes)
+        num = self.store.lookup(hashes, request.hasher.namespace_id)
         if not num:
             return 0
         blocks = self.manager.claim_for_load(request, hits, num)
@@ -113,7 +113,7 @@ class KVTier:
         for k, block_hash in enumerate(event.block_hashes):
             block = pool.cached_blocks.get(block_hash)
             prev, parent = parent, block_hash
-            if block is None or prev is None or self.store.contains(block_hash):
+            if block is None or prev is None or self.store.contains(block_hash, event.namespace):
                 continue
             if not self.writer.has_room():
                 self.writer.drop()

@@ -4,7 +4,8 @@ A tier is found by block hash alone: ``lookup`` says how many leading blocks of 
 payload read), ``load`` reads and verifies one block (None for a miss, counted by reason: nothing that does not
 verify is ever returned; ``load_into`` the same, straight into the caller's memory), ``store`` writes one (False when dropped: full, failing, over budget), ``evict`` frees
 bytes in LRU order. The engine talks to a ``BlockStore``; the disk is the first implementation, a shared store
-or a host-RAM tier under a CUDA pool are the next.
+or a host-RAM tier under a CUDA pool are the next. A tier whose store can fail (``tiers.redis_store``) counts
+those calls in ``stats.failures`` and answers them as misses or dropped writes: a tier never raises into the engine.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from kvprefix.tiers.objects import BlockObject, Expected
 
 @dataclass
 class TierStats:
-    """Counters (never reset) of one tier; ``verify_failures`` and ``dropped_writes`` by reason. Writers of
+    """Counters (never reset) of one tier; ``verify_failures``, ``dropped_writes`` and ``failures`` by reason. Writers of
     several threads take ``lock``."""
 
     lookups: int = 0  # lookup calls
@@ -32,6 +33,7 @@ class TierStats:
     evictions: int = 0  # objects deleted for room
     verify_failures: Counter = field(default_factory=Counter)
     dropped_writes: Counter = field(default_factory=Counter)
+    failures: Counter = field(default_factory=Counter)  # calls the store itself failed (down, timed out): misses
     usage_bytes: int = 0  # gauge: bytes this process counts in the tier
     num_objects: int = 0  # gauge
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -41,6 +43,7 @@ class TierStats:
                                              "bytes_written", "stores", "evictions", "usage_bytes", "num_objects")}
         out["verify_failures"] = sum(self.verify_failures.values())
         out["dropped_writes"] = sum(self.dropped_writes.values())
+        out["failures"] = sum(self.failures.values())
         return out
 
 
@@ -49,10 +52,11 @@ class BlockStore(Protocol):
     max_bytes: int  # its byte budget
     stats: TierStats
 
-    def lookup(self, block_hashes: Sequence[bytes]) -> int:
-        """How many leading blocks of ``block_hashes`` the tier holds (up to the first it does not)."""
+    def lookup(self, block_hashes: Sequence[bytes], namespace: str = "") -> int:
+        """How many leading blocks of ``block_hashes`` the tier holds (up to the first it does not). ``namespace``
+        is the namespace id they were computed under: a shared store keys by it, the disk by the hash alone."""
 
-    def contains(self, block_hash: bytes) -> bool: ...
+    def contains(self, block_hash: bytes, namespace: str = "") -> bool: ...
 
     def load(self, expected: Expected) -> BlockObject | None:
         """The verified block ``expected`` names, or None (absent or not verifying: counted, never served)."""
