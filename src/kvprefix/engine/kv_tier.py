@@ -19,7 +19,7 @@ from kvprefix.cache import KVCacheManager
 from kvprefix.cache.events import BlockStored
 from kvprefix.cache.identity import BlockIdentity
 from kvprefix.model import ModelConfig
-from kvprefix.tiers import BlockObject, BlockStore, DiskStore, Expected, KVSpec, parse_size
+from kvprefix.tiers import BlockObject, BlockStore, DiskStore, Expected, KVSpec, RedisStore, parse_size
 from kvprefix.tiers.write_behind import WriteBehind
 
 log = logging.getLogger(__name__)
@@ -146,16 +146,24 @@ class KVTier:
 
 def open_kv_tier(args, identity: BlockIdentity, config: ModelConfig, dtype: torch.dtype, manager: KVCacheManager,
                  kv_caches: list) -> KVTier | None:
-    """The tier ``args`` ask for (``kv_disk``), or None; ValueError with one line for a path or size that cannot
-    be used."""
-    if not args.kv_disk:
+    """The tier ``args`` ask for (``kv_disk`` or ``kv_shared``), or None; ValueError with one line for a path,
+    size or URL that cannot be used. One tier at a time until tiers chain (pool, disk, shared)."""
+    if not args.kv_disk and not args.kv_shared:
         return None
+    option = "kv_shared" if args.kv_shared else "kv_disk"
+    if args.kv_disk and args.kv_shared:
+        raise ValueError("kv_disk and kv_shared cannot be used together yet: choose one tier")
     if not args.enable_prefix_caching:
-        raise ValueError("kv_disk needs prefix caching (blocks are found by their hash)")
+        raise ValueError(f"{option} needs prefix caching (blocks are found by their hash)")
+    spec = kv_spec(identity, config, dtype)
+    if args.kv_shared:
+        store = RedisStore(args.kv_shared, spec, timeout=args.kv_shared_timeout, key_prefix=args.kv_shared_prefix)
+        log.info("kv shared tier %s: keys under %r", store.url.redacted, store.key_prefix)
+        return KVTier(store, spec, manager, kv_caches)
     size = parse_size(args.kv_disk_size) if isinstance(args.kv_disk_size, str) else int(args.kv_disk_size)
     if args.kv_disk_queue < 1:
         raise ValueError(f"kv_disk_queue must be >= 1, got {args.kv_disk_queue}")
-    store = DiskStore(args.kv_disk, size, kv_spec(identity, config, dtype),
+    store = DiskStore(args.kv_disk, size, spec,
                       progress=lambda n: log.info("kv disk %s: scanned %d objects", args.kv_disk, n))
     log.info("kv disk %s: %d objects, %d of %d bytes", store.root, store.stats.num_objects, store.usage_bytes, size)
     return KVTier(store, store.spec, manager, kv_caches, args.kv_disk_queue)

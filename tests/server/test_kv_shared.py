@@ -1,0 +1,126 @@
+"""`kvprefix serve --kv-shared`: two replicas on one real Redis — a prefix replica A computed is replica B's cached
+tokens on its first request (from the shared tier, the same greedy output as a cold server); Redis killed,
+restarted empty and stopped for good under a serving replica: no request fails, outputs stay right, the counters
+say what happened; options that cannot be used refuse to start in one line (with tenants, a Redis off loopback
+without a password: fail closed)."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+from support.redis_server import RedisServer, needs_redis
+from support.servers import start_server, stop_server
+
+pytestmark = [pytest.mark.slow, needs_redis]
+rng = random.Random(25)
+PREFIX = [rng.randrange(3, 700) for _ in range(1000)]  # 62 full blocks, then 8 tokens
+QUESTIONS = [[rng.randrange(3, 700) for _ in range(30)] for _ in range(4)]
+
+
+def complete(server, prompt: list[int], detail: list | None = None) -> tuple[list[str], int]:
+    r = server.client().completions.create(model="default-model-v1", prompt=prompt, max_tokens=16, temperature=0,
+                                           logprobs=0, extra_body={"cache_detail": True})
+    if detail is not None:
+        detail += r.usage.model_extra["cache_detail"]
+    return r.choices[0].logprobs.tokens, r.usage.prompt_tokens_details.cached_tokens
+
+
+def wait_stored(server, blocks: int) -> None:
+    """Until the replica's write-behind has written ``blocks`` blocks to the shared tier."""
+    deadline = time.monotonic() + 30
+    while server.metrics().get("kvprefix:kv_tier_stores_total{shared}", 0) < blocks:
+        assert time.monotonic() < deadline, "the shared tier's writes did not land"
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    server = RedisServer(tmp_path, "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru").start()
+    yield server
+    server.stop()
+
+
+def test_a_prefix_one_replica_computed_is_cached_on_another(tmp_path, default_model_dir, redis_server) -> None:
+    cold = start_server(tmp_path)
+    a = start_server(tmp_path, "--kv-shared", redis_server.url)
+    b = start_server(tmp_path, "--kv-shared", redis_server.url, request_log=True)
+    try:
+        expected = [complete(cold, PREFIX + q)[0] for q in QUESTIONS[:2]]
+        assert complete(a, PREFIX + QUESTIONS[0]) == (expected[0], 0)
+        wait_stored(a, 64)
+        detail: list = []
+        assert complete(b, PREFIX + QUESTIONS[1], detail) == (expected[1], 62 * 16)
+        assert detail[0]["cached_tokens_from"] == {"pool": 0, "shared": 62 * 16}
+        m = b.metrics()
+        assert m["kvprefix:kv_tier_hit_tokens_total{shared}"] == 62 * 16
+        assert m["kvprefix:kv_tier_hit_blocks_total{shared}"] == 62
+        assert not any(k.startswith(("kvprefix:kv_tier_verify_failures_total", "kvprefix:kv_tier_failures_total"))
+                       and v for k, v in m.items())
+        with redis_server.client() as c:  # every key is the replicas' prefix, namespace id and a block hash
+            assert all(k.startswith(b"kvprefix:") and len(k.split(b":")) == 3 for k in c.keys("*"))
+    finally:
+        for s in (cold, a, b):
+            stop_server(s)
+    logged = [json.loads(line) for line in b.request_log.read_text().splitlines()]
+    assert [r["shared_cached_tokens"] for r in logged] == [62 * 16]
+
+
+def test_redis_killed_restarted_empty_and_stopped_fails_no_request(tmp_path, default_model_dir,
+                                                                   redis_server) -> None:
+    cold = start_server(tmp_path)
+    try:
+        prompts = [PREFIX + q for q in QUESTIONS] + [[rng.randrange(3, 700) for _ in range(500)]]
+        expected = [complete(cold, p)[0] for p in prompts]
+    finally:
+        stop_server(cold)
+    server = start_server(tmp_path, "--kv-shared", redis_server.url, "--num-gpu-blocks", "80")
+    try:
+        assert complete(server, prompts[0])[0] == expected[0]
+        wait_stored(server, 64)
+        redis_server.kill()  # the pool (80 blocks) still holds the prefix: served from there, writes dropped
+        assert complete(server, prompts[1])[0] == expected[1]
+        assert complete(server, prompts[4])[0] == expected[4]  # evicts the prefix from the pool
+        m = server.metrics()
+        assert m["kvprefix:kv_tier_failures_total{unavailable,shared}"] >= 1
+        stored = m["kvprefix:kv_tier_stores_total{shared}"]
+        redis_server.start()  # empty, on the same port
+        time.sleep(1.5)  # past the backoff
+        tokens, cached = complete(server, prompts[2])  # nothing shared any more: computed, written again
+        assert tokens == expected[2] and cached < 62 * 16
+        wait_stored(server, stored + 1)
+        with redis_server.client() as c:
+            assert c.dbsize() >= 1
+        hits = server.metrics()["kvprefix:kv_tier_hit_tokens_total{shared}"]
+        redis_server.stop()  # for good
+        start = time.monotonic()
+        assert complete(server, prompts[3])[0] == expected[3]
+        assert time.monotonic() - start < 30
+        m = server.metrics()
+        assert m["kvprefix:kv_tier_hit_tokens_total{shared}"] == hits
+        assert m["kvprefix:kv_tier_dropped_writes_total{unavailable,shared}"] >= 1
+        assert not any(k.startswith("kvprefix:kv_tier_verify_failures_total") and v for k, v in m.items())
+    finally:
+        stop_server(server)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--kv-shared", "http://127.0.0.1:6379/0"], "redis://"),
+    (["--kv-shared", "redis://127.0.0.1:6379/x"], "database"),
+    (["--kv-shared", "redis://127.0.0.1:6379/0", "--kv-disk", "DIR"], "together"),
+    (["--kv-shared", "redis://10.1.2.3:6379/0", "--api-key", "k"], "no password"),
+    (["--kv-shared", "redis://127.0.0.1:6379/0", "--kv-shared-timeout", "0"], "--kv-shared-timeout"),
+])
+def test_options_that_cannot_be_used_refuse_to_start_in_one_line(tmp_path, args, words) -> None:
+    args = [str(tmp_path) if a == "DIR" else a for a in args]
+    r = subprocess.run([sys.executable, "-m", "kvprefix.cli", "serve", *args], capture_output=True, text=True,
+                       timeout=120)
+    if "--kv-shared-timeout" in args:  # argparse's usage, then its error
+        assert r.returncode == 2 and "--kv-shared-timeout" in r.stderr.splitlines()[-1]
+        return
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1 and words in r.stderr
+    assert "kvprefix serve: --kv-" in r.stderr
