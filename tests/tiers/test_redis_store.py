@@ -117,14 +117,17 @@ def corrupted(kind: str, block, other) -> bytes:
 
 @pytest.mark.parametrize("kind, reason", [("bit flip", "checksum"), ("truncated", "truncated"), ("foreign", "magic"),
                                           ("another block's object", "chain"), ("another model", "identity"),
-                                          ("another namespace", "namespace")])
+                                          ("another namespace", "namespace"), ("a list", "type")])
 @pytest.mark.parametrize("how", ["load", "load_into"])
 def test_values_another_client_wrote_are_counted_misses(fresh, kind, reason, how) -> None:
     block, other = chain(2)
     store = RedisStore(fresh.url, SPEC, **FAST)
     key = store.key(block.namespace, block.block_hash)
     with fresh.client() as c:
-        c.set(key, corrupted(kind, block, other))
+        if kind == "a list":
+            c.rpush(key, encode(block))
+        else:
+            c.set(key, corrupted(kind, block, other))
         spans = spans_for(block)
         before = [bytes(s) for s in spans]
         hit = store.load(expected(block)) if how == "load" else store.load_into(expected(block), spans)

@@ -199,11 +199,14 @@ class RedisStore:
         return self.lookup([block_hash], namespace) == 1
 
     def _get(self, expected: Expected) -> bytes | None:
-        """The value at the block's key (None: absent, or the store failed: counted)."""
+        """The value at the block's key (None: absent, not a string, or the store failed: counted)."""
         if not self.available():
             return None
         try:
             data = self.client.get(self.key(expected.namespace, expected.block_hash))
+        except redis_module().ResponseError as exc:  # WRONGTYPE: another client put a list, a hash... there
+            self._rejected(expected, ObjectError("type", str(exc)))
+            return None
         except self._errors as exc:
             self._failed(exc)
             return None
