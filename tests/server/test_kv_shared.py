@@ -14,20 +14,12 @@ import time
 
 import pytest
 from support.redis_server import RedisServer, needs_redis
-from support.servers import start_server, stop_server
+from support.servers import greedy_tokens, start_server, stop_server
 
-pytestmark = [pytest.mark.slow, needs_redis]
+pytestmark = needs_redis
 rng = random.Random(25)
 PREFIX = [rng.randrange(3, 700) for _ in range(1000)]  # 62 full blocks, then 8 tokens
 QUESTIONS = [[rng.randrange(3, 700) for _ in range(30)] for _ in range(4)]
-
-
-def complete(server, prompt: list[int], detail: list | None = None) -> tuple[list[str], int]:
-    r = server.client().completions.create(model="default-model-v1", prompt=prompt, max_tokens=16, temperature=0,
-                                           logprobs=0, extra_body={"cache_detail": True})
-    if detail is not None:
-        detail += r.usage.model_extra["cache_detail"]
-    return r.choices[0].logprobs.tokens, r.usage.prompt_tokens_details.cached_tokens
 
 
 def wait_stored(server, blocks: int) -> None:
@@ -45,16 +37,17 @@ def redis_server(tmp_path):
     server.stop()
 
 
+@pytest.mark.slow
 def test_a_prefix_one_replica_computed_is_cached_on_another(tmp_path, default_model_dir, redis_server) -> None:
     cold = start_server(tmp_path)
     a = start_server(tmp_path, "--kv-shared", redis_server.url)
     b = start_server(tmp_path, "--kv-shared", redis_server.url, request_log=True)
     try:
-        expected = [complete(cold, PREFIX + q)[0] for q in QUESTIONS[:2]]
-        assert complete(a, PREFIX + QUESTIONS[0]) == (expected[0], 0)
+        expected = [greedy_tokens(cold, PREFIX + q)[0] for q in QUESTIONS[:2]]
+        assert greedy_tokens(a, PREFIX + QUESTIONS[0]) == (expected[0], 0)
         wait_stored(a, 64)
         detail: list = []
-        assert complete(b, PREFIX + QUESTIONS[1], detail) == (expected[1], 62 * 16)
+        assert greedy_tokens(b, PREFIX + QUESTIONS[1], detail) == (expected[1], 62 * 16)
         assert detail[0]["cached_tokens_from"] == {"pool": 0, "shared": 62 * 16}
         m = b.metrics()
         assert m["kvprefix:kv_tier_hit_tokens_total{shared}"] == 62 * 16
@@ -70,27 +63,28 @@ def test_a_prefix_one_replica_computed_is_cached_on_another(tmp_path, default_mo
     assert [r["shared_cached_tokens"] for r in logged] == [62 * 16]
 
 
+@pytest.mark.slow
 def test_redis_killed_restarted_empty_and_stopped_fails_no_request(tmp_path, default_model_dir,
                                                                    redis_server) -> None:
     cold = start_server(tmp_path)
     try:
         prompts = [PREFIX + q for q in QUESTIONS] + [[rng.randrange(3, 700) for _ in range(500)]]
-        expected = [complete(cold, p)[0] for p in prompts]
+        expected = [greedy_tokens(cold, p)[0] for p in prompts]
     finally:
         stop_server(cold)
     server = start_server(tmp_path, "--kv-shared", redis_server.url, "--num-gpu-blocks", "80")
     try:
-        assert complete(server, prompts[0])[0] == expected[0]
+        assert greedy_tokens(server, prompts[0])[0] == expected[0]
         wait_stored(server, 64)
         redis_server.kill()  # the pool (80 blocks) still holds the prefix: served from there, writes dropped
-        assert complete(server, prompts[1])[0] == expected[1]
-        assert complete(server, prompts[4])[0] == expected[4]  # evicts the prefix from the pool
+        assert greedy_tokens(server, prompts[1])[0] == expected[1]
+        assert greedy_tokens(server, prompts[4])[0] == expected[4]  # evicts the prefix from the pool
         m = server.metrics()
         assert m["kvprefix:kv_tier_failures_total{unavailable,shared}"] >= 1
         stored = m["kvprefix:kv_tier_stores_total{shared}"]
         redis_server.start()  # empty, on the same port
         time.sleep(1.5)  # past the backoff
-        tokens, cached = complete(server, prompts[2])  # nothing shared any more: computed, written again
+        tokens, cached = greedy_tokens(server, prompts[2])  # nothing shared any more: computed, written again
         assert tokens == expected[2] and cached < 62 * 16
         wait_stored(server, stored + 1)
         with redis_server.client() as c:
@@ -98,7 +92,7 @@ def test_redis_killed_restarted_empty_and_stopped_fails_no_request(tmp_path, def
         hits = server.metrics()["kvprefix:kv_tier_hit_tokens_total{shared}"]
         redis_server.stop()  # for good
         start = time.monotonic()
-        assert complete(server, prompts[3])[0] == expected[3]
+        assert greedy_tokens(server, prompts[3])[0] == expected[3]
         assert time.monotonic() - start < 30
         m = server.metrics()
         assert m["kvprefix:kv_tier_hit_tokens_total{shared}"] == hits
@@ -124,3 +118,13 @@ def test_options_that_cannot_be_used_refuse_to_start_in_one_line(tmp_path, args,
         return
     assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1 and words in r.stderr
     assert "kvprefix serve: --kv-" in r.stderr
+
+
+@pytest.mark.parametrize("url", ["redis://127.0.0.1:6379/0", "redis://localhost:6379/0", "redis://:pw@10.1.2.3:6379/1"])
+def test_tenants_may_use_a_loopback_or_password_protected_redis(url) -> None:
+    from kvprefix.cli import build_parser
+    from kvprefix.server.cli import prepare
+
+    engine_args, config = prepare(build_parser().parse_args(["serve", "--api-key", "k", "--kv-shared", url,
+                                                             "--kv-shared-timeout", "0.5"]))
+    assert (engine_args.kv_shared, engine_args.kv_shared_timeout, config.auth.enabled) == (url, 0.5, True)
