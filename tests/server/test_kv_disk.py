@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from support.servers import start_server, stop_server
+from support.servers import greedy_tokens, start_server, stop_server
 
 from kvprefix.cache import BlockIdentity
 from kvprefix.tiers import disk_layout as layout
@@ -20,14 +20,6 @@ pytestmark = pytest.mark.slow
 rng = random.Random(11)
 PREFIX = [rng.randrange(3, 700) for _ in range(1000)]  # 62 full blocks, then 8 tokens
 QUESTIONS = [[rng.randrange(3, 700) for _ in range(30)] for _ in range(3)]
-
-
-def complete(server, prompt: list[int], detail: list | None = None) -> tuple[list[str], int]:
-    r = server.client().completions.create(model="default-model-v1", prompt=prompt, max_tokens=16, temperature=0,
-                                           logprobs=0, extra_body={"cache_detail": True})
-    if detail is not None:
-        detail += r.usage.model_extra["cache_detail"]
-    return r.choices[0].logprobs.tokens, r.usage.prompt_tokens_details.cached_tokens
 
 
 def flip_byte(path: str) -> None:
@@ -42,23 +34,23 @@ def test_a_new_server_serves_the_prefix_from_disk(tmp_path, default_model_dir) -
     tier = tmp_path / "tier"
     cold = start_server(tmp_path)
     try:
-        expected = [complete(cold, PREFIX + q)[0] for q in QUESTIONS[1:]]
+        expected = [greedy_tokens(cold, PREFIX + q)[0] for q in QUESTIONS[1:]]
         identity = BlockIdentity.from_dict(cold.get("/v1/models").json()["data"][0]["kvprefix"]["block_identity"])
     finally:
         stop_server(cold)
     first = start_server(tmp_path, "--kv-disk", str(tier), "--kv-disk-size", "1GiB")
     try:
-        complete(first, PREFIX + QUESTIONS[0])
+        greedy_tokens(first, PREFIX + QUESTIONS[0])
     finally:
         stop_server(first)  # a graceful stop finishes the queued writes
     second = start_server(tmp_path, "--kv-disk", str(tier), request_log=True)
     try:
         detail: list = []
-        tokens, cached = complete(second, PREFIX + QUESTIONS[1], detail)
+        tokens, cached = greedy_tokens(second, PREFIX + QUESTIONS[1], detail)
         assert (tokens, cached) == (expected[0], 62 * 16)
         assert detail[0]["cached_tokens_from"] == {"pool": 0, "disk": 62 * 16}
         # The first server's prompt: the shared prefix now from the pool, its own two blocks still on disk.
-        (hit,) = complete(second, PREFIX + QUESTIONS[0], detail)[1:]
+        (hit,) = greedy_tokens(second, PREFIX + QUESTIONS[0], detail)[1:]
         assert hit == 64 * 16 and detail[1]["cached_tokens_from"] == {"pool": 62 * 16, "disk": 2 * 16}
         m = second.metrics()
         assert m["kvprefix:kv_tier_hit_tokens_total{disk}"] == 64 * 16
@@ -71,7 +63,7 @@ def test_a_new_server_serves_the_prefix_from_disk(tmp_path, default_model_dir) -
     flip_byte(layout.object_path(str(tier), hashes[40]))
     third = start_server(tmp_path, "--kv-disk", str(tier))
     try:
-        tokens, cached = complete(third, PREFIX + QUESTIONS[2])
+        tokens, cached = greedy_tokens(third, PREFIX + QUESTIONS[2])
         assert (tokens, cached) == (expected[1], 40 * 16)
         assert third.metrics()["kvprefix:kv_tier_verify_failures_total{checksum,disk}"] == 1
     finally:
@@ -101,7 +93,7 @@ def test_kill_9_during_heavy_writes_leaves_a_tier_that_verifies_within_budget(tm
     prompts = [[rng.randrange(3, 700) for _ in range(1500)] for _ in range(6)]
     try:
         for p in prompts[:2]:
-            complete(server, p)
+            greedy_tokens(server, p)
         with server.client() as client:
             for p in prompts[2:]:  # still computing and writing when the kill comes
                 try:
@@ -118,7 +110,7 @@ def test_kill_9_during_heavy_writes_leaves_a_tier_that_verifies_within_budget(tm
     assert report["bytes"] <= budget + 70_000  # within one object of the budget
     again = start_server(tmp_path, "--kv-disk", str(tier))
     try:
-        _, cached = complete(again, prompts[1] + [5, 6, 7])
+        _, cached = greedy_tokens(again, prompts[1] + [5, 6, 7])
         m = again.metrics()
         assert cached % 16 == 0 and cached == m["kvprefix:kv_tier_hit_tokens_total{disk}"]
         assert not any(k.startswith("kvprefix:kv_tier_verify_failures_total") and v for k, v in m.items())
@@ -137,7 +129,7 @@ def test_two_servers_on_one_directory_under_load(tmp_path, default_model_dir) ->
     prompts = [p + [rng.randrange(3, 700) for _ in range(8)] for p in prefixes for _ in range(4)]
     try:
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            outs = [list(pool.map(lambda p, s=s: complete(s, p)[0], prompts)) for s in servers]
+            outs = [list(pool.map(lambda p, s=s: greedy_tokens(s, p)[0], prompts)) for s in servers]
         assert outs[0] == outs[1]  # the same greedy tokens whichever server, whatever it loaded from the other
         for s in servers:
             m = s.metrics()

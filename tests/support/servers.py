@@ -159,3 +159,13 @@ def stop_server(server: Server) -> int:
 
 
 ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
+
+
+def greedy_tokens(server: Server, prompt: list[int], detail: list | None = None) -> tuple[list[str], int]:
+    """16 greedy tokens of a token-id prompt and its cached tokens (the tier tests compare these across servers);
+    its ``cache_detail`` entries are appended to ``detail``."""
+    r = server.client().completions.create(model="default-model-v1", prompt=prompt, max_tokens=16, temperature=0,
+                                           logprobs=0, extra_body={"cache_detail": True})
+    if detail is not None:
+        detail += r.usage.model_extra["cache_detail"]
+    return r.choices[0].logprobs.tokens, r.usage.prompt_tokens_details.cached_tokens

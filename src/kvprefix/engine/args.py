@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvprefix.cache.identity import QUANTIZATION_METHODS  # noqa: F401  (the CLI's --quantization choices)
+from kvprefix.tiers.redis_store import DEFAULT_KEY_PREFIX, DEFAULT_TIMEOUT
 
 DEFAULT_KV_DISK_SIZE = "10GiB"
 
@@ -19,7 +20,8 @@ class EngineArgs:
     ``scheduling_policy``: "fcfs" or "cache_aware" (most cached first, bounded by ``max_wait_steps``;
     docs/engine.md). ``quantization`` (CPU only): "int8", "int4" or "gguf" compact weights (docs/model.md).
     ``kv_disk``: a directory for the persistent KV tier, at most ``kv_disk_size`` (bytes, or "20GiB"), writes
-    queued up to ``kv_disk_queue`` blocks (docs/tiers.md)."""
+    queued up to ``kv_disk_queue`` blocks (docs/tiers.md). ``kv_shared``: a ``redis://`` URL for the shared tier
+    (keys under ``kv_shared_prefix``, each call bounded by ``kv_shared_timeout`` seconds)."""
 
     model: str | None = None
     dtype: str = "auto"
@@ -42,3 +44,6 @@ class EngineArgs:
     kv_disk: str | None = None
     kv_disk_size: int | str = DEFAULT_KV_DISK_SIZE
     kv_disk_queue: int = 256
+    kv_shared: str | None = None
+    kv_shared_timeout: float = DEFAULT_TIMEOUT
+    kv_shared_prefix: str = DEFAULT_KEY_PREFIX

@@ -5,8 +5,8 @@ chain is asked for the following run (each tier for what the ones before it lack
 verified on a loader thread straight into fresh pool blocks while the engine keeps stepping the other requests
 (``TierLoads``); once done they are registered like computed blocks, so the request's next lookup hits them and its
 prefill starts at the first block found nowhere. Writes: every block the pool registers (``BlockStored``) is copied
-out once and queued to each tier that lacks it, on that tier's write-behind thread; a full queue drops the write
-(counted): a step never waits for a tier.
+out once and queued to each tier but the one it was just loaded from, on that tier's write-behind thread, which
+skips what its tier holds already; a full queue drops the write (counted): a step never waits for a tier.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from kvprefix.cache.events import BlockStored
 from kvprefix.cache.identity import BlockIdentity
 from kvprefix.engine.tier_loads import TierLoads
 from kvprefix.model import ModelConfig
-from kvprefix.tiers import BlockObject, BlockStore, DiskStore, KVSpec, parse_size
+from kvprefix.tiers import BlockObject, BlockStore, DiskStore, KVSpec, RedisStore, parse_size
 from kvprefix.tiers.write_behind import WriteBehind
 
 log = logging.getLogger(__name__)
@@ -84,9 +84,10 @@ class KVTier:
             prev, parent = parent, block_hash
             if block is None or prev is None:
                 continue
-            obj = None  # copied out once, for the first tier that lacks it and has room
-            for store, writer in zip(self.stores, self.writers, strict=True):
-                if store.contains(block_hash):  # e.g. just loaded from it
+            obj = None  # copied out once, for the first tier that has room
+            source = self.loads.registering.get(block_hash)  # the tier it was just loaded from, if any
+            for tier, writer in enumerate(self.writers):
+                if tier == source:
                     continue
                 if not writer.has_room():
                     writer.drop()
@@ -125,17 +126,25 @@ class KVTier:
 
 def open_kv_tier(args, identity: BlockIdentity, config: ModelConfig, dtype: torch.dtype, manager: KVCacheManager,
                  kv_caches: list) -> KVTier | None:
-    """The tiers ``args`` ask for (``kv_disk``), or None; ValueError with one line for a path or size that cannot
-    be used."""
-    if not args.kv_disk:
+    """The chain of tiers ``args`` ask for: the disk (``kv_disk``), then the shared store (``kv_shared``); None
+    for neither. ValueError with one line for a path, size or URL that cannot be used."""
+    if not args.kv_disk and not args.kv_shared:
         return None
     if not args.enable_prefix_caching:
-        raise ValueError("kv_disk needs prefix caching (blocks are found by their hash)")
-    size = parse_size(args.kv_disk_size) if isinstance(args.kv_disk_size, str) else int(args.kv_disk_size)
+        option = "kv_disk" if args.kv_disk else "kv_shared"
+        raise ValueError(f"{option} needs prefix caching (blocks are found by their hash)")
     if args.kv_disk_queue < 1:
         raise ValueError(f"kv_disk_queue must be >= 1, got {args.kv_disk_queue}")
     spec = kv_spec(identity, config, dtype)
-    store = DiskStore(args.kv_disk, size, spec,
-                      progress=lambda n: log.info("kv disk %s: scanned %d objects", args.kv_disk, n))
-    log.info("kv disk %s: %d objects, %d of %d bytes", store.root, store.stats.num_objects, store.usage_bytes, size)
-    return KVTier([store], spec, manager, kv_caches, args.kv_disk_queue)
+    stores: list[BlockStore] = []
+    if args.kv_disk:
+        size = parse_size(args.kv_disk_size) if isinstance(args.kv_disk_size, str) else int(args.kv_disk_size)
+        disk = DiskStore(args.kv_disk, size, spec,
+                         progress=lambda n: log.info("kv disk %s: scanned %d objects", args.kv_disk, n))
+        log.info("kv disk %s: %d objects, %d of %d bytes", disk.root, disk.stats.num_objects, disk.usage_bytes, size)
+        stores.append(disk)
+    if args.kv_shared:
+        shared = RedisStore(args.kv_shared, spec, timeout=args.kv_shared_timeout, key_prefix=args.kv_shared_prefix)
+        log.info("kv shared tier %s: keys under %r", shared.url.redacted, shared.key_prefix)
+        stores.append(shared)
+    return KVTier(stores, spec, manager, kv_caches, args.kv_disk_queue)

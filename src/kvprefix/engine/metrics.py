@@ -46,7 +46,7 @@ def engine_metrics(manager, scheduler, counters: dict[str, int], iteration_token
 
 def _tier_stats(kv_tier) -> dict[str, int]:
     """``kv_<tier>_*`` for each tier: its counters (hit_tokens: prompt tokens loaded from it), its usage gauges,
-    and verification failures and dropped writes by reason (``..._verify_failures_<reason>``)."""
+    and verification failures, dropped writes and failed calls by reason (``..._verify_failures_<reason>``)."""
     out: dict[str, int] = {}
     for store in kv_tier.stores:
         stats, name = store.stats, f"kv_{store.name}"
@@ -54,6 +54,7 @@ def _tier_stats(kv_tier) -> dict[str, int]:
             out |= {f"{name}_{k}": v for k, v in stats.as_dict().items()}
             out |= {f"{name}_verify_failures_{r}": n for r, n in stats.verify_failures.items()}
             out |= {f"{name}_dropped_writes_{r}": n for r, n in stats.dropped_writes.items()}
+            out |= {f"{name}_failures_{r}": n for r, n in stats.failures.items()}
         out[f"{name}_hit_tokens"] = kv_tier.hit_tokens[store.name]
         out[f"{name}_max_bytes"] = store.max_bytes
     return out

@@ -56,6 +56,7 @@ class TierLoads:
         self._in_flight: set[bytes] = set()  # block hashes some job is finding or loading
         self._progress = threading.Event()
         self.hit_tokens = {store.name: 0 for store in self.stores}
+        self.registering: dict[bytes, int] = {}  # while ``finish_load`` registers: each block's source tier
 
     # ---- the scheduler's side (engine thread)
 
@@ -114,9 +115,9 @@ class TierLoads:
         expected = [self._expected(request, first + i) for i in range(len(hashes))]
         if self._local_lookup:
             future: Future = Future()
-            future.set_result(self._find(hashes))
+            future.set_result(self._find(hashes, request.hasher.namespace_id))
         else:
-            future = self._submit(self._find, hashes)
+            future = self._submit(self._find, hashes, request.hasher.namespace_id)
         job = _Load(request, first, expected, future)
         self._jobs[request.request_id] = job
         self._in_flight.update(hashes)
@@ -139,9 +140,11 @@ class TierLoads:
         """Registers the blocks that verified, releases the rest; returns how many were loaded."""
         loaded = self._result(job.future, 0)
         request, bs = job.request, self.manager.block_size
+        self.registering = {e.block_hash: k for e, k in zip(job.expected, job.sources[:loaded], strict=False)}
         try:
             self.manager.finish_load(request, job.hits, job.blocks, loaded)
         finally:
+            self.registering = {}
             self._end(job)
         found = job.sources[:loaded]
         for k, store in enumerate(self.stores):
@@ -178,11 +181,11 @@ class TierLoads:
         future.add_done_callback(lambda _: self._progress.set())
         return future
 
-    def _find(self, hashes: Sequence[bytes]) -> list[int]:
+    def _find(self, hashes: Sequence[bytes], namespace: str) -> list[int]:
         """The tier holding each leading block of ``hashes``: each tier is asked for what the ones before lack."""
         sources: list[int] = []
         for k, store in enumerate(self.stores):
-            num = store.lookup(hashes[len(sources):])
+            num = store.lookup(hashes[len(sources):], namespace)
             sources += [k] * num
             if len(sources) == len(hashes):
                 break

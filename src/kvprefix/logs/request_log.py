@@ -50,6 +50,7 @@ class RequestRecord:
     miss_reason: str | None = None  # why the tokens after cached_tokens missed (a cache_detail reason code)
     message_spans: list[list[int] | None] | None = None  # chat, with the prompt: [start, end) of each message
     disk_cached_tokens: int = 0  # of cached_tokens, those loaded from the disk tier (--kv-disk)
+    shared_cached_tokens: int = 0  # of cached_tokens, those loaded from the shared tier (--kv-shared)
     v: int = FORMAT_VERSION
 
     def to_json(self) -> str:
@@ -94,7 +95,7 @@ _TYPES: dict[str, tuple[type, ...]] = _REQUIRED | {
     "cached_tokens": (int,), "n": (int,), "finish_time": _NUMBER_OR_NULL, "namespace": (str,), "replica": (str,),
     "tenant": (str,), "miss_reason": _STR_OR_NULL, "prompt": _STR_OR_NULL, "prompt_cache_key": _STR_OR_NULL,
     "user": _STR_OR_NULL, "timings": (dict,), "status": (str,), "message_spans": (list, type(None)),
-    "disk_cached_tokens": (int,),
+    "disk_cached_tokens": (int,), "shared_cached_tokens": (int,),
 }
 
 

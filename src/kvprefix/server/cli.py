@@ -6,6 +6,7 @@ import argparse
 
 from kvprefix.cache import COLLISION_SAFE_ALGOS, HASH_ALGOS
 from kvprefix.engine.args import DEFAULT_KV_DISK_SIZE, QUANTIZATION_METHODS
+from kvprefix.tiers.redis_store import DEFAULT_KEY_PREFIX, DEFAULT_TIMEOUT
 from kvprefix.tiers.sizes import parse_size
 
 # The KV cache fraction shared out as tenants' reserved room when there are tenants (docs/security.md): half stays
@@ -50,6 +51,16 @@ def _add_tier_arguments(parser: argparse.ArgumentParser) -> None:
                            f"(e.g. 20GiB, 500MB; default {DEFAULT_KV_DISK_SIZE})")
     tier.add_argument("--kv-disk-queue", type=_positive_int, default=256, metavar="BLOCKS",
                       help="with --kv-disk: blocks waiting to be written; past it writes are dropped (counted)")
+    shared = parser.add_argument_group("shared KV tier on Redis (docs/tiers.md)")
+    shared.add_argument("--kv-shared", default=None, metavar="URL",
+                        help="redis://[:password@]HOST:PORT/DB (rediss:// for TLS): blocks every replica on that "
+                             "Redis reads and writes, so a prefix is computed once per fleet; Redis down or slow is "
+                             "a miss, never an error. Set maxmemory and maxmemory-policy allkeys-lru on it")
+    shared.add_argument("--kv-shared-timeout", type=_positive, default=DEFAULT_TIMEOUT, metavar="SECONDS",
+                        help=f"with --kv-shared: the longest one call to Redis may take before it is a miss "
+                             f"(default {DEFAULT_TIMEOUT})")
+    shared.add_argument("--kv-shared-prefix", default=DEFAULT_KEY_PREFIX, metavar="PREFIX",
+                        help=f"with --kv-shared: the prefix of every key written (default {DEFAULT_KEY_PREFIX!r})")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -169,6 +180,8 @@ def prepare(args: argparse.Namespace):
             args.kv_disk = prepare_disk(args.kv_disk)
         except ValueError as exc:
             raise SystemExit(f"kvprefix serve: {exc}") from None
+    if args.kv_shared:
+        _check_shared(args, auth.enabled)
     from kvprefix.engine import EngineArgs
     from kvprefix.server.app import ServerConfig
     # Every engine option we expose has EngineArgs' field name; a field without an option keeps its default.
@@ -187,6 +200,22 @@ def prepare(args: argparse.Namespace):
         metrics_names=args.metrics_names,
     )
     return engine_args, config
+
+
+def _check_shared(args: argparse.Namespace, tenants: bool) -> None:
+    """A ``--kv-shared`` that cannot be used fails now, in one line. With tenants, a Redis without a password off
+    this machine would let anyone who reaches it read and write every tenant's blocks: refused (fail closed)."""
+    from kvprefix.tiers.redis_store import parse_url, redis_module
+
+    try:
+        url = parse_url(args.kv_shared)
+        redis_module()
+    except ValueError as exc:
+        raise SystemExit(f"kvprefix serve: {exc}") from None
+    if tenants and not url.has_password and not url.loopback:
+        raise SystemExit(f"kvprefix serve: --kv-shared {url.redacted} has no password and is not on loopback: with "
+                         f"API keys (tenants) anyone reaching it could read and write every tenant's blocks; put a "
+                         f"password in the URL (docs/security.md)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -85,6 +85,7 @@ class Books:
             block_hashes=[h.hex() for h in hashes],
             cached_tokens=cached,
             disk_cached_tokens=out.cached_tokens_by_tier.get("disk", 0) if out is not None else 0,
+            shared_cached_tokens=out.cached_tokens_by_tier.get("shared", 0) if out is not None else 0,
             miss_reason=job.detail.reason if job.detail is not None else None,
             output_tokens=sum(job.tokens),
             n=job.n,

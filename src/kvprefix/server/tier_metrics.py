@@ -1,5 +1,5 @@
 """Prometheus families of the KV tiers below the pool (``kv_tier_*{tier}``), from the engine's flat metrics
-(``kv_<tier>_<counter>``, ``kv_<tier>_verify_failures_<reason>``, ``kv_<tier>_dropped_writes_<reason>``)."""
+(``kv_<tier>_<counter>``, ``kv_<tier>_{verify_failures,dropped_writes,failures}_<reason>``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Iterator, Mapping
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-TIERS = ("disk",)
+TIERS = ("disk", "shared")
 COUNTERS = {
     "lookups": "Lookups of a run of blocks in the tier",
     "hit_tokens": "Prompt tokens loaded from the tier into the pool (counted as cached tokens too)",
@@ -19,7 +19,8 @@ COUNTERS = {
 }
 BY_REASON = {
     "verify_failures": "Objects that did not verify (a miss, recomputed; never served), by reason",
-    "dropped_writes": "Writes dropped (full queue, full disk, over budget), by reason",
+    "dropped_writes": "Writes dropped (full queue, full disk, over budget, store down or refusing), by reason",
+    "failures": "Calls the tier's store failed (unavailable, timeout): answered as misses or dropped writes",
 }
 GAUGES = {
     "usage_bytes": "Bytes of objects in the tier (this process's view)",

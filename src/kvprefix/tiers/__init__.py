@@ -1,9 +1,10 @@
 """Block stores below the pool (no torch): one interface (``BlockStore``), the verified object format, the disk
-tier, and the write-behind queue. The engine's torch side (copying KV in and out) lives in ``engine.kv_tier``."""
+tier, the shared tier on Redis (its client imported when one is opened), and the write-behind queue. The engine's torch side (copying KV in and out) lives in ``engine.kv_tier``."""
 
 from kvprefix.tiers.disk import DiskStore
 from kvprefix.tiers.objects import BlockObject, Expected, KVSpec, ObjectError
+from kvprefix.tiers.redis_store import RedisStore
 from kvprefix.tiers.sizes import parse_size
 from kvprefix.tiers.store import BlockStore, TierStats
 
-__all__ = ["BlockObject", "BlockStore", "DiskStore", "Expected", "KVSpec", "ObjectError", "TierStats", "parse_size"]
+__all__ = ["BlockObject", "BlockStore", "DiskStore", "Expected", "KVSpec", "ObjectError", "RedisStore", "TierStats", "parse_size"]

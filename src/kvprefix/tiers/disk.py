@@ -101,10 +101,10 @@ class DiskStore:
 
     # ---- the BlockStore interface
 
-    def contains(self, block_hash: bytes) -> bool:
+    def contains(self, block_hash: bytes, namespace: str = "") -> bool:
         return os.path.exists(layout.object_path(self.root, block_hash))
 
-    def lookup(self, block_hashes: Sequence[bytes]) -> int:
+    def lookup(self, block_hashes: Sequence[bytes], namespace: str = "") -> int:
         self.stats.lookups += 1
         self.stats.lookup_blocks += len(block_hashes)
         for i, h in enumerate(block_hashes):

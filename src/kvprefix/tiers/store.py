@@ -5,8 +5,9 @@ payload read), ``load`` reads and verifies one block (None for a miss, counted b
 verify is ever returned; ``load_into`` the same, straight into the caller's memory), ``store`` writes one (False
 when dropped: full, failing, over budget), ``evict`` frees bytes in LRU order. Loads run on the engine's loader
 thread and stores on each tier's writer thread, so every method is thread-safe. The engine talks to a chain of
-``BlockStore``s (``engine.kv_tier``); the disk is the first implementation, a shared store or a host-RAM tier
-under a CUDA pool are the next.
+``BlockStore``s (``engine.kv_tier``): the disk, then a shared store (``tiers.redis_store``); a host-RAM tier under
+a CUDA pool would be another. A tier whose store can fail counts those calls in ``stats.failures`` and answers
+them as misses or dropped writes: a tier never raises into the engine.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from kvprefix.tiers.objects import BlockObject, Expected
 
 @dataclass
 class TierStats:
-    """Counters (never reset) of one tier; ``verify_failures`` and ``dropped_writes`` by reason. Writers of
+    """Counters (never reset) of one tier; ``verify_failures``, ``dropped_writes`` and ``failures`` by reason. Writers of
     several threads take ``lock``."""
 
     lookups: int = 0  # lookup calls
@@ -34,6 +35,7 @@ class TierStats:
     evictions: int = 0  # objects deleted for room
     verify_failures: Counter = field(default_factory=Counter)
     dropped_writes: Counter = field(default_factory=Counter)
+    failures: Counter = field(default_factory=Counter)  # calls the store itself failed (down, timed out): misses
     usage_bytes: int = 0  # gauge: bytes this process counts in the tier
     num_objects: int = 0  # gauge
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -43,6 +45,7 @@ class TierStats:
                                              "bytes_written", "stores", "evictions", "usage_bytes", "num_objects")}
         out["verify_failures"] = sum(self.verify_failures.values())
         out["dropped_writes"] = sum(self.dropped_writes.values())
+        out["failures"] = sum(self.failures.values())
         return out
 
 
@@ -50,14 +53,15 @@ class BlockStore(Protocol):
     name: str  # the tier's name in counters and cache_detail: "disk"
     max_bytes: int  # its byte budget
     # True when ``lookup`` answers without a round trip (the engine then asks on its step, else on its loader
-    # thread); ``contains`` must always be cheap: it may answer from what this process knows (False when unsure).
+    # thread). ``contains`` is asked on the writer thread, before a write.
     local_lookup: bool
     stats: TierStats
 
-    def lookup(self, block_hashes: Sequence[bytes]) -> int:
-        """How many leading blocks of ``block_hashes`` the tier holds (up to the first it does not)."""
+    def lookup(self, block_hashes: Sequence[bytes], namespace: str = "") -> int:
+        """How many leading blocks of ``block_hashes`` the tier holds (up to the first it does not). ``namespace``
+        is the namespace id they were computed under: a shared store keys by it, the disk by the hash alone."""
 
-    def contains(self, block_hash: bytes) -> bool: ...
+    def contains(self, block_hash: bytes, namespace: str = "") -> bool: ...
 
     def load(self, expected: Expected) -> BlockObject | None:
         """The verified block ``expected`` names, or None (absent or not verifying: counted, never served)."""

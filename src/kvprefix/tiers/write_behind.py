@@ -49,7 +49,7 @@ class WriteBehind:
             try:
                 if obj is _STOP:
                     return
-                if not self.store.contains(obj.block_hash):
+                if not self.store.contains(obj.block_hash, obj.namespace):
                     self.store.store(obj)
             except Exception:  # a failing write must not end the writer: the next block may succeed
                 log.exception("kv tier write failed")
