@@ -174,13 +174,10 @@ class RedisStore:
 
     # ---- the BlockStore interface
 
-    def lookup(self, block_hashes: Sequence[bytes], namespace: str = "") -> int:
-        """How many leading blocks of the run the store holds: one pipelined round trip of EXISTS."""
-        with self.stats.lock:
-            self.stats.lookups += 1
-            self.stats.lookup_blocks += len(block_hashes)
+    def _present(self, block_hashes: Sequence[bytes], namespace: str) -> list:
+        """Whether each block's key exists: one pipelined round trip of EXISTS (all False when the store fails)."""
         if not block_hashes or not self.available():
-            return 0
+            return [False] * len(block_hashes)
         try:
             pipe = self.client.pipeline(transaction=False)
             for h in block_hashes:
@@ -188,15 +185,20 @@ class RedisStore:
             found = pipe.execute()
         except self._errors as exc:
             self._failed(exc)
-            return 0
+            return [False] * len(block_hashes)
         self._succeeded()
-        for i, present in enumerate(found):
-            if not present:
-                return i
-        return len(block_hashes)
+        return found
+
+    def lookup(self, block_hashes: Sequence[bytes], namespace: str = "") -> int:
+        """How many leading blocks of the run the store holds, in one round trip."""
+        with self.stats.lock:
+            self.stats.lookups += 1
+            self.stats.lookup_blocks += len(block_hashes)
+        found = self._present(block_hashes, namespace)
+        return next((i for i, present in enumerate(found) if not present), len(found))
 
     def contains(self, block_hash: bytes, namespace: str = "") -> bool:
-        return self.lookup([block_hash], namespace) == 1
+        return bool(self._present([block_hash], namespace)[0])
 
     def _get(self, expected: Expected) -> bytes | None:
         """The value at the block's key (None: absent, not a string, or the store failed: counted)."""
