@@ -91,7 +91,7 @@ class RedisStore:
             raise ValueError(f"--kv-shared-timeout must be positive, got {timeout}")
         redis = redis_module()
         self.url = parse_url(url)
-        self.spec, self.key_prefix, self.ttl, self.timeout = spec, key_prefix, ttl, timeout
+        self.spec, self.key_prefix, self.ttl = spec, key_prefix, ttl
         self.stats = TierStats()
         self.max_bytes = 0
         self._errors = (redis.RedisError, OSError)
@@ -113,7 +113,7 @@ class RedisStore:
         """The object's key: the namespace id (public: a hash of the root, never the salt) and the block hash."""
         return f"{self.key_prefix}{namespace}:{block_hash.hex()}"
 
-    def available(self) -> bool:
+    def _available(self) -> bool:
         """False while backing off after a failure (a call then is a miss at once)."""
         return time.monotonic() >= self._down_until
 
@@ -176,7 +176,7 @@ class RedisStore:
 
     def _present(self, block_hashes: Sequence[bytes], namespace: str) -> list:
         """Whether each block's key exists: one pipelined round trip of EXISTS (all False when the store fails)."""
-        if not block_hashes or not self.available():
+        if not block_hashes or not self._available():
             return [False] * len(block_hashes)
         try:
             pipe = self.client.pipeline(transaction=False)
@@ -202,7 +202,7 @@ class RedisStore:
 
     def _get(self, expected: Expected) -> bytes | None:
         """The value at the block's key (None: absent, not a string, or the store failed: counted)."""
-        if not self.available():
+        if not self._available():
             return None
         try:
             data = self.client.get(self.key(expected.namespace, expected.block_hash))
@@ -264,7 +264,7 @@ class RedisStore:
         """Writes the block once (SET NX, EX ``ttl`` or the store's); False when dropped: the store is down or
         slow (``unavailable``, ``timeout``), refused it (``rejected``: out of memory under noeviction, or another
         error reply). A block already there is left as it is (True)."""
-        if not self.available():
+        if not self._available():
             return self._drop("unavailable")
         data = encode(obj)
         try:
@@ -290,6 +290,3 @@ class RedisStore:
     def evict(self, num_bytes: int) -> int:
         """Redis evicts by its own policy (``maxmemory-policy``): nothing to do here."""
         return 0
-
-    def close(self) -> None:
-        self.client.close()
