@@ -10,7 +10,7 @@ bounds it.
 
 Failures are misses, never errors: every call has a socket timeout, a failure (refused, timed out, reset) is
 counted in ``stats.failures`` and starts a backoff during which calls return a miss (or drop the write) at once;
-the next call after it reconnects. No exception reaches the caller and no call waits past the timeout.
+the next call after it reconnects. No exception reaches the caller, and no socket operation waits past the timeout.
 """
 
 from __future__ import annotations
