@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+from support.redis_server import RedisServer, needs_redis
 from support.routers import REPLICA_BLOCKS, shared_prefix_traffic
 from support.servers import free_port
 
@@ -20,14 +21,15 @@ MODEL = "default-model-v1"
 UNEVICTED_BLOCKS = 512  # room for every prompt of the traffic on either replica: the offline replay never evicts
 
 
-def app(model_dir: str, policy: str, blocks: int = REPLICA_BLOCKS):
-    """The Ray Serve app of two replicas of the session's small random checkpoint under ``policy``."""
+def app(model_dir: str, policy: str, blocks: int = REPLICA_BLOCKS, **engine):
+    """The Ray Serve app of two replicas of the session's small random checkpoint under ``policy`` (``engine``:
+    more engine arguments)."""
     from kvprefix.cli import engine_replica
     from kvprefix.router.ray.app import build_app
     from kvprefix.server.app import ServerConfig
 
     engine_args = {"model": model_dir, "dtype": "float32", "device": "cpu", "num_gpu_blocks": blocks,
-                   "max_num_seqs": 16}
+                   "max_num_seqs": 16, **engine}
     return build_app(engine_replica, engine_args, ServerConfig(served_model_name=MODEL), 2, policy, num_cpus=0.5)
 
 
@@ -287,3 +289,27 @@ def test_ray_serve_kv_events_routes_like_the_standalone_policy_and_admin_calls_r
         assert {r["replica"] for r in flush.json()["replicas"]} == set(served)
     finally:
         serve.delete("kvprefix-kv")
+
+
+@pytest.mark.slow
+@needs_redis
+def test_a_prefix_one_ray_replica_computed_hits_on_the_other_through_the_shared_tier(serve_port, default_model_dir,
+                                                                                   tmp_path):
+    from ray import serve
+
+    redis = RedisServer(tmp_path).start()
+    serve.run(app(default_model_dir, "round-robin", kv_shared=redis.url), name="kvprefix", route_prefix="/")
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{serve_port}/v1", api_key="none", max_retries=0)
+        system = shared_prefix_traffic(rounds=1)[0][0]
+        first, cached = chat(client, [system, {"role": "user", "content": "Question A?"}])
+        assert cached == 0
+        with redis.client() as c:  # the first replica's write-behind has landed
+            deadline = time.monotonic() + 30
+            while c.dbsize() < 16 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        second, cached = chat(client, [system, {"role": "user", "content": "Question B?"}])
+        assert second != first and cached >= 16 * 16, (first, second, cached)  # round robin: the other replica
+    finally:
+        serve.delete("kvprefix")
+        redis.stop()

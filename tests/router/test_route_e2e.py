@@ -14,53 +14,26 @@ import time
 import httpx
 import openai
 import pytest
-from support.routers import REPLICA_BLOCKS, per_replica, shared_prefix_traffic, start_router, wait_synced
+from support.routers import (
+    REPLICA_BLOCKS,
+    client,
+    hit_rate,
+    per_replica,
+    shared_pool_hit_rate,
+    shared_prefix_traffic,
+    start_router,
+    wait_synced,
+)
 from support.servers import ADMIN, ADMIN_KEY, TENANT_KEYS, start_server, stop_server
-
-from kvprefix.cache import cdiv
-from kvprefix.cache.event_wire import loads
-from kvprefix.router.hashing import RequestHasher
-from kvprefix.sim.metrics import summarize
-from kvprefix.sim.replay import ReplayConfig, replay
-from kvprefix.sim.trace import Trace, TraceRequest
 
 pytestmark = pytest.mark.slow
 MODEL = "default-model-v1"
-
-
-def client(router) -> openai.OpenAI:
-    return openai.OpenAI(base_url=router.url + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
 def reset(router) -> None:
     r = httpx.post(router.url + "/reset_prefix_cache", params={"wait": "true"}, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["success"] and len(r.json()["replicas"]) == 3
-
-
-def hit_rate(router, conversations) -> float:
-    """Token-weighted hit rate of a sequence of chats, from the replicas' own reports."""
-    c, prompt, cached = client(router), 0, 0
-    for messages in conversations:
-        usage = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=1).usage
-        prompt += usage.prompt_tokens
-        cached += usage.prompt_tokens_details.cached_tokens
-    return cached / prompt
-
-
-def shared_pool_hit_rate(replica, model_dir: str, conversations) -> float:
-    with httpx.stream("GET", replica.url + "/v1/kv_events", timeout=10) as r:
-        hello = loads(next(r.iter_lines()))
-    hasher = RequestHasher.for_replica(hello, model_dir)
-    bs = hello.block_size
-    requests = []
-    for messages in conversations:
-        ids = hasher.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        hashes, _ = hasher.hash_prompt({"messages": messages}, None)
-        requests.append(TraceRequest(0.0, len(ids), 1, hashes, cdiv(len(ids), bs)))
-    trace = Trace("e2e", bs, requests)
-    cfg = ReplayConfig(REPLICA_BLOCKS, replicas=3, routing="shared", mode="order")
-    return summarize(trace, cfg, replay(trace, cfg)).token_hit_rate
 
 
 def test_prefix_policies_hit_far_more_than_round_robin_and_near_one_shared_pool(routers, replicas, default_model_dir):

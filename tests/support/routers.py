@@ -1,4 +1,5 @@
-"""Start a real `kvprefix route` in front of replicas; traffic with a few long shared system prompts."""
+"""Start a real `kvprefix route` in front of replicas; traffic with a few long shared system prompts; its hit rate
+through a router and the bound one shared pool would reach."""
 
 from __future__ import annotations
 
@@ -9,7 +10,14 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 
+from kvprefix.cache import cdiv
+from kvprefix.cache.event_wire import loads
+from kvprefix.router.hashing import RequestHasher
+from kvprefix.sim.metrics import summarize
+from kvprefix.sim.replay import ReplayConfig, replay
+from kvprefix.sim.trace import Trace, TraceRequest
 from support.servers import Server, free_port
 
 REPLICA_BLOCKS = 72  # 16-token blocks: a replica holds about three of the system prompts below, not all six
@@ -70,3 +78,34 @@ def shared_prefix_traffic(rounds: int = 6) -> list[list[dict]]:
     order = [0, 3, 1, 4, 2, 5]
     return [[{"role": "system", "content": SYSTEM_PROMPTS[k]}, {"role": "user", "content": f"Question {r} for {k}?"}]
             for r in range(rounds) for k in order[r % 2 :] + order[: r % 2]]
+
+
+def client(router: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=router.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def hit_rate(router: Server, conversations: list[list[dict]], model: str = "default-model-v1") -> float:
+    """Token-weighted hit rate of a sequence of chats sent one after another, from the replicas' own reports."""
+    c, prompt, cached = client(router), 0, 0
+    for messages in conversations:
+        usage = c.chat.completions.create(model=model, messages=messages, max_tokens=1).usage
+        prompt += usage.prompt_tokens
+        cached += usage.prompt_tokens_details.cached_tokens
+    return cached / prompt
+
+
+def shared_pool_hit_rate(replica: Server, model_dir: str, conversations: list[list[dict]]) -> float:
+    """The bound "one shared pool": the planner's replay of the same requests (the same hashes, from the replica's
+    hello) on one real ``KVCacheManager`` of three replicas' pools."""
+    with httpx.stream("GET", replica.url + "/v1/kv_events", timeout=10) as r:
+        hello = loads(next(r.iter_lines()))
+    hasher = RequestHasher.for_replica(hello, model_dir)
+    bs = hello.block_size
+    requests = []
+    for messages in conversations:
+        ids = hasher.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        hashes, _ = hasher.hash_prompt({"messages": messages}, None)
+        requests.append(TraceRequest(0.0, len(ids), 1, hashes, cdiv(len(ids), bs)))
+    trace = Trace("e2e", bs, requests)
+    cfg = ReplayConfig(REPLICA_BLOCKS, replicas=3, routing="shared", mode="order")
+    return summarize(trace, cfg, replay(trace, cfg)).token_hit_rate

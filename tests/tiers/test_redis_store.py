@@ -16,6 +16,7 @@ from support.tier_blocks import SPEC, chain, expected
 
 from kvprefix.tiers.objects import encode
 from kvprefix.tiers.redis_store import RedisStore, parse_url
+from kvprefix.tiers.write_behind import WriteBehind
 
 pytestmark = needs_redis
 FAST = dict(timeout=0.2, backoff=0.05, max_backoff=0.05)
@@ -230,3 +231,23 @@ def test_urls() -> None:
     for bad in ("http://host:1/0", "redis://:1/0", "redis://host:1/x", "redis://host:port/0"):
         with pytest.raises(ValueError, match="--kv-shared"):
             parse_url(bad)
+
+
+def test_killed_between_a_lookup_and_its_loads_and_under_queued_writes(own_server) -> None:
+    blocks = chain(8)
+    ns = blocks[0].namespace
+    store = RedisStore(own_server.url, SPEC, **FAST)
+    writer = WriteBehind(store, max_queue=16)
+    for b in blocks[:4]:
+        writer.submit(b)
+    writer.flush()
+    assert store.lookup([b.block_hash for b in blocks[:4]], ns) == 4
+    own_server.kill()  # after the lookup said 4: every load is a miss, no exception, nothing written to the spans
+    spans = spans_for(blocks[0])
+    assert not store.load_into(expected(blocks[0]), spans) and not any(bytes(spans[0]))
+    for b in blocks[4:]:
+        writer.submit(b)
+    writer.flush()  # the writer thread survives: each queued write dropped, counted
+    writer.close()
+    assert store.stats.stores == 4 and sum(store.stats.dropped_writes.values()) == 4
+    assert store.stats.failures["unavailable"] >= 1 and not store.stats.verify_failures

@@ -10,7 +10,7 @@ bounds it.
 
 Failures are misses, never errors: every call has a socket timeout, a failure (refused, timed out, reset) is
 counted in ``stats.failures`` and starts a backoff during which calls return a miss (or drop the write) at once;
-the next call after it reconnects. No exception reaches the caller and no call waits past the timeout.
+the next call after it reconnects. No exception reaches the caller, and no socket operation waits past the timeout.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ class RedisStore:
             raise ValueError(f"--kv-shared-timeout must be positive, got {timeout}")
         redis = redis_module()
         self.url = parse_url(url)
-        self.spec, self.key_prefix, self.ttl, self.timeout = spec, key_prefix, ttl, timeout
+        self.spec, self.key_prefix, self.ttl = spec, key_prefix, ttl
         self.stats = TierStats()
         self.max_bytes = 0
         self._errors = (redis.RedisError, OSError)
@@ -114,7 +114,7 @@ class RedisStore:
         """The object's key: the namespace id (public: a hash of the root, never the salt) and the block hash."""
         return f"{self.key_prefix}{namespace}:{block_hash.hex()}"
 
-    def available(self) -> bool:
+    def _available(self) -> bool:
         """False while backing off after a failure (a call then is a miss at once)."""
         return time.monotonic() >= self._down_until
 
@@ -175,13 +175,10 @@ class RedisStore:
 
     # ---- the BlockStore interface
 
-    def lookup(self, block_hashes: Sequence[bytes], namespace: str = "") -> int:
-        """How many leading blocks of the run the store holds: one pipelined round trip of EXISTS."""
-        with self.stats.lock:
-            self.stats.lookups += 1
-            self.stats.lookup_blocks += len(block_hashes)
-        if not block_hashes or not self.available():
-            return 0
+    def _present(self, block_hashes: Sequence[bytes], namespace: str) -> list:
+        """Whether each block's key exists: one pipelined round trip of EXISTS (all False when the store fails)."""
+        if not block_hashes or not self._available():
+            return [False] * len(block_hashes)
         try:
             pipe = self.client.pipeline(transaction=False)
             for h in block_hashes:
@@ -189,19 +186,24 @@ class RedisStore:
             found = pipe.execute()
         except self._errors as exc:
             self._failed(exc)
-            return 0
+            return [False] * len(block_hashes)
         self._succeeded()
-        for i, present in enumerate(found):
-            if not present:
-                return i
-        return len(block_hashes)
+        return found
+
+    def lookup(self, block_hashes: Sequence[bytes], namespace: str = "") -> int:
+        """How many leading blocks of the run the store holds, in one round trip."""
+        with self.stats.lock:
+            self.stats.lookups += 1
+            self.stats.lookup_blocks += len(block_hashes)
+        found = self._present(block_hashes, namespace)
+        return next((i for i, present in enumerate(found) if not present), len(found))
 
     def contains(self, block_hash: bytes, namespace: str = "") -> bool:
-        return self.lookup([block_hash], namespace) == 1
+        return bool(self._present([block_hash], namespace)[0])
 
     def _get(self, expected: Expected) -> bytes | None:
         """The value at the block's key (None: absent, not a string, or the store failed: counted)."""
-        if not self.available():
+        if not self._available():
             return None
         try:
             data = self.client.get(self.key(expected.namespace, expected.block_hash))
@@ -263,7 +265,7 @@ class RedisStore:
         """Writes the block once (SET NX, EX ``ttl`` or the store's); False when dropped: the store is down or
         slow (``unavailable``, ``timeout``), refused it (``rejected``: out of memory under noeviction, or another
         error reply). A block already there is left as it is (True)."""
-        if not self.available():
+        if not self._available():
             return self._drop("unavailable")
         data = encode(obj)
         try:
@@ -289,6 +291,3 @@ class RedisStore:
     def evict(self, num_bytes: int) -> int:
         """Redis evicts by its own policy (``maxmemory-policy``): nothing to do here."""
         return 0
-
-    def close(self) -> None:
-        self.client.close()
