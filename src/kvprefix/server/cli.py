@@ -6,6 +6,7 @@ import argparse
 
 from kvprefix.cache import COLLISION_SAFE_ALGOS, HASH_ALGOS
 from kvprefix.engine.args import DEFAULT_KV_DISK_SIZE, QUANTIZATION_METHODS
+from kvprefix.paths import ReadableFile, WritableDir, WritableFile
 from kvprefix.tiers.sizes import parse_size
 
 # The KV cache fraction shared out as tenants' reserved room when there are tenants (docs/security.md): half stays
@@ -43,7 +44,7 @@ def _size(text: str) -> int:
 
 def _add_tier_arguments(parser: argparse.ArgumentParser) -> None:
     tier = parser.add_argument_group("persistent KV tier (docs/tiers.md)")
-    tier.add_argument("--kv-disk", default=None, metavar="DIR",
+    tier.add_argument("--kv-disk", default=None, metavar="DIR", action=WritableDir,
                       help="keep computed blocks' KV in DIR (verified on load): cached prefixes survive restarts")
     tier.add_argument("--kv-disk-size", type=_size, default=DEFAULT_KV_DISK_SIZE, metavar="SIZE",
                       help=f"with --kv-disk: its byte budget, least recently used blocks deleted past it "
@@ -95,7 +96,7 @@ def _server_arguments(parser: argparse.ArgumentParser) -> None:
 def _tenancy_and_log_arguments(parser: argparse.ArgumentParser) -> None:
     sec = parser.add_argument_group("tenancy and admin (docs/security.md)")
     sec.add_argument("--api-key", default=None, help="one API key; its callers form the tenant 'default'")
-    sec.add_argument("--api-keys-file", default=None,
+    sec.add_argument("--api-keys-file", default=None, action=ReadableFile,
                      help='JSON object {"<key>": "<tenant>"}: each tenant gets its own cache salt')
     sec.add_argument("--admin-key", default=None,
                      help="key for POST /reset_prefix_cache, /flush_cache and GET /metrics")
@@ -107,7 +108,7 @@ def _tenancy_and_log_arguments(parser: argparse.ArgumentParser) -> None:
                           f"{DEFAULT_TENANT_KV_RESERVE} with keys, else 0)")
 
     logs = parser.add_argument_group("request log (docs/request-log.md)")
-    logs.add_argument("--request-log", default=None, metavar="PATH", help="append one JSON line per prompt")
+    logs.add_argument("--request-log", default=None, metavar="PATH", action=WritableFile, help="append one JSON line per prompt")
     logs.add_argument("--request-log-prompts", action="store_true",
                       help="also log raw prompt text (off by default: prompts may hold private data)")
 

@@ -9,6 +9,7 @@ import argparse
 import math
 import sys
 
+from kvprefix.paths import ReadableDir, ReadableFile, WritableFile
 from kvprefix.sim.formats import FORMATS
 from kvprefix.sim.replay import MODES, ROUTINGS
 
@@ -65,7 +66,7 @@ def _routing_list(text: str) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "trace", nargs="?", help="trace file (JSONL): Mooncake rows, a kvprefix request log, or OpenAI request bodies"
+        "trace", nargs="?", action=ReadableFile, help="trace file (JSONL): Mooncake rows, a kvprefix request log, or OpenAI request bodies"
     )
     parser.add_argument("--example", choices=["seed"], help="run a built-in example instead of a trace")
     _trace_arguments(parser.add_argument_group("trace"))
@@ -87,7 +88,7 @@ def _trace_arguments(t) -> None:
         help="block size to replay at, a multiple of the trace's (default: the trace's own; for OpenAI bodies "
         "the --identity's, else 16)",
     )
-    t.add_argument("--tokenizer", help="local Hugging Face tokenizer directory (OpenAI request bodies)")
+    t.add_argument("--tokenizer", action=ReadableDir, help="local Hugging Face tokenizer directory (OpenAI request bodies)")
     t.add_argument("--identity", metavar="URL|FILE",
                    help="OpenAI request bodies: hash under a replica's block identity, from its base URL or a JSON "
                         "file of its /v1/models listing (default: the --tokenizer checkpoint's own, float32, sha256)")
@@ -135,8 +136,8 @@ def _timing_and_output_arguments(parser: argparse.ArgumentParser) -> None:
         "--decode-tps", type=_positive_float, default=50.0, help="decode speed per request, tokens/s (default 50)"
     )
     o = parser.add_argument_group("output")
-    o.add_argument("--json", help="write the summaries as JSON to this path")
-    o.add_argument("--plot", help="write a PNG of hit rate vs capacity, one line per routing, to this path")
+    o.add_argument("--json", action=WritableFile, help="write the summaries as JSON to this path")
+    o.add_argument("--plot", action=WritableFile, help="write a PNG of hit rate vs capacity, one line per routing, to this path")
     o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 

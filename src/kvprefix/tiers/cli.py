@@ -8,12 +8,14 @@ import sys
 import time
 from collections.abc import Callable
 
+from kvprefix.paths import ReadableDir
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", choices=["stats", "verify", "clear"],
                         help="stats: bytes, blocks, namespaces; verify: a full checksum pass; clear: delete every "
                              "object at once")
-    parser.add_argument("dir", help="the tier directory (kvprefix serve --kv-disk DIR)")
+    parser.add_argument("dir", action=ReadableDir, help="the tier directory (kvprefix serve --kv-disk DIR)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.add_argument("--delete", action="store_true", help="verify: delete the objects that do not verify")
 

@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from kvprefix.paths import check_writable_dir
+
 MARKER = "kvprefix-tier"
 OBJECTS = "objects"
 TMP = "tmp"
@@ -39,9 +41,7 @@ def hash_of(filename: str) -> bytes | None:
 
 def prepare(root: str) -> str:
     """Creates or checks a tier directory; ValueError with one line saying why it cannot be used."""
-    root = os.path.abspath(os.path.expanduser(root))
-    if os.path.exists(root) and not os.path.isdir(root):
-        raise ValueError(f"--kv-disk {root} is not a directory (it is a file)")
+    root = check_writable_dir(root, "--kv-disk")  # a PathError is a ValueError
     try:
         os.makedirs(root, mode=0o700, exist_ok=True)
         for sub in (OBJECTS, TMP):
