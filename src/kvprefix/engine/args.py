@@ -19,7 +19,9 @@ class EngineArgs:
     ``scheduling_policy``: "fcfs" or "cache_aware" (most cached first, bounded by ``max_wait_steps``;
     docs/engine.md). ``quantization`` (CPU only): "int8", "int4" or "gguf" compact weights (docs/model.md).
     ``kv_disk``: a directory for the persistent KV tier, at most ``kv_disk_size`` (bytes, or "20GiB"), writes
-    queued up to ``kv_disk_queue`` blocks (docs/tiers.md)."""
+    queued up to ``kv_disk_queue`` blocks (docs/tiers.md). ``kv_retention``: what a request that asks for nothing
+    gets ("in_memory", "5m", "1h", "24h"; None: written, LRU), within ``kv_retention_budget`` retained bytes per
+    tenant (default: half of ``kv_disk_size``; docs/tiers.md#retention)."""
 
     model: str | None = None
     dtype: str = "auto"
@@ -42,3 +44,5 @@ class EngineArgs:
     kv_disk: str | None = None
     kv_disk_size: int | str = DEFAULT_KV_DISK_SIZE
     kv_disk_queue: int = 256
+    kv_retention: str | None = None
+    kv_retention_budget: int | str | None = None

@@ -5,12 +5,16 @@ blocks it holds are read and verified one by one, their KV bytes copied exactly 
 then registered like computed blocks, so the request's next lookup hits them and prefill starts at the first block
 found nowhere. Writes: every block the pool registers (``BlockStored``) that the tier lacks is copied out and
 queued to the write-behind thread; a full queue drops it (counted), a step never waits for the disk.
+Retention: ``admit`` checks a request's retention against its tenant's budget and notes it for the request's
+blocks not yet in the pool, which the writes then honour (docs/tiers.md#retention).
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import time
+from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -20,9 +24,12 @@ from kvprefix.cache.events import BlockStored
 from kvprefix.cache.identity import BlockIdentity
 from kvprefix.model import ModelConfig
 from kvprefix.tiers import BlockObject, BlockStore, DiskStore, Expected, KVSpec, parse_size
+from kvprefix.tiers.objects import object_bytes
+from kvprefix.tiers.retention import IN_MEMORY, check_retention, retained_seconds
 from kvprefix.tiers.write_behind import WriteBehind
 
 log = logging.getLogger(__name__)
+MAX_NOTED_BLOCKS = 1 << 16  # retentions noted for blocks not yet registered (an aborted request's are dropped oldest first)
 
 
 def kv_spec(identity: BlockIdentity, config: ModelConfig, dtype: torch.dtype) -> KVSpec:
@@ -37,8 +44,10 @@ class KVTier:
     """One tier under one engine's pool: loads into it at admission, writes behind it after each step."""
 
     def __init__(self, store: BlockStore, spec: KVSpec, manager: KVCacheManager, kv_caches: list,
-                 max_queue: int = 256):
+                 max_queue: int = 256, retention_budget: int | None = None):
         self.store, self.spec, self.manager = store, spec, manager
+        self.retention_budget = store.max_bytes // 2 if retention_budget is None else retention_budget
+        self._noted: OrderedDict[bytes, tuple[str, str]] = OrderedDict()  # block hash -> (retention, tenant)
         self.layers = [layer.kv for layer in kv_caches]  # each [num_blocks, block_size, 2 * kv_heads, head_size]
         # Byte views of each layer's blocks: on CPU the paged tensors themselves (loads read straight into them,
         # stores copy out of them), elsewhere one host block that loads stage through.
@@ -51,6 +60,32 @@ class KVTier:
         self._loading = False  # blocks registered by a load are on the tier already: not written back
         self._unsubscribe = manager.events.subscribe(self._on_event)
         atexit.register(self.close)
+
+    # ---- retention
+
+    def admit(self, retention: str | None, tenant: str, namespace: str, block_hashes: list) -> None:
+        """Notes a new request's ``retention`` for its prompt blocks not in the pool (held ones are retained
+        now); ValueError when a duration would take ``tenant`` past its retained-bytes budget."""
+        if retention is None:
+            return
+        seconds = retained_seconds(retention)
+        if seconds is not None:
+            need = len(block_hashes) * object_bytes(self.spec, namespace, len(block_hashes[0]) if block_hashes else 0)
+            held = self.store.retained_bytes(tenant, besides=block_hashes)
+            if held + need > self.retention_budget:
+                raise ValueError(
+                    f"retention {retention!r} of this prompt's {len(block_hashes)} blocks ({need} bytes) would take "
+                    f"tenant {tenant or 'default'!r} past its {self.retention_budget}-byte budget of retained KV "
+                    f"({held} bytes held; --kv-retention-budget)")
+        cached, until = self.manager.pool.cached_blocks, time.time() + (seconds or 0)
+        for block_hash in block_hashes:
+            if seconds is not None and self.store.contains(block_hash):
+                self.writer.submit_retain(block_hash, until, tenant)
+            elif block_hash not in cached:
+                self._noted[block_hash] = (retention, tenant)
+                self._noted.move_to_end(block_hash)
+        while len(self._noted) > MAX_NOTED_BLOCKS:
+            self._noted.popitem(last=False)
 
     # ---- loads
 
@@ -113,14 +148,17 @@ class KVTier:
         for k, block_hash in enumerate(event.block_hashes):
             block = pool.cached_blocks.get(block_hash)
             prev, parent = parent, block_hash
-            if block is None or prev is None or self.store.contains(block_hash):
+            retention, tenant = self._noted.pop(block_hash, (None, ""))
+            if block is None or prev is None or retention == IN_MEMORY or self.store.contains(block_hash):
                 continue
             if not self.writer.has_room():
                 self.writer.drop()
                 continue
             tokens = tuple(event.token_ids[k * bs : (k + 1) * bs])
+            seconds = retained_seconds(retention)
             self.writer.submit(BlockObject(self.spec, event.namespace, block_hash, prev, tokens,
-                                           self._copy_out(block.block_id)))
+                                           self._copy_out(block.block_id)),
+                               None if seconds is None else time.time() + seconds, tenant)
 
     @torch.inference_mode()
     def _copy_out(self, block_id: int) -> bytes | memoryview:
@@ -153,9 +191,12 @@ def open_kv_tier(args, identity: BlockIdentity, config: ModelConfig, dtype: torc
     if not args.enable_prefix_caching:
         raise ValueError("kv_disk needs prefix caching (blocks are found by their hash)")
     size = parse_size(args.kv_disk_size) if isinstance(args.kv_disk_size, str) else int(args.kv_disk_size)
+    budget = args.kv_retention_budget
+    budget = parse_size(budget) if isinstance(budget, str) else budget
+    check_retention(args.kv_retention)
     if args.kv_disk_queue < 1:
         raise ValueError(f"kv_disk_queue must be >= 1, got {args.kv_disk_queue}")
     store = DiskStore(args.kv_disk, size, kv_spec(identity, config, dtype),
                       progress=lambda n: log.info("kv disk %s: scanned %d objects", args.kv_disk, n))
     log.info("kv disk %s: %d objects, %d of %d bytes", store.root, store.stats.num_objects, store.usage_bytes, size)
-    return KVTier(store, store.spec, manager, kv_caches, args.kv_disk_queue)
+    return KVTier(store, store.spec, manager, kv_caches, args.kv_disk_queue, budget)

@@ -7,6 +7,7 @@ import argparse
 from kvprefix.cache import COLLISION_SAFE_ALGOS, HASH_ALGOS
 from kvprefix.engine.args import DEFAULT_KV_DISK_SIZE, QUANTIZATION_METHODS
 from kvprefix.paths import ReadableFile, WritableDir, WritableFile
+from kvprefix.tiers.retention import RETENTIONS
 from kvprefix.tiers.sizes import parse_size
 
 # The KV cache fraction shared out as tenants' reserved room when there are tenants (docs/security.md): half stays
@@ -51,6 +52,13 @@ def _add_tier_arguments(parser: argparse.ArgumentParser) -> None:
                            f"(e.g. 20GiB, 500MB; default {DEFAULT_KV_DISK_SIZE})")
     tier.add_argument("--kv-disk-queue", type=_positive_int, default=256, metavar="BLOCKS",
                       help="with --kv-disk: blocks waiting to be written; past it writes are dropped (counted)")
+    tier.add_argument("--kv-retention", default=None, choices=RETENTIONS,
+                      help="with --kv-disk: what a request that asks for no retention gets (prompt_cache_retention, "
+                           "cache_control.ttl): in_memory = never written below the pool; 5m, 1h, 24h = written and "
+                           "kept at least that long (default: written, least recently used deleted first)")
+    tier.add_argument("--kv-retention-budget", type=_size, default=None, metavar="SIZE",
+                      help="with --kv-disk: bytes of retained blocks each tenant may hold; a request past it gets "
+                           "400 (default: half of --kv-disk-size)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,7 +1,8 @@
 """Where a disk tier keeps its objects, how its directory is checked at start, and the start-up scan.
 
 ``DIR/kvprefix-tier`` marks a tier directory (``cache clear`` refuses any other); ``DIR/objects/ab/<hash hex>``
-holds one object per block, fanned out by the hash's first byte; ``DIR/tmp/`` holds writes in progress, renamed
+holds one object per block, fanned out by the hash's first byte, and beside a retained one (``--kv-retention``)
+``<hash hex>.ret``: its tenant's name, and as its mtime the time it is kept until; ``DIR/tmp/`` holds writes in progress, renamed
 into place when complete (a kill -9 leaves only a temporary file, removed by a later start). Directories are
 0700 and files 0600: a reader of the directory learns token ids and KV (docs/security.md).
 """
@@ -20,6 +21,7 @@ MARKER = "kvprefix-tier"
 OBJECTS = "objects"
 TMP = "tmp"
 SUFFIX = ".kvb"
+RETAINED_SUFFIX = ".ret"
 STALE_TMP_SECONDS = 600  # a temporary file this old belongs to a writer that died
 PROGRESS_EVERY = 10_000
 
@@ -27,6 +29,11 @@ PROGRESS_EVERY = 10_000
 def object_path(root: str, block_hash: bytes) -> str:
     name = block_hash.hex()
     return os.path.join(root, OBJECTS, name[:2], name + SUFFIX)
+
+
+def retention_path(root: str, block_hash: bytes) -> str:
+    """The retention note beside a block's object (mtime: kept until; content: the tenant)."""
+    return object_path(root, block_hash)[: -len(SUFFIX)] + RETAINED_SUFFIX
 
 
 def hash_of(filename: str) -> bytes | None:
@@ -95,6 +102,30 @@ def iter_objects(root: str) -> Iterator[Entry]:
             except FileNotFoundError:
                 continue
             yield Entry(h, st.st_size, st.st_mtime, e.path)
+
+
+def iter_retained(root: str) -> Iterator[tuple[bytes, float, str]]:
+    """(block hash, kept until, tenant) of every retention note under ``root`` (vanishing ones skipped)."""
+    base = os.path.join(root, OBJECTS)
+    try:
+        fans = list(os.scandir(base))
+    except FileNotFoundError:
+        return
+    for fan in fans:
+        if not fan.is_dir(follow_symlinks=False):
+            continue
+        try:
+            notes = [e for e in os.scandir(fan.path) if e.name.endswith(RETAINED_SUFFIX)]
+        except FileNotFoundError:
+            continue
+        for e in notes:
+            try:
+                block_hash = bytes.fromhex(e.name[: -len(RETAINED_SUFFIX)])
+                with open(e.path, "rb") as f:
+                    tenant = f.read(1024).decode("utf-8", "replace")
+                yield block_hash, os.stat(e.path).st_mtime, tenant
+            except (ValueError, OSError):
+                continue
 
 
 def scan(root: str, progress: Callable[[int], None] | None = None) -> list[Entry]:

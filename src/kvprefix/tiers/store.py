@@ -2,9 +2,15 @@
 
 A tier is found by block hash alone: ``lookup`` says how many leading blocks of a run it holds (cheap, no
 payload read), ``load`` reads and verifies one block (None for a miss, counted by reason: nothing that does not
-verify is ever returned; ``load_into`` the same, straight into the caller's memory), ``store`` writes one (False when dropped: full, failing, over budget), ``evict`` frees
-bytes in LRU order. The engine talks to a ``BlockStore``; the disk is the first implementation, a shared store
-or a host-RAM tier under a CUDA pool are the next.
+verify is ever returned; ``load_into`` the same, straight into the caller's memory), ``store`` writes one (False
+when dropped: full, failing, over budget), ``evict`` frees bytes in LRU order.
+
+Retention (docs/tiers.md#retention) adds three small things: ``store(obj, retain_until, tenant)`` and ``retain``
+pass a block over in eviction until a time (epoch seconds, kept across restarts by the tier itself), and
+``retained_bytes(tenant, besides)`` is what a tenant keeps retained now, for its budget. A tier that cannot keep room for a
+write because the rest is retained drops the write (``dropped_writes{retained}``). The engine talks to a
+``BlockStore``; the disk is the first implementation, a shared store or a host-RAM tier under a CUDA pool are the
+next.
 """
 
 from __future__ import annotations
@@ -61,8 +67,17 @@ class BlockStore(Protocol):
         """Reads the block's payload into ``spans`` (the caller's memory, in payload order); True only when it
         verifies (on False the spans hold garbage and must not be used)."""
 
-    def store(self, obj: BlockObject) -> bool:
-        """Writes one block; False when the write was dropped (counted by reason)."""
+    def store(self, obj: BlockObject, retain_until: float | None = None, tenant: str = "") -> bool:
+        """Writes one block (with ``retain_until``: retained, see ``retain``; a block already held is only
+        retained); False when the write was dropped (counted by reason)."""
+
+    def retain(self, block_hash: bytes, until: float, tenant: str) -> bool:
+        """Passes the held block over in eviction until ``until`` (only ever extended), counted against
+        ``tenant``; False when the tier does not hold it."""
+
+    def retained_bytes(self, tenant: str, besides: Sequence[bytes] = ()) -> int:
+        """Bytes of the blocks ``tenant`` keeps retained now, not counting those of ``besides`` (a request's own,
+        retained again)."""
 
     def evict(self, num_bytes: int) -> int:
         """Deletes least recently used objects until ``num_bytes`` are freed; returns the bytes freed."""
