@@ -79,53 +79,46 @@ class Entry:
     path: str
 
 
-def iter_objects(root: str) -> Iterator[Entry]:
-    """Every object file under ``root``, in directory order (files vanishing meanwhile are skipped)."""
-    base = os.path.join(root, OBJECTS)
+def _fanned_files(root: str) -> Iterator[os.DirEntry]:
+    """Every file in the fan-out folders of ``root``'s objects, folder by folder (vanishing folders skipped)."""
     try:
-        fans = sorted(os.scandir(base), key=lambda e: e.name)
+        fans = sorted(os.scandir(os.path.join(root, OBJECTS)), key=lambda e: e.name)
     except FileNotFoundError:
         return
     for fan in fans:
         if not fan.is_dir(follow_symlinks=False):
             continue
         try:
-            entries = list(os.scandir(fan.path))
+            yield from list(os.scandir(fan.path))
         except FileNotFoundError:
             continue
-        for e in entries:
-            h = hash_of(e.name)
-            if h is None:
-                continue
-            try:
-                st = e.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            yield Entry(h, st.st_size, st.st_mtime, e.path)
+
+
+def iter_objects(root: str) -> Iterator[Entry]:
+    """Every object file under ``root``, in directory order (files vanishing meanwhile are skipped)."""
+    for e in _fanned_files(root):
+        h = hash_of(e.name)
+        if h is None:
+            continue
+        try:
+            st = e.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        yield Entry(h, st.st_size, st.st_mtime, e.path)
 
 
 def iter_retained(root: str) -> Iterator[tuple[bytes, float, str]]:
     """(block hash, kept until, tenant) of every retention note under ``root`` (vanishing ones skipped)."""
-    base = os.path.join(root, OBJECTS)
-    try:
-        fans = list(os.scandir(base))
-    except FileNotFoundError:
-        return
-    for fan in fans:
-        if not fan.is_dir(follow_symlinks=False):
+    for e in _fanned_files(root):
+        if not e.name.endswith(RETAINED_SUFFIX):
             continue
         try:
-            notes = [e for e in os.scandir(fan.path) if e.name.endswith(RETAINED_SUFFIX)]
-        except FileNotFoundError:
+            block_hash = bytes.fromhex(e.name[: -len(RETAINED_SUFFIX)])
+            with open(e.path, "rb") as f:
+                tenant = f.read(1024).decode("utf-8", "replace")
+            yield block_hash, os.stat(e.path).st_mtime, tenant
+        except (ValueError, OSError):
             continue
-        for e in notes:
-            try:
-                block_hash = bytes.fromhex(e.name[: -len(RETAINED_SUFFIX)])
-                with open(e.path, "rb") as f:
-                    tenant = f.read(1024).decode("utf-8", "replace")
-                yield block_hash, os.stat(e.path).st_mtime, tenant
-            except (ValueError, OSError):
-                continue
 
 
 def scan(root: str, progress: Callable[[int], None] | None = None) -> list[Entry]:
