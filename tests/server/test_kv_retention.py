@@ -75,6 +75,12 @@ def test_a_24h_prompt_outlives_the_pressure_that_evicts_others_and_in_memory_nev
     m = server.metrics()
     assert m["kvprefix:kv_tier_evictions_total{disk}"] >= 10
     assert m.get("kvprefix:kv_tier_dropped_writes_total{disk,retained}", 0) == 0
+    # Seen in the metrics: one load (the kept prompt's run) and a store per object, timed; vLLM's external-cache
+    # counters in tokens.
+    assert m["kvprefix:kv_tier_load_seconds_count{disk}"] == 1 and m["kvprefix:kv_tier_load_seconds_sum{disk}"] > 0
+    assert m["kvprefix:kv_tier_store_seconds_count{disk}"] == m["kvprefix:kv_tier_stores_total{disk}"]
+    assert m["kvprefix:external_prefix_cache_hits_total"] == 160
+    assert m["kvprefix:external_prefix_cache_queries_total"] >= 6 * 160
 
 
 def test_a_cache_control_ttl_retains_a_chat_prompt(server) -> None:

@@ -101,7 +101,7 @@ class KVTier:
         if not num:
             return 0
         blocks = self.manager.claim_for_load(request, hits, num)
-        loaded = 0
+        loaded, start = 0, time.perf_counter()
         try:
             for block in blocks:  # registered (finish_load) only if it verifies: else its bytes are never read
                 if not self.store.load_into(self._expected(request, first + loaded), self._spans(block.block_id)):
@@ -115,6 +115,8 @@ class KVTier:
             finally:
                 self._loading = False
         self.hit_tokens += loaded * bs
+        with self.store.stats.lock:
+            self.store.stats.load_seconds.observe(time.perf_counter() - start)
         if loaded and request.num_cached_tokens < 0:  # loaded for its first admission: its cached tokens say so
             name = self.store.name
             request.tier_tokens[name] = request.tier_tokens.get(name, 0) + loaded * bs

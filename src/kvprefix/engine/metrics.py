@@ -52,6 +52,8 @@ def _tier_stats(kv_tier) -> dict[str, int]:
         out = {f"{name}_{k}": v for k, v in stats.as_dict().items()}
         out |= {f"{name}_verify_failures_{r}": n for r, n in stats.verify_failures.items()}
         out |= {f"{name}_dropped_writes_{r}": n for r, n in stats.dropped_writes.items()}
+        out |= stats.load_seconds.flat(f"{name}_load_seconds") | stats.store_seconds.flat(f"{name}_store_seconds")
+        out[f"{name}_lookup_tokens"] = stats.lookup_blocks * kv_tier.manager.block_size
     out[f"{name}_hit_tokens"] = kv_tier.hit_tokens
     out[f"{name}_max_bytes"] = kv_tier.store.max_bytes
     return out

@@ -23,6 +23,29 @@ from typing import Protocol
 
 from kvprefix.tiers.objects import BlockObject, Expected
 
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)  # seconds
+
+
+@dataclass
+class Latency:
+    """A histogram of durations in seconds (``LATENCY_BUCKETS``; not cumulative: each count once, then +Inf)."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    total: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        i = next((i for i, b in enumerate(LATENCY_BUCKETS) if seconds <= b), len(LATENCY_BUCKETS))
+        self.counts[i] += 1
+        self.total += seconds
+
+    def flat(self, name: str) -> dict[str, float]:
+        """``name_le_B`` (cumulative), ``name_count`` and ``name_sum``, as the engine's flat metrics carry them."""
+        out, running = {}, 0
+        for b, n in zip(LATENCY_BUCKETS, self.counts, strict=False):
+            running += n
+            out[f"{name}_le_{b}"] = running
+        return out | {f"{name}_count": sum(self.counts), f"{name}_sum": self.total}
+
 
 @dataclass
 class TierStats:
@@ -40,6 +63,8 @@ class TierStats:
     dropped_writes: Counter = field(default_factory=Counter)
     usage_bytes: int = 0  # gauge: bytes this process counts in the tier
     num_objects: int = 0  # gauge
+    load_seconds: Latency = field(default_factory=Latency)  # one request's run of blocks loaded (engine.kv_tier)
+    store_seconds: Latency = field(default_factory=Latency)  # one block written (tiers.write_behind)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def as_dict(self) -> dict[str, int]:

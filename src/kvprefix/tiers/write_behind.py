@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 
 from kvprefix.tiers.objects import BlockObject
 from kvprefix.tiers.store import BlockStore
@@ -61,7 +62,10 @@ class WriteBehind:
                 if isinstance(obj, bytes):
                     self.store.retain(obj, until, tenant)
                 elif until is not None or not self.store.contains(obj.block_hash):
-                    self.store.store(obj, until, tenant)
+                    start = time.perf_counter()
+                    if self.store.store(obj, until, tenant):
+                        with self.store.stats.lock:
+                            self.store.stats.store_seconds.observe(time.perf_counter() - start)
             except Exception:  # a failing write must not end the writer: the next block may succeed
                 log.exception("kv tier write failed")
                 with self.store.stats.lock:
