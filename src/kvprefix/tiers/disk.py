@@ -17,10 +17,10 @@ import os
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from kvprefix.tiers import disk_layout as layout
+from kvprefix.tiers.lru_bytes import LRUBytes
 from kvprefix.tiers.objects import (
     CHECKSUM_SIZE,
     PREFIX_SIZE,
@@ -56,14 +56,13 @@ class DiskStore:
         self.stats = TierStats()
         self.rescan_seconds = rescan_seconds
         self._lock = threading.Lock()  # the LRU view: loads (engine thread) and stores (writer thread)
-        self._lru: OrderedDict[bytes, int] = OrderedDict()  # hash -> size, least recently used first
+        self._lru = LRUBytes()  # hash -> size, least recently used first
         self._retained: dict[bytes, tuple[float, str]] = {}  # hash -> (kept until, epoch seconds; tenant)
-        self._usage = 0
         self._last_scan = 0.0
         self._scan_cost = 0.0  # seconds the last scan took
         self.rescan(progress)
-        if self._usage > max_bytes:
-            self.evict(self._usage - max_bytes)
+        if self._lru.usage > max_bytes:
+            self.evict(self._lru.usage - max_bytes)
 
     # ---- the LRU view
 
@@ -78,29 +77,24 @@ class DiskStore:
             self._retained = retained  # eviction deletes an expired one's note with its object
             rank = {h: i for i, h in enumerate(self._lru)}
             entries.sort(key=lambda e: (e.mtime, rank.get(e.block_hash, -1)))
-            self._lru = OrderedDict((e.block_hash, e.size) for e in entries)
-            self._usage = sum(e.size for e in entries)
+            self._lru = LRUBytes((e.block_hash, e.size) for e in entries)
             self._last_scan = time.monotonic()
             self._gauges()
 
     def _gauges(self) -> None:
-        self.stats.usage_bytes, self.stats.num_objects = self._usage, len(self._lru)
+        self.stats.usage_bytes, self.stats.num_objects = self._lru.usage, len(self._lru)
 
     @property
     def usage_bytes(self) -> int:
-        return self._usage
+        return self._lru.usage
 
     def _note(self, block_hash: bytes, size: int) -> None:
         """Records (or refreshes) an object as most recently used. Caller holds the lock."""
-        old = self._lru.pop(block_hash, None)
-        self._usage += size - (old or 0)
-        self._lru[block_hash] = size
+        self._lru.touch(block_hash, size)
         self._gauges()
 
     def _forget(self, block_hash: bytes) -> None:
-        size = self._lru.pop(block_hash, None)
-        if size is not None:
-            self._usage -= size
+        if self._lru.forget(block_hash) is not None:
             self._gauges()
 
     # ---- the BlockStore interface
@@ -240,17 +234,14 @@ class DiskStore:
         """Bytes of the objects ``tenant`` keeps retained now (unexpired), not counting those of ``besides``."""
         now, skip = time.time(), set(besides)
         with self._lock:
-            return sum(self._lru.get(h, 0) for h, (until, t) in self._retained.items()
+            return sum(self._lru.size(h) for h, (until, t) in self._retained.items()
                        if t == tenant and until > now and h not in skip)
 
     def _room_needed(self, block_hash: bytes, size: int) -> int:
         """Bytes to free before writing ``size`` bytes for ``block_hash`` (a block stored again replaces itself:
         it is neither room to make nor a victim)."""
         with self._lock:
-            old = self._lru.get(block_hash)
-            if old is not None:
-                self._lru.move_to_end(block_hash)
-            return self._usage - (old or 0) + size - self.max_bytes
+            return self._lru.room_needed(block_hash, size, self.max_bytes)
 
     def _drop(self, reason: str) -> bool:
         with self.stats.lock:
@@ -282,21 +273,17 @@ class DiskStore:
         over those retained until later than now; returns the bytes freed (less when not enough could go)."""
         freed, now = 0, time.time()
         with self._lock:
-            victims, planned = [], 0
-            for block_hash, size in self._lru.items():
-                if planned >= num_bytes:
-                    break
+            def retained(block_hash: bytes) -> bool:
                 kept = self._retained.get(block_hash)
-                if kept is None or kept[0] <= now:
-                    victims.append((block_hash, size))
-                    planned += size
-            for block_hash, size in victims:
+                return kept is not None and kept[0] > now
+
+            for block_hash, size in self._lru.victims(num_bytes, keep=retained):
                 try:
                     os.unlink(layout.object_path(self.root, block_hash))
                 except FileNotFoundError:
                     pass  # deleted by another process: its bytes are gone all the same
                 except OSError:
-                    self._lru.move_to_end(block_hash)
+                    self._lru.refresh(block_hash)
                     continue
                 if self._retained.pop(block_hash, None) is not None:  # an expired retention: its note goes too
                     try:
