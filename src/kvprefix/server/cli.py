@@ -8,7 +8,7 @@ from kvprefix.cache import COLLISION_SAFE_ALGOS, HASH_ALGOS
 from kvprefix.engine.args import DEFAULT_KV_DISK_SIZE, QUANTIZATION_METHODS
 from kvprefix.paths import ReadableFile, WritableDir, WritableFile
 from kvprefix.tiers.retention import RETENTIONS
-from kvprefix.tiers.sizes import parse_size
+from kvprefix.tiers.sizes import size_argument
 
 # The KV cache fraction shared out as tenants' reserved room when there are tenants (docs/security.md): half stays
 # shared LRU room for whoever is busy; the other half is what idle tenants are owed and others cannot cache in.
@@ -36,18 +36,11 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def _add_tier_arguments(parser: argparse.ArgumentParser) -> None:
     tier = parser.add_argument_group("persistent KV tier (docs/tiers.md)")
     tier.add_argument("--kv-disk", default=None, metavar="DIR", action=WritableDir,
                       help="keep computed blocks' KV in DIR (verified on load): cached prefixes survive restarts")
-    tier.add_argument("--kv-disk-size", type=_size, default=DEFAULT_KV_DISK_SIZE, metavar="SIZE",
+    tier.add_argument("--kv-disk-size", type=size_argument, default=DEFAULT_KV_DISK_SIZE, metavar="SIZE",
                       help=f"with --kv-disk: its byte budget, least recently used blocks deleted past it "
                            f"(e.g. 20GiB, 500MB; default {DEFAULT_KV_DISK_SIZE})")
     tier.add_argument("--kv-disk-queue", type=_positive_int, default=256, metavar="BLOCKS",
@@ -56,7 +49,7 @@ def _add_tier_arguments(parser: argparse.ArgumentParser) -> None:
                       help="with --kv-disk: what a request that asks for no retention gets (prompt_cache_retention, "
                            "cache_control.ttl): in_memory = never written below the pool; 5m, 1h, 24h = written and "
                            "kept at least that long (default: written, least recently used deleted first)")
-    tier.add_argument("--kv-retention-budget", type=_size, default=None, metavar="SIZE",
+    tier.add_argument("--kv-retention-budget", type=size_argument, default=None, metavar="SIZE",
                       help="with --kv-disk: bytes of retained blocks each tenant may hold; a request past it gets "
                            "400 (default: half of --kv-disk-size)")
 

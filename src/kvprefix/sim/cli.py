@@ -11,7 +11,8 @@ import sys
 
 from kvprefix.paths import ReadableDir, ReadableFile, WritableFile
 from kvprefix.sim.formats import FORMATS
-from kvprefix.sim.replay import MODES, ROUTINGS
+from kvprefix.sim.replay import DEFAULT_KV_BYTES_PER_TOKEN, MODES, ROUTINGS
+from kvprefix.tiers.sizes import size_argument
 
 
 def _positive_int(text: str) -> int:
@@ -115,6 +116,12 @@ def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
         help="session, prefix, kv-events: pass over replicas above this x the mean load (default 1.25)",
     )
     c.add_argument("--seed", type=int, default=0, help="seed of the random routing (default 0)")
+    c.add_argument("--disk-capacity", type=size_argument, default=None, metavar="BYTES",
+                   help="a disk tier of this many bytes below each replica's pool (e.g. 20GiB; as kvprefix serve "
+                        "--kv-disk-size), reporting the hit rate per tier: pool, disk, miss (default: none)")
+    c.add_argument("--kv-bytes-per-token", type=_positive_int, default=DEFAULT_KV_BYTES_PER_TOKEN, metavar="BYTES",
+                   help="a block's size on the disk tier per token (default "
+                        f"{DEFAULT_KV_BYTES_PER_TOKEN:,}: the default model's KV in bfloat16)")
 
 
 def _timing_and_output_arguments(parser: argparse.ArgumentParser) -> None:
@@ -185,6 +192,8 @@ def _simulate(args: argparse.Namespace) -> int:
         decode_tps=args.decode_tps,
         load_cap=args.load_cap,
         seed=args.seed,
+        disk_capacity_bytes=args.disk_capacity,
+        kv_bytes_per_token=args.kv_bytes_per_token,
     )
     summaries = sweep(trace, capacities, args.replicas, args.routing, base, progress=not args.no_progress)
     print(format_table(summaries))

@@ -24,3 +24,13 @@ def parse_size(text: str) -> int:
     if size < 1:
         raise ValueError(f"size {text!r} must be at least one byte")
     return size
+
+
+def size_argument(text: str) -> int:
+    """``parse_size`` as an argparse type: a bad size is the option's one-line usage error."""
+    import argparse
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
