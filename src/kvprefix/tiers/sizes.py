@@ -34,3 +34,12 @@ def size_argument(text: str) -> int:
         return parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def format_size(num_bytes: int) -> str:
+    """``num_bytes`` as people read a power-of-two size: "64MiB", "1.5GiB", "512B" (``parse_size`` reads it back
+    within rounding)."""
+    for unit, scale in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.3g}{unit}"
+    return f"{num_bytes}B"
