@@ -4,7 +4,10 @@ only make room by deleting retained objects is dropped (counted) so the byte bud
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import time
 
 from support.tier_blocks import SPEC, chain
@@ -66,3 +69,17 @@ def test_retaining_a_held_block_only_extends_its_time(tmp_path) -> None:
     assert store.retain(b.block_hash, time.time() + 60, "alice")  # an earlier time does not shorten it
     assert abs(os.stat(layout.retention_path(store.root, b.block_hash)).st_mtime - later) < 1
     assert not store.retain(chain(2, seed=9)[1].block_hash, later, "alice")  # not held: nothing to retain
+
+
+def test_cache_stats_counts_retained_blocks_per_tenant(tmp_path) -> None:
+    blocks = chain(4)
+    store = DiskStore(str(tmp_path), 10 * SIZE, SPEC)
+    store.store(blocks[0], time.time() + DAY, "alice")
+    store.store(blocks[1], time.time() + DAY, "alice")
+    store.store(blocks[2], time.time() + DAY, "bob")
+    store.store(blocks[3], time.time() - 1, "bob")  # expired: an ordinary object
+    r = subprocess.run([sys.executable, "-m", "kvprefix.cli", "cache", "stats", str(tmp_path), "--json"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["blocks"] == 4 and out["retained"] == {"alice": 2, "bob": 1}

@@ -42,7 +42,8 @@ def run(args: argparse.Namespace) -> int:
             out = result.to_dict()
             text = [f"{result.bytes} bytes in {result.blocks} blocks ({result.unreadable} unreadable)",
                     *(f"namespace {ns}: {n} blocks" for ns, n in result.namespaces.most_common()),
-                    *(f"model {m}: {n} blocks" for m, n in result.models.most_common())]
+                    *(f"model {m}: {n} blocks" for m, n in result.models.most_common()),
+                    *(f"retained by tenant {t or '(no keys)'}: {n} blocks" for t, n in result.retained.most_common())]
             bad = False
         elif args.action == "verify":
             result = admin.verify(args.dir, args.delete, None if args.json else _progress())
