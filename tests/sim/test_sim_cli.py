@@ -34,7 +34,7 @@ def test_sweep_writes_table_json_and_plot(traces_dir, tmp_path, capsys):
     "args, message",
     [
         (["simulate"], "give a trace file"),
-        (["simulate", "/nonexistent/trace.jsonl"], "No such file"),
+        (["simulate", "/nonexistent/trace.jsonl"], "trace /nonexistent/trace.jsonl: no such file"),
         (["simulate", "{trace}", "--capacity", "lots"], "expected sizes like"),
         (["simulate", "{trace}", "--routing", "fastest"], "unknown routing 'fastest'"),
         (["simulate", "{trace}", "--replicas", "0"], "expected a positive integer"),

@@ -12,6 +12,7 @@ import threading
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support import tmpfs
 from support.tier_blocks import SPEC, chain, expected
 
 from kvprefix.tiers import DiskStore
@@ -145,7 +146,7 @@ def test_start_refuses_a_file_and_an_unwritable_directory(tmp_path) -> None:
     f.write_text("x")
     with pytest.raises(ValueError, match="not a directory"):
         DiskStore(str(f), BIG, SPEC)
-    with pytest.raises(ValueError, match="cannot be written"):
+    with pytest.raises(ValueError, match="cannot write in /proc"):
         DiskStore("/proc/kvprefix-tier-test", BIG, SPEC)  # /proc takes no new directories, even from root
 
 
@@ -258,16 +259,8 @@ def test_usage_matches_the_files_and_stays_within_budget(tmp_path_factory, budge
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A real 1 MiB tmpfs (needs the right to mount: skipped without it), unmounted at the end."""
-    import subprocess
-
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
+    with tmpfs.small_tmpfs(tmp_path / "small") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=True)
 
 
 def test_a_full_disk_drops_writes_counted_and_leaves_only_whole_objects(small_tmpfs) -> None:
@@ -284,8 +277,6 @@ def test_a_full_disk_drops_writes_counted_and_leaves_only_whole_objects(small_tm
 
 
 def test_a_read_only_file_system_is_refused_at_start(small_tmpfs) -> None:
-    import subprocess
-
-    subprocess.run(["mount", "-o", "remount,ro", str(small_tmpfs)], check=True)
+    tmpfs.remount_read_only(small_tmpfs)
     with pytest.raises(ValueError, match="read-only file system"):
         DiskStore(str(small_tmpfs / "tier"), BIG, SPEC)

@@ -92,7 +92,7 @@ def test_objects_carry_the_ttl_asked_for(fresh) -> None:
     a, b, c = chain(3)
     store = RedisStore(fresh.url, SPEC, ttl=3600, **FAST)
     store.store(a)
-    store.store(b, ttl=60)
+    store.store(b, retain_until=time.time() + 60)
     RedisStore(fresh.url, SPEC, **FAST).store(c)
     with fresh.client() as client:
         ttls = [client.ttl(store.key(x.namespace, x.block_hash)) for x in (a, b, c)]

@@ -14,8 +14,11 @@ from kvprefix.doctor.examples import fix_text, replay_example, unique_example
 from kvprefix.doctor.kinds import KINDS
 from kvprefix.doctor.observe import Observation, Requests
 from kvprefix.doctor.replaying import Replayer, Setting, Timing
+from kvprefix.sim.replay import DEFAULT_KV_BYTES_PER_TOKEN
+from kvprefix.tiers.sizes import format_size
 
 _MAX_CAPACITY_STEPS = 16
+_FIRST_DISK_BYTES = 64 * 2**20  # the disk sizes tried: 64 MiB, doubling (as many steps as for the capacity)
 Replay = Callable[[Variant, Setting], array]
 
 
@@ -98,15 +101,28 @@ def _cause(obs: Observation, kind: str, variant: Variant, after: array, now: arr
 
 
 def _capacity_needed(base: Variant, replay: Replay, setting: Setting, unbounded: array) -> str:
-    """The smallest capacity (doubling from --capacity) at which nothing evicted is lost."""
+    """The smallest capacity (doubling from --capacity) at which nothing evicted is lost, and the smallest disk
+    tier below the present pool (``kvprefix serve --kv-disk-size``, doubling from 64 MiB) that keeps the same."""
     goal = sum(unbounded)
-    blocks = setting.capacity_blocks
+    blocks, found = setting.capacity_blocks, []
     for _ in range(_MAX_CAPACITY_STEPS):
         blocks *= 2
         if blocks >= base.distinct_blocks + base.max_blocks or sum(
                 replay(base, Setting(blocks, setting.per_replica, setting.in_flight))) >= goal:
-            return f"a capacity of {blocks * base.block_size} tokens per replica keeps it"
-    return ""
+            found.append(f"a capacity of {blocks * base.block_size} tokens per replica keeps it")
+            break
+    disk = _FIRST_DISK_BYTES
+    everything = (base.distinct_blocks + base.max_blocks) * base.block_size * DEFAULT_KV_BYTES_PER_TOKEN
+    for _ in range(_MAX_CAPACITY_STEPS):
+        if disk >= everything or sum(replay(base, Setting(setting.capacity_blocks, setting.per_replica,
+                                                          setting.in_flight, disk))) >= goal:
+            found.append(f"{'so does' if found else 'keeps it:'} a disk tier of {format_size(disk)} below the pool "
+                         f"(kvprefix serve --kv-disk "
+                         f"--kv-disk-size {format_size(disk)}, at the default model's "
+                         f"{DEFAULT_KV_BYTES_PER_TOKEN:,} bytes of KV per token)")
+            break
+        disk *= 2
+    return "; ".join(found)
 
 
 def _ratio(a: float, b: float) -> float:

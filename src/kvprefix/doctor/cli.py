@@ -9,6 +9,8 @@ import argparse
 import json
 import sys
 
+from kvprefix.paths import ReadableFile, WritableFile
+
 
 def _positive_int(text: str) -> int:
     try:
@@ -21,7 +23,7 @@ def _positive_int(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("log", help="JSONL of OpenAI request bodies, or a kvprefix serve --request-log file")
+    parser.add_argument("log", action=ReadableFile, help="JSONL of OpenAI request bodies, or a kvprefix serve --request-log file")
     parser.add_argument("--model", help="checkpoint whose tokenizer and chat template render the prompts "
                                         "(default: kvprefix's default model)")
     parser.add_argument("--identity", metavar="URL|FILE",
@@ -32,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capacity", type=_positive_int,
                         help="KV capacity per replica in tokens, e.g. 1e6 (default: unbounded)")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    parser.add_argument("--html", metavar="OUT", help="also write the report as an HTML page")
+    parser.add_argument("--html", metavar="OUT", action=WritableFile, help="also write the report as an HTML page")
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress on stderr (a bar on a terminal, else a line every 10 s)")
 

@@ -23,6 +23,7 @@ class Setting:
     capacity_blocks: int | None
     per_replica: bool  # each request on the replica the log names (its own pool) instead of one replica
     in_flight: bool  # a block still being computed by an earlier request cannot be hit yet
+    disk_bytes: int | None = None  # a disk tier of this many bytes below each pool (the planner's; bounded pools)
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ class Replayer:
 
     def cached_tokens(self, variant: Variant, setting: Setting) -> array:
         """Cached prompt tokens per request (log order)."""
-        key = (_content_key(variant), setting.capacity_blocks, setting.per_replica)
+        key = (_content_key(variant), setting.capacity_blocks, setting.per_replica, setting.disk_bytes)
         raw = self._raw.get(key)
         if raw is None:
             raw = self._raw[key] = self._replay(variant, setting)
@@ -60,7 +61,7 @@ class Replayer:
             if setting.capacity_blocks is None:
                 unbounded_replay(variant, members, cached)
             else:
-                planner_replay(variant, members, setting.capacity_blocks, cached)
+                planner_replay(variant, members, setting.capacity_blocks, cached, setting.disk_bytes)
         return cached
 
 
@@ -69,12 +70,13 @@ def _content_key(variant: Variant) -> tuple:
     return variant.block_size, variant.leaves.tobytes(), variant.tokens.tobytes()
 
 
-def planner_replay(variant: Variant, members: Sequence[int], capacity_blocks: int, cached: array) -> None:
+def planner_replay(variant: Variant, members: Sequence[int], capacity_blocks: int, cached: array,
+                   disk_bytes: int | None = None) -> None:
     """Sets ``cached[i]``, for each request of ``members`` replayed in that order through the planner (one pool of
-    ``capacity_blocks``), to the tokens its cache served."""
+    ``capacity_blocks``, with a disk tier of ``disk_bytes`` below it if given), to the tokens its caches served."""
     bs = variant.block_size
     trace = Trace(variant.name, bs, TraceView(variant, members))  # type: ignore[arg-type]
-    rec = replay(trace, ReplayConfig(capacity_blocks=capacity_blocks, mode="order"))
+    rec = replay(trace, ReplayConfig(capacity_blocks=capacity_blocks, mode="order", disk_capacity_bytes=disk_bytes))
     for i, blocks in zip(members, rec.cached_blocks, strict=True):
         cached[i] = blocks * bs
 

@@ -21,7 +21,9 @@ class EngineArgs:
     docs/engine.md). ``quantization`` (CPU only): "int8", "int4" or "gguf" compact weights (docs/model.md).
     ``kv_disk``: a directory for the persistent KV tier, at most ``kv_disk_size`` (bytes, or "20GiB"), writes
     queued up to ``kv_disk_queue`` blocks (docs/tiers.md). ``kv_shared``: a ``redis://`` URL for the shared tier
-    (keys under ``kv_shared_prefix``, each call bounded by ``kv_shared_timeout`` seconds)."""
+    (keys under ``kv_shared_prefix``, each call bounded by ``kv_shared_timeout`` seconds). ``kv_retention``: what
+    a request that asks for nothing gets ("in_memory", "5m", "1h", "24h"; None: written, LRU), within
+    ``kv_retention_budget`` retained bytes per tenant (default: half of ``kv_disk_size``; docs/tiers.md#retention)."""
 
     model: str | None = None
     dtype: str = "auto"
@@ -47,3 +49,5 @@ class EngineArgs:
     kv_shared: str | None = None
     kv_shared_timeout: float = DEFAULT_TIMEOUT
     kv_shared_prefix: str = DEFAULT_KEY_PREFIX
+    kv_retention: str | None = None
+    kv_retention_budget: int | str | None = None

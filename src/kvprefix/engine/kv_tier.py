@@ -7,12 +7,16 @@ verified on a loader thread straight into fresh pool blocks while the engine kee
 prefill starts at the first block found nowhere. Writes: every block the pool registers (``BlockStored``) is copied
 out once and queued to each tier but the one it was just loaded from, on that tier's write-behind thread, which
 skips what its tier holds already; a full queue drops the write (counted): a step never waits for a tier.
+Retention: ``admit`` checks a request's retention against its tenant's budget and notes it for the request's
+blocks not yet in the pool, which the writes then honour (docs/tiers.md#retention).
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import time
+from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -23,9 +27,12 @@ from kvprefix.cache.identity import BlockIdentity
 from kvprefix.engine.tier_loads import TierLoads
 from kvprefix.model import ModelConfig
 from kvprefix.tiers import BlockObject, BlockStore, DiskStore, KVSpec, RedisStore, parse_size
+from kvprefix.tiers.objects import object_bytes
+from kvprefix.tiers.retention import IN_MEMORY, check_retention, retained_seconds
 from kvprefix.tiers.write_behind import WriteBehind
 
 log = logging.getLogger(__name__)
+MAX_NOTED_BLOCKS = 1 << 16  # retentions noted for blocks not yet registered (an aborted request's are dropped oldest first)
 
 
 def kv_spec(identity: BlockIdentity, config: ModelConfig, dtype: torch.dtype) -> KVSpec:
@@ -40,8 +47,10 @@ class KVTier:
     """The chain of tiers under one engine's pool: loads into it at admission, writes behind it after each step."""
 
     def __init__(self, stores: list[BlockStore], spec: KVSpec, manager: KVCacheManager, kv_caches: list,
-                 max_queue: int = 256):
+                 max_queue: int = 256, retention_budget: int | None = None):
         self.stores, self.spec, self.manager = stores, spec, manager
+        self.retention_budget = stores[0].max_bytes // 2 if retention_budget is None else retention_budget
+        self._noted: OrderedDict[bytes, tuple[str, str]] = OrderedDict()  # block hash -> (retention, tenant)
         self.layers = [layer.kv for layer in kv_caches]  # each [num_blocks, block_size, 2 * kv_heads, head_size]
         # Byte views of each layer's blocks: on CPU the paged tensors themselves (loads read straight into them,
         # stores copy out of them), elsewhere one host block that loads stage through.
@@ -59,6 +68,35 @@ class KVTier:
         """Prompt tokens loaded from each tier into the pool, by tier name."""
         return self.loads.hit_tokens
 
+    # ---- retention
+
+    def admit(self, retention: str | None, tenant: str, namespace: str, block_hashes: list) -> None:
+        """Notes a new request's ``retention`` for its prompt blocks not in the pool, and retains those the tiers
+        hold already; ValueError when a duration would take ``tenant`` past its retained-bytes budget."""
+        if retention is None:
+            return
+        seconds = retained_seconds(retention)
+        if seconds is not None:
+            need = len(block_hashes) * object_bytes(self.spec, namespace, len(block_hashes[0]) if block_hashes else 0)
+            held = sum(store.retained_bytes(tenant, besides=block_hashes) for store in self.stores)
+            if held + need > self.retention_budget:
+                raise ValueError(
+                    f"retention {retention!r} of this prompt's {len(block_hashes)} blocks ({need} bytes) would take "
+                    f"tenant {tenant or 'default'!r} past its {self.retention_budget}-byte budget of retained KV "
+                    f"({held} bytes held; --kv-retention-budget)")
+            until = time.time() + seconds
+            for writer in self.writers:  # on the writer thread: a tier that lacks a block passes it over
+                writer.submit_retain(block_hashes, until, tenant)
+        cached = self.manager.pool.cached_blocks
+        for block_hash in block_hashes:  # to be computed or loaded: its write honours the retention
+            if block_hash not in cached:
+                self._noted[block_hash] = (retention, tenant)
+                self._noted.move_to_end(block_hash)
+        while len(self._noted) > MAX_NOTED_BLOCKS:
+            self._noted.popitem(last=False)
+
+    # ---- loads and writes
+
     def _spans(self, block_id: int) -> list[memoryview]:
         """Where a block's payload goes, layer by layer: the block itself on CPU, else the host staging block."""
         row = block_id if self._on_cpu else 0
@@ -72,8 +110,6 @@ class KVTier:
         for layer, staged in zip(self.layers, self._bytes, strict=True):
             layer[block_id].view(-1).view(torch.uint8).copy_(torch.from_numpy(staged[0]))
 
-    # ---- writes
-
     def _on_event(self, event) -> None:
         if not isinstance(event, BlockStored) or event.token_ids is None:
             return
@@ -82,8 +118,11 @@ class KVTier:
         for k, block_hash in enumerate(event.block_hashes):
             block = pool.cached_blocks.get(block_hash)
             prev, parent = parent, block_hash
-            if block is None or prev is None:
+            retention, tenant = self._noted.pop(block_hash, (None, ""))
+            if block is None or prev is None or retention == IN_MEMORY:
                 continue
+            seconds = retained_seconds(retention)
+            until = None if seconds is None else time.time() + seconds
             obj = None  # copied out once, for the first tier that has room
             source = self.loads.registering.get(block_hash)  # the tier it was just loaded from, if any
             for tier, writer in enumerate(self.writers):
@@ -96,7 +135,7 @@ class KVTier:
                     tokens = tuple(event.token_ids[k * bs : (k + 1) * bs])
                     obj = BlockObject(self.spec, event.namespace, block_hash, prev, tokens,
                                       self._copy_out(block.block_id))
-                writer.submit(obj)
+                writer.submit(obj, until, tenant)
 
     @torch.inference_mode()
     def _copy_out(self, block_id: int) -> bytes:
@@ -135,6 +174,9 @@ def open_kv_tier(args, identity: BlockIdentity, config: ModelConfig, dtype: torc
         raise ValueError(f"{option} needs prefix caching (blocks are found by their hash)")
     if args.kv_disk_queue < 1:
         raise ValueError(f"kv_disk_queue must be >= 1, got {args.kv_disk_queue}")
+    check_retention(args.kv_retention)
+    budget = args.kv_retention_budget
+    budget = parse_size(budget) if isinstance(budget, str) else budget
     spec = kv_spec(identity, config, dtype)
     stores: list[BlockStore] = []
     if args.kv_disk:
@@ -147,4 +189,4 @@ def open_kv_tier(args, identity: BlockIdentity, config: ModelConfig, dtype: torc
         shared = RedisStore(args.kv_shared, spec, timeout=args.kv_shared_timeout, key_prefix=args.kv_shared_prefix)
         log.info("kv shared tier %s: keys under %r", shared.url.redacted, shared.key_prefix)
         stores.append(shared)
-    return KVTier(stores, spec, manager, kv_caches, args.kv_disk_queue)
+    return KVTier(stores, spec, manager, kv_caches, args.kv_disk_queue, budget)

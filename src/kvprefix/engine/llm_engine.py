@@ -177,6 +177,9 @@ class LLMEngine:
                 s.matcher = self.sampler.grammar_masks.matcher(grammar)
         metrics = RequestMetrics(arrival_time if arrival_time is not None else time.monotonic())
         prompt_hashes = samples[0].block_hashes[: len(ids) // hasher.block_size]
+        if self.kv_tier is not None:  # a retention past the tenant's budget: ValueError, nothing queued yet
+            self.kv_tier.admit(params.kv_retention or self.args.kv_retention, tenant or "", hasher.namespace_id,
+                               prompt_hashes)
         user_request = _UserRequest(request_id, samples, metrics)
         self._requests[request_id] = user_request
         for s in samples:

@@ -55,6 +55,8 @@ def _tier_stats(kv_tier) -> dict[str, int]:
             out |= {f"{name}_verify_failures_{r}": n for r, n in stats.verify_failures.items()}
             out |= {f"{name}_dropped_writes_{r}": n for r, n in stats.dropped_writes.items()}
             out |= {f"{name}_failures_{r}": n for r, n in stats.failures.items()}
+            out |= stats.load_seconds.flat(f"{name}_load_seconds") | stats.store_seconds.flat(f"{name}_store_seconds")
+            out[f"{name}_lookup_tokens"] = stats.lookup_blocks * kv_tier.manager.block_size
         out[f"{name}_hit_tokens"] = kv_tier.hit_tokens[store.name]
         out[f"{name}_max_bytes"] = store.max_bytes
     return out

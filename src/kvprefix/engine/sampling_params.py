@@ -6,6 +6,8 @@ import copy
 import math
 from dataclasses import dataclass, field
 
+from kvprefix.tiers.retention import check_retention
+
 # Below this temperature sampling is greedy (vLLM uses the same cut-off).
 GREEDY_TEMPERATURE = 1e-5
 # What the sampler's tensors and generators can hold: integers beyond these overflow torch (int64, seeds).
@@ -40,6 +42,8 @@ class SamplingParams:
     per step plus the sampled one (raw distribution); ``min_tokens``: nothing stops a sample before it.
     ``prompt_logprobs`` k: such a request reads nothing from the prefix cache (cached tokens have no logits).
     ``structured_outputs``: the output stays in the language; the sample stops when it allows nothing more.
+    ``kv_retention``: how the prompt's blocks are kept below the pool ("in_memory", "5m", "1h", "24h"; None: the
+    engine's ``kv_retention``; docs/tiers.md#retention).
     """
 
     n: int = 1
@@ -61,6 +65,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    kv_retention: str | None = None
     # Normalized forms, filled in by __post_init__.
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
     stop_token_set: frozenset[int] = field(init=False, repr=False)
@@ -97,6 +102,7 @@ class SamplingParams:
         for t in self.stop_token_ids or []:
             _check_int("stop_token_ids", t, minimum=0, accepted="a list of token ids >= 0")
         self.stop_token_set = frozenset(self.stop_token_ids or ())
+        check_retention(self.kv_retention)
 
     def for_sample(self, index: int) -> SamplingParams:
         """The params of sample ``index`` of an n > 1 request: n=1 and a distinct but reproducible seed. A copy,

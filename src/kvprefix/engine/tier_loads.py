@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -194,11 +195,22 @@ class TierLoads:
     def _read(self, expected: list[Expected], sources: list[int], block_ids: list[int]) -> int:
         """Reads and verifies blocks in order into ``block_ids``; returns how many verified (a block that does not
         is left out, and so is everything after it: a chain continues only from a verified parent)."""
-        for i, block_id in enumerate(block_ids):
-            if not self.stores[sources[i]].load_into(expected[i], self._spans(block_id)):
-                return i
-            self._stage_in(block_id)
-        return len(block_ids)
+        spent = [0.0] * len(self.stores)  # seconds of this run, by tier (each tier's load latency)
+        try:
+            for i, block_id in enumerate(block_ids):
+                start = time.perf_counter()
+                ok = self.stores[sources[i]].load_into(expected[i], self._spans(block_id))
+                if ok:
+                    self._stage_in(block_id)
+                spent[sources[i]] += time.perf_counter() - start
+                if not ok:
+                    return i
+            return len(block_ids)
+        finally:
+            for store, seconds in zip(self.stores, spent, strict=True):
+                if seconds:
+                    with store.stats.lock:
+                        store.stats.load_seconds.observe(seconds)
 
     @staticmethod
     def _result(future: Future, default):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from kvprefix.paths import ReadableFile
 from kvprefix.router.policies import POLICIES
 
 
@@ -26,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random choices (ties, two choices)")
     parser.add_argument("--health-interval", type=float, default=1.0, help="seconds between health checks")
     parser.add_argument("--api-key", default=None, help="as for kvprefix serve: callers form the tenant 'default'")
-    parser.add_argument("--api-keys-file", default=None, help='as for kvprefix serve: {"<key>": "<tenant>"}')
+    parser.add_argument("--api-keys-file", default=None, action=ReadableFile, help='as for kvprefix serve: {"<key>": "<tenant>"}')
     parser.add_argument("--admin-key", default=None,
                         help="the replicas' admin key: guards the router's /metrics and cache resets, and reads "
                              "the replicas' KV events")

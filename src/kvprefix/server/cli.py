@@ -6,8 +6,10 @@ import argparse
 
 from kvprefix.cache import COLLISION_SAFE_ALGOS, HASH_ALGOS
 from kvprefix.engine.args import DEFAULT_KV_DISK_SIZE, QUANTIZATION_METHODS
+from kvprefix.paths import ReadableFile, WritableDir, WritableFile
 from kvprefix.tiers.redis_store import DEFAULT_KEY_PREFIX, DEFAULT_TIMEOUT
-from kvprefix.tiers.sizes import parse_size
+from kvprefix.tiers.retention import RETENTIONS
+from kvprefix.tiers.sizes import size_argument
 
 # The KV cache fraction shared out as tenants' reserved room when there are tenants (docs/security.md): half stays
 # shared LRU room for whoever is busy; the other half is what idle tenants are owed and others cannot cache in.
@@ -35,22 +37,22 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def _add_tier_arguments(parser: argparse.ArgumentParser) -> None:
     tier = parser.add_argument_group("persistent KV tier (docs/tiers.md)")
-    tier.add_argument("--kv-disk", default=None, metavar="DIR",
+    tier.add_argument("--kv-disk", default=None, metavar="DIR", action=WritableDir,
                       help="keep computed blocks' KV in DIR (verified on load): cached prefixes survive restarts")
-    tier.add_argument("--kv-disk-size", type=_size, default=DEFAULT_KV_DISK_SIZE, metavar="SIZE",
+    tier.add_argument("--kv-disk-size", type=size_argument, default=DEFAULT_KV_DISK_SIZE, metavar="SIZE",
                       help=f"with --kv-disk: its byte budget, least recently used blocks deleted past it "
                            f"(e.g. 20GiB, 500MB; default {DEFAULT_KV_DISK_SIZE})")
     tier.add_argument("--kv-disk-queue", type=_positive_int, default=256, metavar="BLOCKS",
                       help="with --kv-disk: blocks waiting to be written; past it writes are dropped (counted)")
+    tier.add_argument("--kv-retention", default=None, choices=RETENTIONS,
+                      help="with --kv-disk: what a request that asks for no retention gets (prompt_cache_retention, "
+                           "cache_control.ttl): in_memory = never written below the pool; 5m, 1h, 24h = written and "
+                           "kept at least that long (default: written, least recently used deleted first)")
+    tier.add_argument("--kv-retention-budget", type=size_argument, default=None, metavar="SIZE",
+                      help="with --kv-disk: bytes of retained blocks each tenant may hold; a request past it gets "
+                           "400 (default: half of --kv-disk-size)")
     shared = parser.add_argument_group("shared KV tier on Redis (docs/tiers.md)")
     shared.add_argument("--kv-shared", default=None, metavar="URL",
                         help="redis://[:password@]HOST:PORT/DB (rediss:// for TLS): blocks every replica on that "
@@ -106,7 +108,7 @@ def _server_arguments(parser: argparse.ArgumentParser) -> None:
 def _tenancy_and_log_arguments(parser: argparse.ArgumentParser) -> None:
     sec = parser.add_argument_group("tenancy and admin (docs/security.md)")
     sec.add_argument("--api-key", default=None, help="one API key; its callers form the tenant 'default'")
-    sec.add_argument("--api-keys-file", default=None,
+    sec.add_argument("--api-keys-file", default=None, action=ReadableFile,
                      help='JSON object {"<key>": "<tenant>"}: each tenant gets its own cache salt')
     sec.add_argument("--admin-key", default=None,
                      help="key for POST /reset_prefix_cache, /flush_cache and GET /metrics")
@@ -118,7 +120,7 @@ def _tenancy_and_log_arguments(parser: argparse.ArgumentParser) -> None:
                           f"{DEFAULT_TENANT_KV_RESERVE} with keys, else 0)")
 
     logs = parser.add_argument_group("request log (docs/request-log.md)")
-    logs.add_argument("--request-log", default=None, metavar="PATH", help="append one JSON line per prompt")
+    logs.add_argument("--request-log", default=None, metavar="PATH", action=WritableFile, help="append one JSON line per prompt")
     logs.add_argument("--request-log-prompts", action="store_true",
                       help="also log raw prompt text (off by default: prompts may hold private data)")
 

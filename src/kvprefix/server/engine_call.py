@@ -89,7 +89,7 @@ def _sampling(req: CompletionRequest | ChatCompletionRequest, max_tokens: int) -
                               logprobs=req.num_logprobs(), min_tokens=req.min_tokens,
                               include_stop_str_in_output=req.include_stop_str_in_output,
                               skip_special_tokens=req.skip_special_tokens, prompt_logprobs=req.prompt_logprobs,
-                              **kwargs)
+                              kv_retention=req.kv_retention(), **kwargs)
     except ValueError as exc:  # the engine's own range checks, should ours ever be looser
         raise bad_request(str(exc)) from None
 

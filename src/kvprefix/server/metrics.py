@@ -95,7 +95,7 @@ class _EngineCollector:
                                  labels=[*labels, *self._cache_config])
         info.add_metric([*self._labels, *self._cache_config.values()], 1.0)
         yield info
-        yield from tier_families(values, lambda n: metric_name(ns, n, False), labels, self._labels)
+        yield from tier_families(values, lambda n, in_vllm: metric_name(ns, n, in_vllm), labels, self._labels)
         # The inference extension's endpoint picker reads this for LoRA affinity: no adapters here.
         lora = GaugeMetricFamily(metric_name(ns, "lora_requests_info"), "Running and waiting LoRA adapters",
                                  labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])

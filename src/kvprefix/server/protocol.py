@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from kvprefix.engine.sampling_params import MAX_SEED, MAX_STOP_TOKEN_IDS, MAX_TOP_K, StructuredOutputsParams
 from kvprefix.http.errors import APIError
+from kvprefix.tiers.retention import longest
 
 MAX_N = 16  # choices per request; each one is a sequence in the engine
 MAX_STOP = 4  # as in the OpenAI API
@@ -135,6 +136,9 @@ class _SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=MAX_ID_LEN)
     prompt_cache_key: str | None = Field(None, max_length=MAX_ID_LEN)
+    # OpenAI's: how long the prompt's KV is kept below the pool (docs/tiers.md#retention); "in-memory" is the
+    # spelling of clients older than openai-python's fix.
+    prompt_cache_retention: Literal["in_memory", "in-memory", "24h"] | None = None
     # Subdivides the caller's tenant cache namespace; validated in tenancy.py.
     cache_salt: str | None = None
     # vLLM's: names the response (and the engine requests) when no x-request-id header does.
@@ -177,6 +181,11 @@ class _SamplingFields(_Body):
                            param=found[1][1])
         return found[0] if found else (None, None)
 
+    def kv_retention(self) -> str | None:
+        """The retention the request asks for (``prompt_cache_retention``), or None: the server's
+        ``--kv-retention``."""
+        return "in_memory" if self.prompt_cache_retention == "in-memory" else self.prompt_cache_retention
+
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
@@ -211,11 +220,18 @@ class CompletionRequest(_SamplingFields):
         return list(p)
 
 
+class CacheControl(_Body):
+    """Anthropic's cache breakpoint (LiteLLM, LangChain pass it on): every full block is cached anyway; a ``ttl``
+    asks the tiers below the pool to keep the prompt that long (docs/tiers.md#retention)."""
+
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
+
+
 class TextPart(_Body):
     type: Literal["text"]
     text: str
-    # Anthropic-style cache breakpoint (LiteLLM, LangChain): nothing to do, every full block is cached (docs/server.md).
-    cache_control: dict[str, Any] | None = None
+    cache_control: CacheControl | None = None
 
 
 # Content part types of OpenAI's API that a text-only model cannot take, and what to tell the caller.
@@ -309,6 +325,12 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def kv_retention(self) -> str | None:
+        """``prompt_cache_retention``, else the longest ``cache_control.ttl`` of the messages' text parts."""
+        return super().kv_retention() or longest(
+            part.cache_control.ttl for m in self.messages if isinstance(m.content, list) for part in m.content
+            if part.cache_control is not None)
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

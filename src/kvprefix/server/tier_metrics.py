@@ -1,11 +1,13 @@
 """Prometheus families of the KV tiers below the pool (``kv_tier_*{tier}``), from the engine's flat metrics
-(``kv_<tier>_<counter>``, ``kv_<tier>_{verify_failures,dropped_writes,failures}_<reason>``)."""
+(``kv_<tier>_<counter>``, ``kv_<tier>_{verify_failures,dropped_writes,failures}_<reason>``,
+``kv_<tier>_{load,store}_seconds_le_<bucket>``), and vLLM's ``external_prefix_cache_{queries,hits}_total`` over
+all tiers (vLLM counts the tokens its KV connector is asked for and loads under these names)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 TIERS = ("disk", "shared")
 COUNTERS = {
@@ -22,6 +24,14 @@ BY_REASON = {
     "dropped_writes": "Writes dropped (full queue, full disk, over budget, store down or refusing), by reason",
     "failures": "Calls the tier's store failed (unavailable, timeout): answered as misses or dropped writes",
 }
+HISTOGRAMS = {
+    "load_seconds": "Seconds to load one request's run of blocks from the tier into the pool (read and verify)",
+    "store_seconds": "Seconds to write one block to the tier (in the write-behind thread)",
+}
+EXTERNAL = {  # vLLM's names, summed over the tiers: what a router or dashboard reading vLLM's finds
+    "external_prefix_cache_queries_total": ("lookup_tokens", "Prompt tokens looked up in the tiers below the pool"),
+    "external_prefix_cache_hits_total": ("hit_tokens", "Prompt tokens loaded from the tiers below the pool"),
+}
 GAUGES = {
     "usage_bytes": "Bytes of objects in the tier (this process's view)",
     "num_objects": "Objects in the tier (this process's view)",
@@ -32,17 +42,31 @@ GAUGES = {
 def tier_families(values: Mapping[str, float], ns_name, labels: list[str], label_values: list[str]
                   ) -> Iterator[Metric]:
     """One family per tier metric, labelled ``tier`` (and ``reason``); nothing when the engine has no tier.
-    ``ns_name(name)`` is the exposed name (ours: vLLM has no tier metrics of these meanings)."""
+    ``ns_name(name, in_vllm)`` is the exposed name (vLLM's for ``EXTERNAL``, ours for the rest: vLLM has no tier
+    metrics of their meanings)."""
     tiers = [t for t in TIERS if f"kv_{t}_lookups" in values]
     if not tiers:
         return
+    for name, (key, doc) in EXTERNAL.items():
+        c = CounterMetricFamily(ns_name(name.removesuffix("_total"), True), doc, labels=labels)
+        c.add_metric(label_values, float(sum(values.get(f"kv_{t}_{key}", 0) for t in tiers)))
+        yield c
+    for key, doc in HISTOGRAMS.items():
+        h = HistogramMetricFamily(ns_name(f"kv_tier_{key}", False), doc, labels=[*labels, "tier"])
+        for t in tiers:
+            prefix = f"kv_{t}_{key}"
+            buckets = [(k.removeprefix(f"{prefix}_le_"), float(v)) for k, v in values.items()
+                       if k.startswith(f"{prefix}_le_")]
+            h.add_metric([*label_values, t], [*buckets, ("+Inf", float(values.get(f"{prefix}_count", 0)))],
+                         float(values.get(f"{prefix}_sum", 0)))
+        yield h
     for key, doc in COUNTERS.items():
-        c = CounterMetricFamily(ns_name(f"kv_tier_{key}"), doc, labels=[*labels, "tier"])
+        c = CounterMetricFamily(ns_name(f"kv_tier_{key}", False), doc, labels=[*labels, "tier"])
         for t in tiers:
             c.add_metric([*label_values, t], float(values.get(f"kv_{t}_{key}", 0)))
         yield c
     for key, doc in BY_REASON.items():
-        c = CounterMetricFamily(ns_name(f"kv_tier_{key}"), doc, labels=[*labels, "tier", "reason"])
+        c = CounterMetricFamily(ns_name(f"kv_tier_{key}", False), doc, labels=[*labels, "tier", "reason"])
         for t in tiers:
             prefix = f"kv_{t}_{key}_"
             for k, v in values.items():
@@ -50,7 +74,7 @@ def tier_families(values: Mapping[str, float], ns_name, labels: list[str], label
                     c.add_metric([*label_values, t, k.removeprefix(prefix)], float(v))
         yield c
     for key, doc in GAUGES.items():
-        g = GaugeMetricFamily(ns_name(f"kv_tier_{key}"), doc, labels=[*labels, "tier"])
+        g = GaugeMetricFamily(ns_name(f"kv_tier_{key}", False), doc, labels=[*labels, "tier"])
         for t in tiers:
             g.add_metric([*label_values, t], float(values.get(f"kv_{t}_{key}", 0)))
         yield g

@@ -9,8 +9,10 @@ import argparse
 import math
 import sys
 
+from kvprefix.paths import ReadableDir, ReadableFile, WritableFile
 from kvprefix.sim.formats import FORMATS
-from kvprefix.sim.replay import MODES, ROUTINGS
+from kvprefix.sim.replay import DEFAULT_KV_BYTES_PER_TOKEN, MODES, ROUTINGS
+from kvprefix.tiers.sizes import size_argument
 
 
 def _positive_int(text: str) -> int:
@@ -65,7 +67,7 @@ def _routing_list(text: str) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "trace", nargs="?", help="trace file (JSONL): Mooncake rows, a kvprefix request log, or OpenAI request bodies"
+        "trace", nargs="?", action=ReadableFile, help="trace file (JSONL): Mooncake rows, a kvprefix request log, or OpenAI request bodies"
     )
     parser.add_argument("--example", choices=["seed"], help="run a built-in example instead of a trace")
     _trace_arguments(parser.add_argument_group("trace"))
@@ -87,7 +89,7 @@ def _trace_arguments(t) -> None:
         help="block size to replay at, a multiple of the trace's (default: the trace's own; for OpenAI bodies "
         "the --identity's, else 16)",
     )
-    t.add_argument("--tokenizer", help="local Hugging Face tokenizer directory (OpenAI request bodies)")
+    t.add_argument("--tokenizer", action=ReadableDir, help="local Hugging Face tokenizer directory (OpenAI request bodies)")
     t.add_argument("--identity", metavar="URL|FILE",
                    help="OpenAI request bodies: hash under a replica's block identity, from its base URL or a JSON "
                         "file of its /v1/models listing (default: the --tokenizer checkpoint's own, float32, sha256)")
@@ -114,6 +116,12 @@ def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
         help="session, prefix, kv-events: pass over replicas above this x the mean load (default 1.25)",
     )
     c.add_argument("--seed", type=int, default=0, help="seed of the random routing (default 0)")
+    c.add_argument("--disk-capacity", type=size_argument, default=None, metavar="BYTES",
+                   help="a disk tier of this many bytes below each replica's pool (e.g. 20GiB; as kvprefix serve "
+                        "--kv-disk-size), reporting the hit rate per tier: pool, disk, miss (default: none)")
+    c.add_argument("--kv-bytes-per-token", type=_positive_int, default=DEFAULT_KV_BYTES_PER_TOKEN, metavar="BYTES",
+                   help="a block's size on the disk tier per token (default "
+                        f"{DEFAULT_KV_BYTES_PER_TOKEN:,}: the default model's KV in bfloat16)")
 
 
 def _timing_and_output_arguments(parser: argparse.ArgumentParser) -> None:
@@ -135,8 +143,8 @@ def _timing_and_output_arguments(parser: argparse.ArgumentParser) -> None:
         "--decode-tps", type=_positive_float, default=50.0, help="decode speed per request, tokens/s (default 50)"
     )
     o = parser.add_argument_group("output")
-    o.add_argument("--json", help="write the summaries as JSON to this path")
-    o.add_argument("--plot", help="write a PNG of hit rate vs capacity, one line per routing, to this path")
+    o.add_argument("--json", action=WritableFile, help="write the summaries as JSON to this path")
+    o.add_argument("--plot", action=WritableFile, help="write a PNG of hit rate vs capacity, one line per routing, to this path")
     o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
@@ -184,6 +192,8 @@ def _simulate(args: argparse.Namespace) -> int:
         decode_tps=args.decode_tps,
         load_cap=args.load_cap,
         seed=args.seed,
+        disk_capacity_bytes=args.disk_capacity,
+        kv_bytes_per_token=args.kv_bytes_per_token,
     )
     summaries = sweep(trace, capacities, args.replicas, args.routing, base, progress=not args.no_progress)
     print(format_table(summaries))

@@ -8,6 +8,9 @@ Two modes:
   decodes alongside the others for ``output_length / decode_tps``. The cache lookup happens when prefill starts
   and blocks are registered when it ends. A request waits while its blocks do not fit; one that could never
   fit, even alone, is rejected.
+
+With ``disk_capacity_bytes`` each replica's pool has a disk tier below it (``sim.disk_tier``): after the pool's
+hits, the blocks the tier holds are loaded and count as disk hits.
 """
 
 from __future__ import annotations
@@ -24,9 +27,12 @@ from kvprefix.router.fleet import FleetView, Replica
 from kvprefix.router.ledger import Ledger
 from kvprefix.router.pending import Routed
 from kvprefix.router.policies import POLICIES, make_policy
+from kvprefix.sim.disk_tier import SimDiskTier
 from kvprefix.sim.trace import Trace, TraceRequest
 
 MODES = ("order", "timed")
+# SmolLM2-135M's (the default model's) KV per token in bfloat16: 30 layers x (K, V) x 3 KV heads x 64 x 2 bytes.
+DEFAULT_KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 2
 SHARED = "shared"  # not a routing policy: one pool of replicas x capacity, the upper bound for any router
 ROUTINGS = (*POLICIES, SHARED)
 
@@ -42,6 +48,8 @@ class ReplayConfig:
     load_cap: float = 1.25
     seed: int = 0
     free_queue_cls: type[FreeBlockQueue] = FreeBlockQueue  # the pools' eviction: its popleft picks the victim
+    disk_capacity_bytes: int | None = None  # a disk tier below each replica's pool; None = none
+    kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN  # a disk object's size per token of its block
 
     def __post_init__(self) -> None:
         if self.capacity_blocks is not None and self.capacity_blocks < 1:
@@ -56,6 +64,8 @@ class ReplayConfig:
             raise ValueError(f"load_cap must be >= 1.0, got {self.load_cap}")
         if self.prefill_tps <= 0 or self.decode_tps <= 0:
             raise ValueError("prefill and decode throughput must be > 0 tokens/s")
+        if self.kv_bytes_per_token < 1:
+            raise ValueError(f"kv_bytes_per_token must be >= 1, got {self.kv_bytes_per_token}")
 
 
 @dataclass
@@ -63,10 +73,12 @@ class ReplayRecords:
     """Per-request outcome, indexed like the trace; replica -1 means rejected (could never fit)."""
 
     replica: list[int]
-    cached_blocks: list[int]
+    cached_blocks: list[int]  # from the pool and the disk tier together
+    disk_blocks: list[int]  # of cached_blocks, those loaded from the disk tier
     wait_s: list[float]
     evictions: list[int]  # per replica
     pool_blocks: list[int]  # per replica
+    disk_evictions: list[int]  # per replica (empty without a disk tier)
     elapsed_s: float
 
 
@@ -91,22 +103,44 @@ def replay(trace: Trace, config: ReplayConfig, progress: bool = False) -> Replay
     else:
         managers = [KVCacheManager(per_replica, bs, free_queue_cls=queue_cls) for _ in range(config.replicas)]
     ledger = None if len(managers) == 1 else Ledger(make_policy(config.routing, config.seed, config.load_cap))
+    disks = _disk_tiers(config, managers, bs)
     n = len(trace.requests)
-    rec = ReplayRecords([-1] * n, [0] * n, [0.0] * n, [], [m.pool.num_blocks for m in managers], 0.0)
+    rec = ReplayRecords([-1] * n, [0] * n, [0] * n, [0.0] * n, [], [m.pool.num_blocks for m in managers], [], 0.0)
     bar = _progress_bar(n, trace.name, progress)
     start = time.perf_counter()
     if config.mode == "order":
-        _replay_order(trace.requests, bs, managers, ledger, rec, bar)
+        _replay_order(trace.requests, bs, managers, disks, ledger, rec, bar)
     else:
         # The shared pool stands for all replicas' memory *and* compute: it prefills replicas x as fast.
         prefill_tps = config.prefill_tps * (config.replicas if config.routing == SHARED else 1)
-        _replay_timed(trace.requests, bs, managers, ledger, prefill_tps, config.decode_tps, rec, bar)
+        _replay_timed(trace.requests, bs, managers, disks, ledger, prefill_tps, config.decode_tps, rec, bar)
     rec.elapsed_s = time.perf_counter() - start
     rec.evictions = [m.stats.evictions for m in managers]
+    rec.disk_evictions = [d.evictions for d in disks]
     if bar is not None:
         bar.update(n - bar.n)
         bar.close()
     return rec
+
+
+def _disk_tiers(config: ReplayConfig, managers: list[KVCacheManager], bs: int) -> list[SimDiskTier]:
+    """One disk tier per pool, written by its events (the shared pool's is replicas x as large); none without
+    ``disk_capacity_bytes``."""
+    if config.disk_capacity_bytes is None:
+        return []
+    scale = config.replicas if config.routing == SHARED else 1
+    disks = [SimDiskTier(config.disk_capacity_bytes * scale, bs * config.kv_bytes_per_token) for _ in managers]
+    for m, d in zip(managers, disks, strict=True):
+        m.events.subscribe(d.on_event)
+    return disks
+
+
+def _disk_hits(disks: list[SimDiskTier], rep: int, req: CacheRequest, num_pool_hits: int, bs: int) -> int:
+    """Blocks after the pool's hits loaded from the replica's disk tier (the last prompt token is always
+    computed, as in the pool's lookup)."""
+    if not disks:
+        return 0
+    return disks[rep].load_following(req.block_hashes[num_pool_hits : (req.num_tokens - 1) // bs])
 
 
 def _progress_bar(total: int, name: str, enabled: bool):
@@ -120,8 +154,8 @@ def _progress_bar(total: int, name: str, enabled: bool):
 _BAR_STEP = 1024  # update the bar every so many requests: tqdm per request would cost more than the replay
 
 
-def _replay_order(reqs: list[TraceRequest], bs: int, managers: list[KVCacheManager], ledger: Ledger | None, rec,
-                  bar) -> None:
+def _replay_order(reqs: list[TraceRequest], bs: int, managers: list[KVCacheManager], disks: list[SimDiskTier],
+                  ledger: Ledger | None, rec, bar) -> None:
     view = pools_view(managers)
     rec_replica, rec_blocks = rec.replica, rec.cached_blocks
     for i, r in enumerate(reqs):
@@ -132,12 +166,14 @@ def _replay_order(reqs: list[TraceRequest], bs: int, managers: list[KVCacheManag
         hits, num_hit_tokens = mgr.get_computed_blocks(req)
         if mgr.allocate_slots(req, r.input_length - num_hit_tokens, hits) is None:
             continue  # larger than the whole pool: rejected
+        disk = _disk_hits(disks, rep, req, len(hits), bs)
         mgr.cache_blocks(req, r.input_length)
         mgr.free(req)
         if decision is not None:  # in order mode nothing is in flight: load = requests routed so far
             ledger.record(r, decision, view.replicas[rep].outstanding).prefilled()
         rec_replica[i] = rep
-        rec_blocks[i] = len(hits)
+        rec_blocks[i] = len(hits) + disk
+        rec.disk_blocks[i] = disk
         if bar is not None and (i + 1) % _BAR_STEP == 0:
             bar.update(_BAR_STEP)
 
@@ -145,9 +181,9 @@ def _replay_order(reqs: list[TraceRequest], bs: int, managers: list[KVCacheManag
 _PREFILL_DONE, _FINISH = 0, 1
 
 
-def _replay_timed(reqs: list[TraceRequest], bs: int, managers: list[KVCacheManager], ledger: Ledger | None,
-                  prefill_tps: float, decode_tps: float, rec: ReplayRecords, bar) -> None:
-    timed = _Timed(reqs, bs, managers, ledger, prefill_tps, decode_tps, rec)
+def _replay_timed(reqs: list[TraceRequest], bs: int, managers: list[KVCacheManager], disks: list[SimDiskTier],
+                  ledger: Ledger | None, prefill_tps: float, decode_tps: float, rec: ReplayRecords, bar) -> None:
+    timed = _Timed(reqs, bs, managers, disks, ledger, prefill_tps, decode_tps, rec)
     view = timed.view
     for i, r in enumerate(reqs):
         timed.run_events(r.timestamp)
@@ -168,9 +204,10 @@ class _Timed:
     """The timed replay's state: per replica a FIFO of requests waiting for the prefill unit, and one heap of
     events (prefill done, request finished) in time order."""
 
-    def __init__(self, reqs: list[TraceRequest], bs: int, managers: list[KVCacheManager], ledger: Ledger | None,
-                 prefill_tps: float, decode_tps: float, rec: ReplayRecords):
+    def __init__(self, reqs: list[TraceRequest], bs: int, managers: list[KVCacheManager], disks: list[SimDiskTier],
+                 ledger: Ledger | None, prefill_tps: float, decode_tps: float, rec: ReplayRecords):
         self.reqs, self.bs, self.managers, self.ledger, self.rec = reqs, bs, managers, ledger, rec
+        self.disks = disks
         self.prefill_tps, self.decode_tps = prefill_tps, decode_tps
         self.view = pools_view(managers)
         self.routed: dict[int, Routed] = {}  # trace index -> its share of the replica's load, until it finishes
@@ -198,12 +235,15 @@ class _Timed:
         if mgr.allocate_slots(req, r.input_length - num_hit_tokens + r.output_length, hits) is None:
             return  # waits for a running request to finish and release blocks
         queue.popleft()
+        disk = _disk_hits(self.disks, rep, req, len(hits), self.bs)
         self.prefilling[rep] = True
         rec = self.rec
         rec.replica[i] = rep
-        rec.cached_blocks[i] = len(hits)
+        rec.cached_blocks[i] = len(hits) + disk
+        rec.disk_blocks[i] = disk
         rec.wait_s[i] = now - r.timestamp
-        self.push(now + (r.input_length - num_hit_tokens) / self.prefill_tps, _PREFILL_DONE, rep, i, req)
+        computed = r.input_length - num_hit_tokens - disk * self.bs
+        self.push(now + computed / self.prefill_tps, _PREFILL_DONE, rep, i, req)
 
     def run_events(self, until: float) -> None:
         events = self.events

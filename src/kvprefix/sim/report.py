@@ -23,17 +23,27 @@ _COLUMNS = (
     ("mean_wait_s", "wait(s)", "{:.2f}"),
     ("rejected", "rejected", "{:,}"),
 )
+# With a disk tier (--disk-capacity), after the capacity: hit rate per tier (pool + disk = hit(tok)).
+_DISK_COLUMNS = (
+    ("disk_capacity_bytes", "disk/replica", "{:,}"),
+    ("pool_token_hit_rate", "hit(pool)", "{:.4f}"),
+    ("disk_token_hit_rate", "hit(disk)", "{:.4f}"),
+    ("disk_evictions", "disk evictions", "{:,}"),
+)
 
 
 def format_table(summaries: list[ReplaySummary]) -> str:
-    rows = [[head for _, head, _ in _COLUMNS]]
+    columns = _COLUMNS
+    if any(s.disk_capacity_bytes is not None for s in summaries):
+        columns = (*_COLUMNS[:4], *_DISK_COLUMNS, *_COLUMNS[4:])
+    rows = [[head for _, head, _ in columns]]
     for s in summaries:
         row = []
-        for key, _, fmt in _COLUMNS:
+        for key, _, fmt in columns:
             value = getattr(s, key)
             row.append("unbounded" if value is None else fmt.format(value))
         rows.append(row)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
     lines = [
         "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))) for r in rows
     ]
@@ -71,6 +81,9 @@ def plot_hit_rate(summaries: list[ReplaySummary], path: str | Path, title: str |
         bounded = sorted((s for s in runs if s.capacity_tokens is not None), key=lambda s: s.capacity_tokens)
         if bounded:
             ax.plot([s.capacity_tokens for s in bounded], [s.token_hit_rate for s in bounded], marker="o", label=label)
+            if any(s.disk_capacity_bytes is not None for s in bounded):  # the pool's share: the rest is the disk's
+                ax.plot([s.capacity_tokens for s in bounded], [s.pool_token_hit_rate for s in bounded], marker=".",
+                        linestyle="--", label=f"{label}, pool only")
         for s in runs:
             if s.capacity_tokens is None:
                 ax.axhline(s.token_hit_rate, linestyle=":", color="grey", label=f"{label}, unbounded")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
@@ -27,10 +28,11 @@ class Summary:
     unreadable: int = 0  # objects whose header does not parse (verify says why)
     namespaces: Counter = field(default_factory=Counter)  # namespace id -> blocks
     models: Counter = field(default_factory=Counter)  # "model fingerprint kv_dtype" -> blocks
+    retained: Counter = field(default_factory=Counter)  # tenant -> blocks retained now (docs/tiers.md#retention)
 
     def to_dict(self) -> dict:
         return {"bytes": self.bytes, "blocks": self.blocks, "unreadable": self.unreadable,
-                "namespaces": dict(self.namespaces), "models": dict(self.models)}
+                "namespaces": dict(self.namespaces), "models": dict(self.models), "retained": dict(self.retained)}
 
 
 @dataclass
@@ -52,7 +54,8 @@ def _check_tier(root: str) -> None:
 
 
 def summary(root: str) -> Summary:
-    """Bytes, blocks, and blocks per namespace and per model, from the objects' headers."""
+    """Bytes, blocks, and blocks per namespace and per model, from the objects' headers; retained blocks per
+    tenant, from the retention notes."""
     _check_tier(root)
     out = Summary()
     for e in layout.iter_objects(root):
@@ -66,6 +69,10 @@ def summary(root: str) -> Summary:
             continue
         out.namespaces[head.namespace] += 1
         out.models[f"{head.spec.model} {head.spec.kv_dtype}"] += 1
+    now = time.time()
+    for _, until, tenant in layout.iter_retained(root):
+        if until > now:
+            out.retained[tenant] += 1
     return out
 
 

@@ -8,12 +8,14 @@ import sys
 import time
 from collections.abc import Callable
 
+from kvprefix.paths import ReadableDir
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", choices=["stats", "verify", "clear"],
                         help="stats: bytes, blocks, namespaces; verify: a full checksum pass; clear: delete every "
                              "object at once")
-    parser.add_argument("dir", help="the tier directory (kvprefix serve --kv-disk DIR)")
+    parser.add_argument("dir", action=ReadableDir, help="the tier directory (kvprefix serve --kv-disk DIR)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.add_argument("--delete", action="store_true", help="verify: delete the objects that do not verify")
 
@@ -40,7 +42,8 @@ def run(args: argparse.Namespace) -> int:
             out = result.to_dict()
             text = [f"{result.bytes} bytes in {result.blocks} blocks ({result.unreadable} unreadable)",
                     *(f"namespace {ns}: {n} blocks" for ns, n in result.namespaces.most_common()),
-                    *(f"model {m}: {n} blocks" for m, n in result.models.most_common())]
+                    *(f"model {m}: {n} blocks" for m, n in result.models.most_common()),
+                    *(f"retained by tenant {t or '(no keys)'}: {n} blocks" for t, n in result.retained.most_common())]
             bad = False
         elif args.action == "verify":
             result = admin.verify(args.dir, args.delete, None if args.json else _progress())

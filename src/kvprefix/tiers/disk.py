@@ -5,7 +5,9 @@ directory) finds every block. The byte budget is kept from an in-memory LRU view
 resynced by a rescan before writes (as often as scanning stays under a tenth of the time, at least every
 ``rescan_seconds``): processes sharing the directory share its budget. Loads touch the file's mtime, so the LRU
 order is shared through the file system. Writes go to a temporary name and are renamed into
-place: readers see a whole object or none. A reader whose object is deleted meanwhile gets a miss.
+place: readers see a whole object or none. A reader whose object is deleted meanwhile gets a miss. A retained
+object (``retain``) is passed over by eviction until its time is up; its retention is a note beside it, read back
+by the scan, so it survives restarts and is shared by the processes on the directory.
 """
 
 from __future__ import annotations
@@ -15,10 +17,10 @@ import os
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from kvprefix.tiers import disk_layout as layout
+from kvprefix.tiers.lru_bytes import LRUBytes
 from kvprefix.tiers.objects import (
     CHECKSUM_SIZE,
     PREFIX_SIZE,
@@ -55,13 +57,13 @@ class DiskStore:
         self.stats = TierStats()
         self.rescan_seconds = rescan_seconds
         self._lock = threading.Lock()  # the LRU view: loads (engine thread) and stores (writer thread)
-        self._lru: OrderedDict[bytes, int] = OrderedDict()  # hash -> size, least recently used first
-        self._usage = 0
+        self._lru = LRUBytes()  # hash -> size, least recently used first
+        self._retained: dict[bytes, tuple[float, str]] = {}  # hash -> (kept until, epoch seconds; tenant)
         self._last_scan = 0.0
         self._scan_cost = 0.0  # seconds the last scan took
         self.rescan(progress)
-        if self._usage > max_bytes:
-            self.evict(self._usage - max_bytes)
+        if self._lru.usage > max_bytes:
+            self.evict(self._lru.usage - max_bytes)
 
     # ---- the LRU view
 
@@ -70,33 +72,30 @@ class DiskStore:
         File times are coarse (a few ms): objects of one tick keep this process's order, unknown ones first."""
         start = time.monotonic()
         entries = layout.scan(self.root, progress)
+        retained = {h: (until, tenant) for h, until, tenant in layout.iter_retained(self.root)}
         self._scan_cost = time.monotonic() - start
         with self._lock:
+            self._retained = retained  # eviction deletes an expired one's note with its object
             rank = {h: i for i, h in enumerate(self._lru)}
             entries.sort(key=lambda e: (e.mtime, rank.get(e.block_hash, -1)))
-            self._lru = OrderedDict((e.block_hash, e.size) for e in entries)
-            self._usage = sum(e.size for e in entries)
+            self._lru = LRUBytes((e.block_hash, e.size) for e in entries)
             self._last_scan = time.monotonic()
             self._gauges()
 
     def _gauges(self) -> None:
-        self.stats.usage_bytes, self.stats.num_objects = self._usage, len(self._lru)
+        self.stats.usage_bytes, self.stats.num_objects = self._lru.usage, len(self._lru)
 
     @property
     def usage_bytes(self) -> int:
-        return self._usage
+        return self._lru.usage
 
     def _note(self, block_hash: bytes, size: int) -> None:
         """Records (or refreshes) an object as most recently used. Caller holds the lock."""
-        old = self._lru.pop(block_hash, None)
-        self._usage += size - (old or 0)
-        self._lru[block_hash] = size
+        self._lru.touch(block_hash, size)
         self._gauges()
 
     def _forget(self, block_hash: bytes) -> None:
-        size = self._lru.pop(block_hash, None)
-        if size is not None:
-            self._usage -= size
+        if self._lru.forget(block_hash) is not None:
             self._gauges()
 
     # ---- the BlockStore interface
@@ -179,14 +178,18 @@ class DiskStore:
 
     def _discard(self, block_hash: bytes, path: str) -> None:
         """An object at a block's name that does not verify serves nobody: deleted, to be rewritten."""
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+        for doomed in (path, layout.retention_path(self.root, block_hash)):
+            try:
+                os.unlink(doomed)
+            except OSError:
+                pass
         with self._lock:
             self._forget(block_hash)
+            self._retained.pop(block_hash, None)
 
-    def store(self, obj: BlockObject) -> bool:
+    def store(self, obj: BlockObject, retain_until: float | None = None, tenant: str = "") -> bool:
+        if retain_until is not None and self.contains(obj.block_hash):
+            return self.retain(obj.block_hash, retain_until, tenant)
         data = encode(obj)
         if len(data) > self.max_bytes:
             return self._drop("too_large")
@@ -195,8 +198,8 @@ class DiskStore:
         if time.monotonic() - self._last_scan >= min(self.rescan_seconds, 10 * self._scan_cost):
             self.rescan()
         over = self._room_needed(obj.block_hash, len(data))
-        if over > 0:
-            self.evict(over)
+        if over > 0 and self.evict(over) < over:
+            return self._drop("retained")  # what is left to evict is retained (or cannot be deleted)
         path = layout.object_path(self.root, obj.block_hash)
         try:
             self._write(path, data)
@@ -207,30 +210,56 @@ class DiskStore:
         with self.stats.lock:
             self.stats.stores += 1
             self.stats.bytes_written += len(data)
+        return retain_until is None or self.retain(obj.block_hash, retain_until, tenant)
+
+    def retain(self, block_hash: bytes, until: float, tenant: str) -> bool:
+        """Keeps a stored block from eviction until ``until`` (epoch seconds; a later time only extends it),
+        counted against ``tenant``'s retained bytes; False when the tier does not hold the block."""
+        if not self.contains(block_hash):
+            return False
+        with self._lock:
+            kept = self._retained.get(block_hash)
+            if kept is not None and kept[0] >= until:
+                return True
+            self._retained[block_hash] = (until, tenant)
+        path = layout.retention_path(self.root, block_hash)
+        try:
+            self._write(path, tenant.encode(), mtime=until)
+        except OSError as exc:
+            with self._lock:
+                self._retained.pop(block_hash, None)
+            return self._drop("disk_full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "io")
         return True
+
+    def retained_bytes(self, tenant: str, besides: Sequence[bytes] = ()) -> int:
+        """Bytes of the objects ``tenant`` keeps retained now (unexpired), not counting those of ``besides``."""
+        now, skip = time.time(), set(besides)
+        with self._lock:
+            return sum(self._lru.size(h) for h, (until, t) in self._retained.items()
+                       if t == tenant and until > now and h not in skip)
 
     def _room_needed(self, block_hash: bytes, size: int) -> int:
         """Bytes to free before writing ``size`` bytes for ``block_hash`` (a block stored again replaces itself:
         it is neither room to make nor a victim)."""
         with self._lock:
-            old = self._lru.get(block_hash)
-            if old is not None:
-                self._lru.move_to_end(block_hash)
-            return self._usage - (old or 0) + size - self.max_bytes
+            return self._lru.room_needed(block_hash, size, self.max_bytes)
 
     def _drop(self, reason: str) -> bool:
         with self.stats.lock:
             self.stats.dropped_writes[reason] += 1
         return False
 
-    def _write(self, path: str, data: bytes) -> None:
+    def _write(self, path: str, data: bytes, mtime: float | None = None) -> None:
         """Temporary file (0600), then an atomic rename: concurrent writers of one block each rename a whole
-        object, and a reader opens the old file or the new one, never a partial one."""
+        object, and a reader opens the old file or the new one, never a partial one (``mtime``: set before the
+        rename, so no reader sees another)."""
         tmp = os.path.join(self.root, layout.TMP, f"{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex}")
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with open(fd, "wb") as f:
                 f.write(data)
+            if mtime is not None:
+                os.utime(tmp, (mtime, mtime))
             os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
             os.replace(tmp, path)
         except OSError:
@@ -241,21 +270,27 @@ class DiskStore:
             raise
 
     def evict(self, num_bytes: int) -> int:
-        """Deletes least recently used objects (of this process's view) until ``num_bytes`` are freed."""
-        freed = 0
+        """Deletes least recently used objects (of this process's view) until ``num_bytes`` are freed, passing
+        over those retained until later than now; returns the bytes freed (less when not enough could go)."""
+        freed, now = 0, time.time()
         with self._lock:
-            checked = 0
-            while freed < num_bytes and self._lru and checked < 2 * len(self._lru) + 1:
-                checked += 1
-                block_hash, size = next(iter(self._lru.items()))
-                path = layout.object_path(self.root, block_hash)
+            def retained(block_hash: bytes) -> bool:
+                kept = self._retained.get(block_hash)
+                return kept is not None and kept[0] > now
+
+            for block_hash, size in self._lru.victims(num_bytes, keep=retained):
                 try:
-                    os.unlink(path)
+                    os.unlink(layout.object_path(self.root, block_hash))
                 except FileNotFoundError:
                     pass  # deleted by another process: its bytes are gone all the same
                 except OSError:
-                    self._lru.move_to_end(block_hash)
+                    self._lru.refresh(block_hash)
                     continue
+                if self._retained.pop(block_hash, None) is not None:  # an expired retention: its note goes too
+                    try:
+                        os.unlink(layout.retention_path(self.root, block_hash))
+                    except OSError:
+                        pass
                 self._forget(block_hash)
                 freed += size
                 self.stats.evictions += 1

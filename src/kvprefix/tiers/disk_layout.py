@@ -1,7 +1,8 @@
 """Where a disk tier keeps its objects, how its directory is checked at start, and the start-up scan.
 
 ``DIR/kvprefix-tier`` marks a tier directory (``cache clear`` refuses any other); ``DIR/objects/ab/<hash hex>``
-holds one object per block, fanned out by the hash's first byte; ``DIR/tmp/`` holds writes in progress, renamed
+holds one object per block, fanned out by the hash's first byte, and beside a retained one (``--kv-retention``)
+``<hash hex>.ret``: its tenant's name, and as its mtime the time it is kept until; ``DIR/tmp/`` holds writes in progress, renamed
 into place when complete (a kill -9 leaves only a temporary file, removed by a later start). Directories are
 0700 and files 0600: a reader of the directory learns token ids and KV (docs/security.md).
 """
@@ -14,10 +15,13 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from kvprefix.paths import check_writable_dir
+
 MARKER = "kvprefix-tier"
 OBJECTS = "objects"
 TMP = "tmp"
 SUFFIX = ".kvb"
+RETAINED_SUFFIX = ".ret"
 STALE_TMP_SECONDS = 600  # a temporary file this old belongs to a writer that died
 PROGRESS_EVERY = 10_000
 
@@ -25,6 +29,11 @@ PROGRESS_EVERY = 10_000
 def object_path(root: str, block_hash: bytes) -> str:
     name = block_hash.hex()
     return os.path.join(root, OBJECTS, name[:2], name + SUFFIX)
+
+
+def retention_path(root: str, block_hash: bytes) -> str:
+    """The retention note beside a block's object (mtime: kept until; content: the tenant)."""
+    return object_path(root, block_hash)[: -len(SUFFIX)] + RETAINED_SUFFIX
 
 
 def hash_of(filename: str) -> bytes | None:
@@ -39,9 +48,7 @@ def hash_of(filename: str) -> bytes | None:
 
 def prepare(root: str) -> str:
     """Creates or checks a tier directory; ValueError with one line saying why it cannot be used."""
-    root = os.path.abspath(os.path.expanduser(root))
-    if os.path.exists(root) and not os.path.isdir(root):
-        raise ValueError(f"--kv-disk {root} is not a directory (it is a file)")
+    root = check_writable_dir(root, "--kv-disk")  # a PathError is a ValueError
     try:
         os.makedirs(root, mode=0o700, exist_ok=True)
         for sub in (OBJECTS, TMP):
@@ -72,29 +79,46 @@ class Entry:
     path: str
 
 
-def iter_objects(root: str) -> Iterator[Entry]:
-    """Every object file under ``root``, in directory order (files vanishing meanwhile are skipped)."""
-    base = os.path.join(root, OBJECTS)
+def _fanned_files(root: str) -> Iterator[os.DirEntry]:
+    """Every file in the fan-out folders of ``root``'s objects, folder by folder (vanishing folders skipped)."""
     try:
-        fans = sorted(os.scandir(base), key=lambda e: e.name)
+        fans = sorted(os.scandir(os.path.join(root, OBJECTS)), key=lambda e: e.name)
     except FileNotFoundError:
         return
     for fan in fans:
         if not fan.is_dir(follow_symlinks=False):
             continue
         try:
-            entries = list(os.scandir(fan.path))
+            yield from list(os.scandir(fan.path))
         except FileNotFoundError:
             continue
-        for e in entries:
-            h = hash_of(e.name)
-            if h is None:
-                continue
-            try:
-                st = e.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            yield Entry(h, st.st_size, st.st_mtime, e.path)
+
+
+def iter_objects(root: str) -> Iterator[Entry]:
+    """Every object file under ``root``, in directory order (files vanishing meanwhile are skipped)."""
+    for e in _fanned_files(root):
+        h = hash_of(e.name)
+        if h is None:
+            continue
+        try:
+            st = e.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        yield Entry(h, st.st_size, st.st_mtime, e.path)
+
+
+def iter_retained(root: str) -> Iterator[tuple[bytes, float, str]]:
+    """(block hash, kept until, tenant) of every retention note under ``root`` (vanishing ones skipped)."""
+    for e in _fanned_files(root):
+        if not e.name.endswith(RETAINED_SUFFIX):
+            continue
+        try:
+            block_hash = bytes.fromhex(e.name[: -len(RETAINED_SUFFIX)])
+            with open(e.path, "rb") as f:
+                tenant = f.read(1024).decode("utf-8", "replace")
+            yield block_hash, os.stat(e.path).st_mtime, tenant
+        except (ValueError, OSError):
+            continue
 
 
 def scan(root: str, progress: Callable[[int], None] | None = None) -> list[Entry]:

@@ -107,6 +107,13 @@ def encode(obj: BlockObject) -> bytes:
     return b"".join((prefix, header, obj.payload, checksum(prefix, header, obj.payload)))
 
 
+def object_bytes(spec: KVSpec, namespace: str, hash_bytes: int) -> int:
+    """The size of one object of ``spec`` (budgets count it before the block exists)."""
+    header = len(namespace.encode()) + len(spec.model.encode()) + len(spec.kv_dtype.encode()) + 3 * 2 + 4 \
+        + _DIMS.size + 2 * (2 + hash_bytes) + 4 * spec.block_size
+    return PREFIX_SIZE + header + spec.payload_bytes + CHECKSUM_SIZE
+
+
 @dataclass(frozen=True)
 class Prefix:
     header_len: int

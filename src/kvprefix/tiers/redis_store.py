@@ -16,6 +16,7 @@ the next call after it reconnects. No exception reaches the caller, and no socke
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -261,15 +262,17 @@ class RedisStore:
             pos += len(span)
         return True
 
-    def store(self, obj: BlockObject, ttl: int | None = None) -> bool:
-        """Writes the block once (SET NX, EX ``ttl`` or the store's); False when dropped: the store is down or
-        slow (``unavailable``, ``timeout``), refused it (``rejected``: out of memory under noeviction, or another
-        error reply). A block already there is left as it is (True)."""
+    def store(self, obj: BlockObject, retain_until: float | None = None, tenant: str = "") -> bool:
+        """Writes the block once (SET NX; EX: the seconds to ``retain_until`` when a retention gives one, else the
+        store's ``ttl``); False when dropped: the store is down or slow (``unavailable``, ``timeout``), refused it
+        (``rejected``: out of memory under noeviction, or another error reply). A block already there is left as
+        it is (True)."""
         if not self._available():
             return self._drop("unavailable")
         data = encode(obj)
+        ttl = self.ttl if retain_until is None else max(1, math.ceil(retain_until - time.time()))
         try:
-            written = self.client.set(self.key(obj.namespace, obj.block_hash), data, nx=True, ex=ttl or self.ttl)
+            written = self.client.set(self.key(obj.namespace, obj.block_hash), data, nx=True, ex=ttl)
         except redis_module().ResponseError as exc:  # OOM under noeviction, a read-only replica, ...
             log.debug("kv shared tier write refused: %s", exc)
             return self._drop("rejected")
@@ -287,6 +290,14 @@ class RedisStore:
         with self.stats.lock:
             self.stats.dropped_writes[reason] += 1
         return False
+
+    def retain(self, block_hash: bytes, until: float, tenant: str) -> bool:
+        """Capacity and expiry are the store's (a retention sets the TTL a block is written with): False."""
+        return False
+
+    def retained_bytes(self, tenant: str, besides: Sequence[bytes] = ()) -> int:
+        """Nothing counts against a tenant's retention budget here: the budget is the disk tier's."""
+        return 0
 
     def evict(self, num_bytes: int) -> int:
         """Redis evicts by its own policy (``maxmemory-policy``): nothing to do here."""

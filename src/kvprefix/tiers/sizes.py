@@ -24,3 +24,22 @@ def parse_size(text: str) -> int:
     if size < 1:
         raise ValueError(f"size {text!r} must be at least one byte")
     return size
+
+
+def size_argument(text: str) -> int:
+    """``parse_size`` as an argparse type: a bad size is the option's one-line usage error."""
+    import argparse
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def format_size(num_bytes: int) -> str:
+    """``num_bytes`` as people read a power-of-two size: "64MiB", "1.5GiB", "512B" (``parse_size`` reads it back
+    within rounding)."""
+    for unit, scale in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.3g}{unit}"
+    return f"{num_bytes}B"

@@ -8,6 +8,11 @@ thread and stores on each tier's writer thread, so every method is thread-safe. 
 ``BlockStore``s (``engine.kv_tier``): the disk, then a shared store (``tiers.redis_store``); a host-RAM tier under
 a CUDA pool would be another. A tier whose store can fail counts those calls in ``stats.failures`` and answers
 them as misses or dropped writes: a tier never raises into the engine.
+
+Retention (docs/tiers.md#retention) adds three small things: ``store(obj, retain_until, tenant)`` and ``retain``
+pass a block over in eviction until a time (epoch seconds, kept across restarts by the tier itself), and
+``retained_bytes(tenant, besides)`` is what a tenant keeps retained now, for its budget. A tier that cannot keep
+room for a write because the rest is retained drops the write (``dropped_writes{retained}``).
 """
 
 from __future__ import annotations
@@ -19,6 +24,29 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvprefix.tiers.objects import BlockObject, Expected
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)  # seconds
+
+
+@dataclass
+class Latency:
+    """A histogram of durations in seconds (``LATENCY_BUCKETS``; not cumulative: each count once, then +Inf)."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    total: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        i = next((i for i, b in enumerate(LATENCY_BUCKETS) if seconds <= b), len(LATENCY_BUCKETS))
+        self.counts[i] += 1
+        self.total += seconds
+
+    def flat(self, name: str) -> dict[str, float]:
+        """``name_le_B`` (cumulative), ``name_count`` and ``name_sum``, as the engine's flat metrics carry them."""
+        out, running = {}, 0
+        for b, n in zip(LATENCY_BUCKETS, self.counts, strict=False):
+            running += n
+            out[f"{name}_le_{b}"] = running
+        return out | {f"{name}_count": sum(self.counts), f"{name}_sum": self.total}
 
 
 @dataclass
@@ -38,6 +66,8 @@ class TierStats:
     failures: Counter = field(default_factory=Counter)  # calls the store itself failed (down, timed out): misses
     usage_bytes: int = 0  # gauge: bytes this process counts in the tier
     num_objects: int = 0  # gauge
+    load_seconds: Latency = field(default_factory=Latency)  # one request's run of blocks loaded (engine.kv_tier)
+    store_seconds: Latency = field(default_factory=Latency)  # one block written (tiers.write_behind)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def as_dict(self) -> dict[str, int]:
@@ -70,8 +100,17 @@ class BlockStore(Protocol):
         """Reads the block's payload into ``spans`` (the caller's memory, in payload order); True only when it
         verifies (on False the spans hold garbage and must not be used)."""
 
-    def store(self, obj: BlockObject) -> bool:
-        """Writes one block; False when the write was dropped (counted by reason)."""
+    def store(self, obj: BlockObject, retain_until: float | None = None, tenant: str = "") -> bool:
+        """Writes one block (with ``retain_until``: retained, see ``retain``; a block already held is only
+        retained); False when the write was dropped (counted by reason)."""
+
+    def retain(self, block_hash: bytes, until: float, tenant: str) -> bool:
+        """Passes the held block over in eviction until ``until`` (only ever extended), counted against
+        ``tenant``; False when the tier does not hold it."""
+
+    def retained_bytes(self, tenant: str, besides: Sequence[bytes] = ()) -> int:
+        """Bytes of the blocks ``tenant`` keeps retained now, not counting those of ``besides`` (a request's own,
+        retained again)."""
 
     def evict(self, num_bytes: int) -> int:
         """Deletes least recently used objects until ``num_bytes`` are freed; returns the bytes freed."""

@@ -2,7 +2,8 @@
 
 ``submit`` never blocks: a full queue drops the write (counted in the tier's ``dropped_writes{queue_full}``), so a
 step never waits for a disk. A block the tier already holds is skipped (refreshing nothing: it was computed
-again, not read). ``close`` drains what is queued, then stops the thread.
+again, not read) unless it is to be retained; ``submit_retain`` queues only a retention of a held block.
+``close`` drains what is queued, then stops the thread.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
+from collections.abc import Sequence
 
 from kvprefix.tiers.objects import BlockObject
 from kvprefix.tiers.store import BlockStore
@@ -25,10 +28,18 @@ class WriteBehind:
         self._thread = threading.Thread(target=self._run, name=f"kvprefix-{store.name}-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, obj: BlockObject) -> bool:
-        """Queues one block; False (counted) when the queue is full."""
+    def submit(self, obj: BlockObject, retain_until: float | None = None, tenant: str = "") -> bool:
+        """Queues one block (retained until ``retain_until`` if given); False (counted) when the queue is full."""
+        return self._put((obj, retain_until, tenant))
+
+    def submit_retain(self, block_hashes: Sequence[bytes], until: float, tenant: str) -> bool:
+        """Queues, as one item, the retention of blocks the tier may hold (``BlockStore.retain``: one it lacks is
+        passed over); False (counted) when full."""
+        return self._put((tuple(block_hashes), until, tenant))
+
+    def _put(self, item) -> bool:
         try:
-            self._queue.put_nowait(obj)
+            self._queue.put_nowait(item)
             return True
         except queue.Full:
             self.drop()
@@ -45,12 +56,19 @@ class WriteBehind:
 
     def _run(self) -> None:
         while True:
-            obj = self._queue.get()
+            item = self._queue.get()
             try:
-                if obj is _STOP:
+                if item is _STOP:
                     return
-                if not self.store.contains(obj.block_hash, obj.namespace):
-                    self.store.store(obj)
+                obj, until, tenant = item
+                if isinstance(obj, tuple):
+                    for block_hash in obj:
+                        self.store.retain(block_hash, until, tenant)
+                elif until is not None or not self.store.contains(obj.block_hash, obj.namespace):
+                    start = time.perf_counter()
+                    if self.store.store(obj, until, tenant):
+                        with self.store.stats.lock:
+                            self.store.stats.store_seconds.observe(time.perf_counter() - start)
             except Exception:  # a failing write must not end the writer: the next block may succeed
                 log.exception("kv tier write failed")
                 with self.store.stats.lock:

@@ -1,0 +1,16 @@
+"""The one check of every file and directory a user names: every command's path options, the disk tier's directory."""
+
+from kvprefix.paths.checks import (
+    PathError,
+    ReadableDir,
+    ReadableFile,
+    WritableDir,
+    WritableFile,
+    check_readable_dir,
+    check_readable_file,
+    check_writable_dir,
+    check_writable_file,
+)
+
+__all__ = ["PathError", "ReadableDir", "ReadableFile", "WritableDir", "WritableFile", "check_readable_dir",
+           "check_readable_file", "check_writable_dir", "check_writable_file"]
