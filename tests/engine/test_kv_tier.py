@@ -10,29 +10,18 @@ import random
 import threading
 
 import torch
+from support.engine_kv import GREEDY, block_kv, run
 
 from kvprefix import SamplingParams
 from kvprefix.tiers import disk_layout as layout
 
-GREEDY = SamplingParams(temperature=0, max_tokens=12)
 rng = random.Random(7)
 PREFIX = [rng.randrange(3, 500) for _ in range(200)]  # 12 full 16-token blocks, then 8 tokens
 PROMPTS = [PREFIX + [rng.randrange(3, 500) for _ in range(20)] for _ in range(2)]
 
 
-def run(llm, prompts=PROMPTS):
-    outs = llm.generate(prompts, GREEDY)
-    return [o.outputs[0].token_ids for o in outs], [o.num_cached_tokens for o in outs]
-
-
-def block_kv(llm, block_hash) -> torch.Tensor:
-    engine = llm.llm_engine
-    block = engine.manager.pool.cached_blocks[block_hash]
-    return torch.stack([layer.kv[block.block_id] for layer in engine.runner.kv_caches])
-
-
 def test_a_restarted_engine_loads_the_prefix_from_disk_exactly(make_llm, tmp_path, assert_no_leaks) -> None:
-    cold, _ = run(make_llm())
+    cold, _ = run(make_llm(), PROMPTS)
     first = make_llm(kv_disk=str(tmp_path))
     assert run(first, PROMPTS[:1])[0] == cold[:1]
     first.llm_engine.kv_tier.flush()
@@ -52,7 +41,7 @@ def test_a_restarted_engine_loads_the_prefix_from_disk_exactly(make_llm, tmp_pat
 
 
 def test_a_corrupted_object_is_a_counted_miss_and_the_output_stays_right(make_llm, tmp_path) -> None:
-    cold, _ = run(make_llm())
+    cold, _ = run(make_llm(), PROMPTS)
     first = make_llm(kv_disk=str(tmp_path))
     run(first, PROMPTS[:1])
     first.llm_engine.close()
@@ -117,7 +106,7 @@ def restarted_with_prefix_on_disk(make_llm, tmp_path):
 
 
 def test_a_load_in_flight_never_stalls_other_requests(make_llm, tmp_path, assert_no_leaks) -> None:
-    cold, _ = run(make_llm())
+    cold, _ = run(make_llm(), PROMPTS)
     llm = restarted_with_prefix_on_disk(make_llm, tmp_path)
     opened, engine = gate_loads(llm), llm.llm_engine
     other = [rng.randrange(3, 500) for _ in range(30)]
@@ -136,7 +125,7 @@ def test_a_load_in_flight_never_stalls_other_requests(make_llm, tmp_path, assert
 
 
 def test_requests_sharing_a_prefix_load_it_once(make_llm, tmp_path, assert_no_leaks) -> None:
-    cold, _ = run(make_llm())
+    cold, _ = run(make_llm(), PROMPTS)
     llm = restarted_with_prefix_on_disk(make_llm, tmp_path)
     tokens, cached = run(llm, [PROMPTS[1], PROMPTS[1][:-3] + [7, 8, 9]])
     # The second waited for the first's load, then for its prompt's 13th block (computed by the first).

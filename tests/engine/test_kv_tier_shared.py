@@ -8,12 +8,10 @@ import random
 
 import pytest
 import torch
+from support.engine_kv import block_kv, run
 from support.redis_server import RedisServer, needs_redis
 
-from kvprefix import SamplingParams
-
 pytestmark = needs_redis
-GREEDY = SamplingParams(temperature=0, max_tokens=12)
 rng = random.Random(25)
 PREFIX = [rng.randrange(3, 500) for _ in range(200)]  # 12 full 16-token blocks, then 8 tokens
 PROMPTS = [PREFIX + [rng.randrange(3, 500) for _ in range(20)] for _ in range(3)]
@@ -24,17 +22,6 @@ def redis_server(tmp_path):
     server = RedisServer(tmp_path).start()
     yield server
     server.stop()
-
-
-def run(llm, prompts):
-    outs = llm.generate(prompts, GREEDY)
-    return [o.outputs[0].token_ids for o in outs], [o.num_cached_tokens for o in outs]
-
-
-def block_kv(llm, block_hash) -> torch.Tensor:
-    engine = llm.llm_engine
-    block = engine.manager.pool.cached_blocks[block_hash]
-    return torch.stack([layer.kv[block.block_id] for layer in engine.runner.kv_caches])
 
 
 def test_another_engine_loads_the_prefix_exactly(make_llm, redis_server, assert_no_leaks) -> None:
