@@ -19,7 +19,9 @@ class EngineArgs:
     ``scheduling_policy``: "fcfs" or "cache_aware" (most cached first, bounded by ``max_wait_steps``;
     docs/engine.md). ``quantization`` (CPU only): "int8", "int4" or "gguf" compact weights (docs/model.md).
     ``kv_disk``: a directory for the persistent KV tier, at most ``kv_disk_size`` (bytes, or "20GiB"), writes
-    queued up to ``kv_disk_queue`` blocks (docs/tiers.md)."""
+    queued up to ``kv_disk_queue`` blocks (docs/tiers.md). ``deterministic``: batch-invariant numerics, so a token's
+    KV and logits never depend on chunking, batching or cache hits; its settings join the block identity
+    (docs/determinism.md)."""
 
     model: str | None = None
     dtype: str = "auto"
@@ -42,3 +44,4 @@ class EngineArgs:
     kv_disk: str | None = None
     kv_disk_size: int | str = DEFAULT_KV_DISK_SIZE
     kv_disk_queue: int = 256
+    deterministic: bool = False
