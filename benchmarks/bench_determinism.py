@@ -10,6 +10,12 @@ a shared machine's load falls on both alike. Per round and engine:
 Reported: the median over rounds of each figure, and on / off.
 
     python benchmarks/bench_determinism.py [--rounds 3] [--out results/bench_determinism.json]
+
+--row-classes measures why the mode exists: for each projection shape of the default model and each dtype, row 0
+of ``x[:m] @ w.T`` for m = 1 ... 2048, grouped into classes of bitwise-equal results (more than one class: a
+row's bits depend on how many rows came with it).
+
+    python benchmarks/bench_determinism.py --row-classes
 """
 
 from __future__ import annotations
@@ -47,6 +53,26 @@ def measure(llm: LLM, rng: random.Random, prefix: list[int], prefill_tokens: int
     return figures
 
 
+ROW_COUNTS = (1, 2, 4, 8, 15, 16, 17, 32, 33, 64, 65, 128, 129, 256, 300, 512, 1000, 2048)
+SHAPES = {"qkv": (576, 960), "gate_up": (576, 3072), "down": (1536, 576), "lm_head": (576, 49152)}  # (in, out)
+
+
+def row_classes() -> None:
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for name, (k, n) in SHAPES.items():
+            w, x = torch.randn(n, k).to(dtype), torch.randn(max(ROW_COUNTS), k).to(dtype)
+            classes: list[tuple[torch.Tensor, list[int]]] = []
+            for m in ROW_COUNTS:
+                row = (x[:m] @ w.t())[0]
+                same = next((c for c in classes if torch.equal(c[0], row)), None)
+                if same is None:
+                    classes.append((row, [m]))
+                else:
+                    same[1].append(m)
+            print(f"{str(dtype).removeprefix('torch.'):8} {name:8} {len(classes)} classes:", [c[1] for c in classes])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="checkpoint (default: the built-in default model)")
@@ -54,7 +80,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prefill-tokens", type=int, default=512)
     parser.add_argument("--out", default="results/bench_determinism.json")
+    parser.add_argument("--row-classes", action="store_true", help="only measure matmul row-count dependence")
     args = parser.parse_args()
+    if args.row_classes:
+        return row_classes()
     engines = {mode: LLM(args.model, dtype=args.dtype, device="cpu", deterministic=mode == "on")
                for mode in ("on", "off")}
     rng = random.Random(0)

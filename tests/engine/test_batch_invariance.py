@@ -7,9 +7,9 @@ import random
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support.numerics import NumericsRecorder, context_key
+from support.numerics import NumericsRecorder, context_key, differences
 
-from kvprefix import SamplingParams
+from kvprefix import LLM, SamplingParams
 
 BLOCK = 16
 MAX_TOKENS = 6
@@ -144,3 +144,25 @@ def test_kv_loaded_from_the_disk_tier_is_the_cold_runs(make_llm, references, tmp
     assert min(o.num_cached_tokens for o in outputs) >= 32
     assert_bitwise_equal(run, references("float32").run(prompts), prompts)
     second.llm_engine.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_issues_reproducer_on_the_default_model(dtype):
+    """Issue 29's finding, kept: the built-in model, a 300-token shared prefix and 16 different 20-token suffixes,
+    greedy, 32 tokens; a cold run (caching off, all 16 in one call) against a warm one (the prefix cached, one
+    prompt at a time). Without deterministic mode bfloat16 outputs differ; with it everything is bitwise equal."""
+    rng = random.Random(29)
+    prefix = [rng.randrange(1000, 40000) for _ in range(300)]
+    prompts = [prefix + [rng.randrange(1000, 40000) for _ in range(20)] for _ in range(16)]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    cold = LLM(dtype=dtype, device="cpu", deterministic=True, enable_prefix_caching=False, num_gpu_blocks=512)
+    cold_run = NumericsRecorder(cold)
+    cold_out = cold.generate(prompts, params)
+    warm = LLM(dtype=dtype, device="cpu", deterministic=True, num_gpu_blocks=512)
+    warm_run = NumericsRecorder(warm)
+    warm_out = [warm.generate([p], params)[0] for p in prompts]
+    assert all(o.num_cached_tokens == 288 for o in warm_out[1:])
+    assert [o.outputs[0].token_ids for o in warm_out] == [o.outputs[0].token_ids for o in cold_out]
+    assert differences(cold_run, warm_run, prefix) == {"prefix_kv_positions": 0, "logit_positions": 0,
+                                                      "max_logit_diff": 0.0}
