@@ -16,7 +16,7 @@ from torch import nn
 
 from kvprefix.cache import cdiv
 
-ROW_TILE = 16  # rows per projection matmul
+ROW_TILE = 32  # rows per projection matmul
 QUERY_TILE = 4  # tokens per attention tile (times the GQA group: rows per KV head)
 KEY_TILE = 64  # keys per partial sum of the attention's value product
 _QUERY_GROUP = 32  # prefill tiles attended together (one batched matmul over keys up to the group's last position)
@@ -133,24 +133,24 @@ def _context(cache, block_tables, seq_len: int, block_size: int) -> tuple[torch.
 
 
 def _attend(q, keys_t, values, positions, scale: float, window: int | None) -> torch.Tensor:
-    """q [B, H, R, dim] (R = QUERY_TILE * group rows, token-major), keys_t [B, H, dim, L], values [B, H, L, dim],
-    positions [B, QUERY_TILE] (each tile token's position; keys are positions 0..L-1) -> [B, H, R, dim]."""
+    """q [B, H, R, dim] (R = QUERY_TILE * group rows, token-major), keys_t [B, H, dim, L], values [B, H, L, dim]
+    (either may be one sequence's context expanded over B tiles: read in place, never copied), positions
+    [B, QUERY_TILE] (each tile token's position; keys are positions 0..L-1) -> [B, H, R, dim]."""
     batch, heads, rows, head_dim = q.shape
     num_keys = keys_t.shape[-1]
-    scores = torch.bmm(q.reshape(-1, rows, head_dim), keys_t.reshape(-1, head_dim, num_keys)).mul_(scale)
     key_pos = torch.arange(num_keys, device=q.device)
-    row_pos = positions.repeat_interleave(rows // QUERY_TILE, 1)[:, None, :, None]  # [B, 1, R, 1]
+    row_pos = positions.repeat_interleave(rows // QUERY_TILE, 1)[:, :, None]  # [B, R, 1]
     hidden = key_pos > row_pos
     if window is not None:
         hidden |= key_pos <= row_pos - window
-    scores = scores.view(batch, heads, rows, num_keys).masked_fill_(hidden, -torch.inf)
-    weights = scores.sub_(scores.amax(-1, keepdim=True)).exp_()
-    tiles = num_keys // KEY_TILE
-    # Sums in a fixed order: within a key tile (a fixed-length reduction), then tile after tile (a running sum).
-    denom = weights.view(batch, heads, rows, tiles, KEY_TILE).sum(-1).cumsum(-1)[..., -1:]
-    parts = torch.bmm(
-        weights.view(-1, rows, tiles, KEY_TILE).transpose(1, 2).reshape(-1, rows, KEY_TILE),
-        values.reshape(-1, tiles, KEY_TILE, head_dim).reshape(-1, KEY_TILE, head_dim),
-    )
-    total = parts.view(batch * heads, tiles, rows, head_dim).cumsum(1)[:, -1]
-    return (total.view(batch, heads, rows, head_dim) / denom)
+    out = q.new_empty(batch, heads, rows, head_dim)
+    for h in range(heads):
+        scores = torch.bmm(q[:, h], keys_t[:, h]).mul_(scale).masked_fill_(hidden, -torch.inf)
+        weights = scores.sub_(scores.amax(-1, keepdim=True)).exp_()
+        # Sums in a fixed order: within a key tile (a fixed-length reduction), then tile after tile.
+        denom = weights.view(batch, rows, -1, KEY_TILE).sum(-1).cumsum(-1)[..., -1:]
+        total = torch.bmm(weights[:, :, :KEY_TILE], values[:, h, :KEY_TILE])
+        for k in range(KEY_TILE, num_keys, KEY_TILE):
+            total.add_(torch.bmm(weights[:, :, k : k + KEY_TILE], values[:, h, k : k + KEY_TILE]))
+        out[:, h] = total.div_(denom)
+    return out
