@@ -93,10 +93,11 @@ IDENTITY_VERSION = 1  # of BlockIdentity.to_dict (docs/hashing.md)
 _CONTEXT_FIELDS = ("model", "revision", "tokenizer", "chat_template", "kv_dtype")
 
 
-def kv_label(dtype: str, quantization: str | None) -> str:
+def kv_label(dtype: str, quantization: str | None, numerics: str = "") -> str:
     """What computes the KV, as the root names it: the activation dtype, then "+method" for compact weights, whose
-    rounding changes the KV."""
-    return dtype + (f"+{quantization}" if quantization else "")
+    rounding changes the KV, then "+numerics" for deterministic mode (the kernels' settings that must match for its
+    bytes to be reproducible: docs/determinism.md)."""
+    return dtype + (f"+{quantization}" if quantization else "") + (f"+{numerics}" if numerics else "")
 
 
 @dataclass(frozen=True)
@@ -166,10 +167,11 @@ def _short(value: Any) -> str:
 
 
 def block_identity(checkpoint: str, dtype: str, quantization: str | None, chat_template: str | None, *,
-                   block_size: int = 16, hash_algo: str = "sha256") -> BlockIdentity:
+                   block_size: int = 16, hash_algo: str = "sha256", numerics: str = "") -> BlockIdentity:
     """The one constructor: the identity of ``checkpoint``'s blocks computed in ``dtype`` (e.g. "bfloat16") with
-    ``quantization`` (None, or a method of ``QUANTIZATION_METHODS``), under the tokenizer's ``chat_template``."""
-    context = context_for_checkpoint(checkpoint, kv_label(dtype, quantization), chat_template)
+    ``quantization`` (None, or a method of ``QUANTIZATION_METHODS``), under the tokenizer's ``chat_template``;
+    ``numerics``: deterministic mode's fingerprint ("" otherwise)."""
+    context = context_for_checkpoint(checkpoint, kv_label(dtype, quantization, numerics), chat_template)
     return BlockIdentity(block_size, hash_algo, context, os.path.realpath(os.path.expanduser(checkpoint)))
 
 

@@ -23,7 +23,9 @@ class EngineArgs:
     queued up to ``kv_disk_queue`` blocks (docs/tiers.md). ``kv_shared``: a ``redis://`` URL for the shared tier
     (keys under ``kv_shared_prefix``, each call bounded by ``kv_shared_timeout`` seconds). ``kv_retention``: what
     a request that asks for nothing gets ("in_memory", "5m", "1h", "24h"; None: written, LRU), within
-    ``kv_retention_budget`` retained bytes per tenant (default: half of ``kv_disk_size``; docs/tiers.md#retention)."""
+    ``kv_retention_budget`` retained bytes per tenant (default: half of ``kv_disk_size``; docs/tiers.md#retention).
+    ``deterministic``: batch-invariant numerics, so a token's KV and logits never depend on chunking, batching or
+    cache hits; its settings join the block identity (docs/determinism.md)."""
 
     model: str | None = None
     dtype: str = "auto"
@@ -51,3 +53,4 @@ class EngineArgs:
     kv_shared_prefix: str = DEFAULT_KEY_PREFIX
     kv_retention: str | None = None
     kv_retention_budget: int | str | None = None
+    deterministic: bool = False

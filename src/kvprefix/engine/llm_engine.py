@@ -23,6 +23,7 @@ from kvprefix.engine.sampler import Sampler
 from kvprefix.engine.sampling_params import SamplingParams
 from kvprefix.engine.scheduler import Scheduler
 from kvprefix.model import ModelConfig, load_model
+from kvprefix.model.batch_invariant import make_batch_invariant, numerics_fingerprint
 from kvprefix.model.loader import default_dtype, resolve_dtype, resolve_model_path
 from kvprefix.model.quantized_linear import check_quantization, quantize_model
 from kvprefix.tokenizer import Tokenizer
@@ -69,13 +70,17 @@ class LLMEngine:
         self.model_config = ModelConfig.from_path(path)
         self.tokenizer = Tokenizer(path)
         self.max_model_len = min(args.max_model_len or 2**62, self.model_config.max_position_embeddings)
-        # What names the blocks (published to routers): the checkpoint's own bytes, dtype and quantization.
+        # What names the blocks (published to routers): the checkpoint's own bytes, dtype and quantization, and in
+        # deterministic mode the numerics its bytes depend on.
+        numerics = numerics_fingerprint(device) if args.deterministic else ""
         self.identity = block_identity(path, str(dtype).removeprefix("torch."), args.quantization,
                                        self.tokenizer.chat_template, block_size=args.block_size,
-                                       hash_algo=args.prefix_caching_hash_algo)
+                                       hash_algo=args.prefix_caching_hash_algo, numerics=numerics)
         self.hasher = self.identity.hasher()
         # First: on CUDA the KV budget is what the weights leave free.
         model = quantize_model(load_model(path, dtype, device), args.quantization, path)
+        if args.deterministic:
+            model = make_batch_invariant(model)
         num_blocks = num_kv_blocks(
             self.model_config,
             args.block_size,

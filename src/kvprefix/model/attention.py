@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from kvprefix.cache import cdiv
+from kvprefix.model.batch_invariant import invariant_attention
 from kvprefix.model.config import ModelConfig
 
 
@@ -188,13 +189,17 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     window: int | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """q: [T, q_heads, head_dim]; kv: [T, 2 * kv_heads, head_dim] (K heads then V heads). Returns [T, q_heads,
-    head_dim]. Writes the new K/V into the cache first, so each sequence reads its whole context from its blocks."""
+    head_dim]. Writes the new K/V into the cache first, so each sequence reads its whole context from its blocks.
+    ``batch_invariant``: every query through ``invariant_attention`` (deterministic mode)."""
     cache = kv_cache.kv
     block_size, kv_heads, head_dim = cache.shape[1], cache.shape[2] // 2, cache.shape[3]
     # index_copy_ copies whole rows (index_put_ goes element by element); kv may be a strided view.
     cache.view(-1, 2 * kv_heads, head_dim).index_copy_(0, meta.slot_mapping, kv)
+    if batch_invariant:
+        return invariant_attention(q, cache, meta, block_size, scale, window)
     plan = meta.plan(block_size)
     # A batch of one prefill, or of decodes only (one token each, in batch order), needs no scatter into `out`.
     if not plan.prefills:

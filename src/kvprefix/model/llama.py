@@ -52,6 +52,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
         self.qk_norm = config.qk_norm
+        self.batch_invariant = False  # set by model.batch_invariant.make_batch_invariant
 
     def forward(
         self,
@@ -72,7 +73,7 @@ class Attention(nn.Module):
             q.copy_(self.q_norm(q))
             k.copy_(self.k_norm(k))
         apply_rotary_(qk, cos, sin)
-        out = paged_attention(q, kv, kv_cache, meta, self.scale, self.window)
+        out = paged_attention(q, kv, kv_cache, meta, self.scale, self.window, self.batch_invariant)
         return self.o_proj(out.reshape(tokens, -1))
 
 

@@ -135,6 +135,9 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
                      help="CPU: weight-only int8 (per channel), int4 (groups of 32), or gguf (a .gguf model's own "
                           "blocks); default dense (docs/model.md)")
     eng.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    eng.add_argument("--deterministic", action="store_true",
+                     help="batch-invariant numerics: a token's KV, logits and logprobs never depend on batching, "
+                          "chunking or cache hits (slower; docs/determinism.md)")
     eng.add_argument("--seed", type=int, default=0)
     eng.add_argument("--block-size", type=int, default=16, help="tokens per KV block: the minimum shareable prefix")
     eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
