@@ -19,7 +19,9 @@ class EngineArgs:
     ``scheduling_policy``: "fcfs" or "cache_aware" (most cached first, bounded by ``max_wait_steps``;
     docs/engine.md). ``quantization`` (CPU only): "int8", "int4" or "gguf" compact weights (docs/model.md).
     ``kv_disk``: a directory for the persistent KV tier, at most ``kv_disk_size`` (bytes, or "20GiB"), writes
-    queued up to ``kv_disk_queue`` blocks (docs/tiers.md)."""
+    queued up to ``kv_disk_queue`` blocks (docs/tiers.md). ``enable_lora``: serve PEFT LoRA adapters, at most ``max_loras``
+of them in one step, each of rank at most ``max_lora_rank``; ``lora_modules`` (name -> adapter directory) are loaded
+at start (docs/lora.md)."""
 
     model: str | None = None
     dtype: str = "auto"
@@ -42,3 +44,7 @@ class EngineArgs:
     kv_disk: str | None = None
     kv_disk_size: int | str = DEFAULT_KV_DISK_SIZE
     kv_disk_queue: int = 256
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    lora_modules: dict[str, str] | None = None
