@@ -14,7 +14,8 @@ from kvprefix.cache import KVCacheManager, block_identity
 from kvprefix.cache.default_model import DEFAULT_MODEL_NAME, default_model_path
 from kvprefix.engine.args import EngineArgs
 from kvprefix.engine.kv_tier import open_kv_tier
-from kvprefix.engine.lora import LoraAdapters, LoRARequest
+from kvprefix.engine.lora import LoraAdapters
+from kvprefix.engine.lora_request import LoraActivity, LoRARequest
 from kvprefix.engine.metrics import ITERATION_TOKEN_BUCKETS, engine_metrics
 from kvprefix.engine.model_runner import ModelRunner, num_kv_blocks
 from kvprefix.engine.output_state import OutputState
@@ -79,7 +80,7 @@ class LLMEngine:
         # First: on CUDA the KV budget is what the weights leave free.
         model = quantize_model(load_model(path, dtype, device), args.quantization, path)
         self.loras = LoraAdapters(model, args.max_loras, args.max_lora_rank) if args.enable_lora else None
-        for name, adapter_path in (args.lora_modules or {}).items():
+        for name, adapter_path in dict(args.lora_modules or {}).items():  # (a list of pairs from the CLI too)
             if self.loras is None:
                 raise ValueError("lora_modules need enable_lora=True")
             self.loras.load(name, adapter_path)
@@ -392,6 +393,17 @@ class LLMEngine:
         return failures
 
     # ---- cache and metrics
+
+    def lora_activity(self) -> LoraActivity | None:
+        """The adapters of the running and the waiting requests (None when LoRA is off)."""
+        if self.loras is None:
+            return None
+        sched = self.scheduler
+
+        def names(requests) -> tuple[str, ...]:
+            return tuple(sorted({r.lora_name for r in requests if r.lora_name is not None}))
+
+        return LoraActivity(self.loras.max_loras, names(sched.running), names(sched.waiting))
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached block; refused (False) while any request holds blocks."""

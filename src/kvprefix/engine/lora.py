@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from kvprefix.engine.lora_request import LoraNotFoundError, LoRARequest
+from kvprefix.engine.lora_request import LoraInfo, LoraNotFoundError, LoRARequest
 from kvprefix.model.llama import CausalLM
 from kvprefix.model.lora import LoraAdapter, load_lora_adapter
 
@@ -56,6 +56,6 @@ class LoraAdapters:
             return self.load(request.lora_name, request.lora_path)
         return self._by_name[request.lora_name]
 
-    def paths(self) -> dict[str, str]:
-        """Every loaded adapter's name -> its directory."""
-        return {name: adapter.path for name, adapter in self._by_name.items()}
+    def infos(self) -> dict[str, LoraInfo]:
+        """Every loaded adapter by name."""
+        return {name: LoraInfo(name, a.path, a.fingerprint) for name, a in self._by_name.items()}

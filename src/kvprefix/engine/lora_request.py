@@ -18,3 +18,22 @@ class LoRARequest:
 
 class LoraNotFoundError(ValueError):
     """A request names an adapter that is not loaded (never was, or was unloaded)."""
+
+
+@dataclass(frozen=True)
+class LoraInfo:
+    """A loaded adapter as a server lists it: where it was loaded from and its content fingerprint (which, with the
+    tenant and salt, names its cache namespace: ``cache.identity.namespace_salt``)."""
+
+    name: str
+    path: str
+    fingerprint: str
+
+
+@dataclass(frozen=True)
+class LoraActivity:
+    """vLLM's ``lora_requests_info``: the step limit, and the adapters of running and of waiting requests."""
+
+    max_loras: int
+    running: tuple[str, ...] = ()
+    waiting: tuple[str, ...] = ()
