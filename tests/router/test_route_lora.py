@@ -11,16 +11,17 @@ from pathlib import Path
 
 import openai
 import pytest
-from support.lora_adapters import write_peft_adapter
 from support.routers import per_replica, start_router
 from support.servers import Server, start_server, stop_server
+
+from kvprefix.model import write_random_lora_adapter
 
 MODEL = "default-model-v1"
 
 
 @pytest.fixture(scope="module")
 def lora_fleet(router_tmp: Path, default_model_dir: str) -> Iterator[tuple[list[Server], Server]]:
-    adapter = write_peft_adapter(default_model_dir, str(router_tmp / "route-adapter"), rank=8, seed=4, scale=0.1)
+    adapter = write_random_lora_adapter(default_model_dir, str(router_tmp / "route-adapter"), rank=8, seed=4, scale=0.1)
     replicas = [start_server(router_tmp, "--num-gpu-blocks", "256", "--enable-lora", "--lora-modules",
                              f"ad={adapter}") for _ in range(2)]
     router = start_router(router_tmp, [s.url for s in replicas], "kv-events", None)

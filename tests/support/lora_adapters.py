@@ -1,29 +1,11 @@
-"""Real PEFT LoRA adapters made at test time on a test checkpoint, and transformers + peft as the reference."""
+"""transformers + peft as the reference for LoRA adapters (``kvprefix.model.write_random_lora_adapter`` makes
+them at test time)."""
 
 from collections.abc import Sequence
 
 import peft
 import torch
 import transformers
-
-ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def write_peft_adapter(base_path: str, out_dir: str, *, rank: int = 8, seed: int = 0,
-                       targets: Sequence[str] = ALL_TARGETS, alpha: int | None = None, scale: float = 0.2) -> str:
-    """Saves a LoRA adapter of ``base_path`` (``adapter_config.json`` + ``adapter_model.safetensors``) with random A
-    and B (so it changes the outputs), entries of size about ``scale``; returns ``out_dir``."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
-    config = peft.LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=list(targets),
-                             init_lora_weights=False, lora_dropout=0.0)
-    wrapped = peft.get_peft_model(model, config)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in wrapped.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * scale)
-    wrapped.save_pretrained(out_dir)
-    return out_dir
 
 
 def peft_greedy(base_path: str, adapter_dir: str | None, prompts: Sequence[list[int]],

@@ -5,10 +5,11 @@ import random
 import shutil
 
 import pytest
-from support.lora_adapters import peft_greedy, write_peft_adapter
+from support.lora_adapters import peft_greedy
 
 from kvprefix import LoRARequest, SamplingParams
 from kvprefix.engine import LoraNotFoundError
+from kvprefix.model import write_random_lora_adapter
 
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -19,8 +20,8 @@ def adapters(tiny_llama_path, tmp_path_factory) -> dict[str, str]:
     """Two adapters: every projection at rank 8, and q/v/down only at rank 4."""
     root = tmp_path_factory.mktemp("adapters")
     return {
-        "all8": write_peft_adapter(tiny_llama_path, str(root / "all8"), rank=8, seed=1),
-        "qvd4": write_peft_adapter(tiny_llama_path, str(root / "qvd4"), rank=4, seed=2,
+        "all8": write_random_lora_adapter(tiny_llama_path, str(root / "all8"), rank=8, seed=1),
+        "qvd4": write_random_lora_adapter(tiny_llama_path, str(root / "qvd4"), rank=4, seed=2,
                                    targets=("q_proj", "v_proj", "down_proj")),
     }
 
@@ -95,7 +96,7 @@ def test_namespace_follows_content_not_name(make_llm, tiny_llama_path, adapters,
     assert twin.num_cached_tokens == 32  # another name for the same bytes shares the blocks
     # The name "twin" unloaded and loaded again with other weights: a new namespace.
     llm.llm_engine.loras.unload("twin")
-    write_peft_adapter(tiny_llama_path, str(copy), rank=8, seed=9)
+    write_random_lora_adapter(tiny_llama_path, str(copy), rank=8, seed=9)
     retrained = llm.generate([prompts[0]], GREEDY, lora_request=LoRARequest("twin", 3, str(copy)))[0]
     assert retrained.num_cached_tokens == 0
     assert retrained.namespace_id != twin.namespace_id

@@ -11,8 +11,10 @@ from pathlib import Path
 import openai
 import pytest
 from support.app_server import AppServer
-from support.lora_adapters import peft_greedy, write_peft_adapter
+from support.lora_adapters import peft_greedy
 from support.servers import ADMIN, ADMIN_KEY, TENANT_KEYS
+
+from kvprefix.model import write_random_lora_adapter
 
 MODEL = "default-model-v1"
 
@@ -21,10 +23,10 @@ MODEL = "default-model-v1"
 def adapters(default_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("server-adapters")
     return {
-        "r8": write_peft_adapter(default_model_dir, str(root / "r8"), rank=8, seed=1, scale=0.1),
-        "r16": write_peft_adapter(default_model_dir, str(root / "r16"), rank=16, seed=2, scale=0.1,
+        "r8": write_random_lora_adapter(default_model_dir, str(root / "r8"), rank=8, seed=1, scale=0.1),
+        "r16": write_random_lora_adapter(default_model_dir, str(root / "r16"), rank=16, seed=2, scale=0.1,
                                   targets=("q_proj", "v_proj", "o_proj", "up_proj")),
-        "r32": write_peft_adapter(default_model_dir, str(root / "r32"), rank=32, seed=3, targets=("q_proj",)),
+        "r32": write_random_lora_adapter(default_model_dir, str(root / "r32"), rank=32, seed=3, targets=("q_proj",)),
     }
 
 
@@ -159,7 +161,7 @@ def test_load_and_unload_under_traffic(lora_server: AppServer, adapters, default
     assert asyncio.run(traffic()) == [(40, "length")] * 4
     with pytest.raises(openai.NotFoundError, match="the model 'live' does not exist"):
         _complete(lora_server, "live", prompt)
-    retrained = write_peft_adapter(default_model_dir, str(tmp_path / "retrained"), rank=16, seed=7, scale=0.1)
+    retrained = write_random_lora_adapter(default_model_dir, str(tmp_path / "retrained"), rank=16, seed=7, scale=0.1)
     assert lora_server.post("/v1/load_lora_adapter", {"lora_name": "live", "lora_path": retrained},
                             headers=ADMIN).status_code == 200
     assert _complete(lora_server, "live", prompt + [3], 1).usage.prompt_tokens_details.cached_tokens == 0

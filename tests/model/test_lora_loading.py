@@ -6,10 +6,9 @@ import os
 import shutil
 
 import pytest
-from support.lora_adapters import write_peft_adapter
 
 from kvprefix.cache.identity import adapter_fingerprint
-from kvprefix.model import load_model, write_random_checkpoint
+from kvprefix.model import load_model, write_random_checkpoint, write_random_lora_adapter
 from kvprefix.model.lora import load_lora_adapter
 
 
@@ -20,7 +19,7 @@ def model(tiny_llama_path):
 
 @pytest.fixture(scope="module")
 def adapter_dir(tiny_llama_path, tmp_path_factory) -> str:
-    return write_peft_adapter(tiny_llama_path, str(tmp_path_factory.mktemp("a") / "r8"), rank=8, seed=1,
+    return write_random_lora_adapter(tiny_llama_path, str(tmp_path_factory.mktemp("a") / "r8"), rank=8, seed=1,
                               targets=("q_proj", "v_proj", "down_proj"))
 
 
@@ -38,7 +37,7 @@ def test_stacked_projections_take_their_parts(model, adapter_dir):
 def test_fingerprint_is_the_content(adapter_dir, tmp_path, tiny_llama_path):
     copy = shutil.copytree(adapter_dir, tmp_path / "copy")
     assert adapter_fingerprint(str(copy)) == adapter_fingerprint(adapter_dir)
-    write_peft_adapter(tiny_llama_path, str(copy), rank=8, seed=2, targets=("q_proj", "v_proj", "down_proj"))
+    write_random_lora_adapter(tiny_llama_path, str(copy), rank=8, seed=2, targets=("q_proj", "v_proj", "down_proj"))
     assert adapter_fingerprint(str(copy)) != adapter_fingerprint(adapter_dir)
 
 
@@ -58,18 +57,18 @@ def test_missing_file(model, adapter_dir, tmp_path, missing):
 def test_adapter_of_another_model_is_refused(model, tmp_path):
     wider = write_random_checkpoint(str(tmp_path / "wider"), "llama", seed=3, hidden_size=128,
                                     intermediate_size=256, num_hidden_layers=2)
-    other = write_peft_adapter(wider, str(tmp_path / "wide-adapter"), rank=4, targets=("o_proj",))
+    other = write_random_lora_adapter(wider, str(tmp_path / "wide-adapter"), rank=4, targets=("o_proj",))
     with pytest.raises(ValueError, match=r"layer 0 o_proj has A \(4, 128\) and B \(128, 4\); the base model needs "
                                          r"A \(4, 64\) and B \(64, 4\)"):
         load_lora_adapter(other, model, max_rank=16)
     deeper = write_random_checkpoint(str(tmp_path / "deeper"), "llama", seed=3, num_hidden_layers=3)
-    other = write_peft_adapter(deeper, str(tmp_path / "deep-adapter"), rank=4, targets=("o_proj",))
+    other = write_random_lora_adapter(deeper, str(tmp_path / "deep-adapter"), rank=4, targets=("o_proj",))
     with pytest.raises(ValueError, match="has weights for layer 2; the model has 2 layers"):
         load_lora_adapter(other, model, max_rank=16)
 
 
 def test_target_module_the_model_lacks(model, tiny_llama_path, tmp_path):
-    other = write_peft_adapter(tiny_llama_path, str(tmp_path / "lm"), rank=4, targets=("lm_head",))
+    other = write_random_lora_adapter(tiny_llama_path, str(tmp_path / "lm"), rank=4, targets=("lm_head",))
     with pytest.raises(ValueError, match="not a LoRA A/B of a decoder projection; supported target modules: q_proj"):
         load_lora_adapter(other, model, max_rank=16)
 
