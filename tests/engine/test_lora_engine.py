@@ -127,3 +127,12 @@ def test_unknown_and_disabled_adapters_are_refused(make_llm, adapters, prompts):
     llm = make_llm(enable_lora=True)
     with pytest.raises(LoraNotFoundError, match="The model `nope` does not exist"):
         llm.llm_engine.add_request("x", prompts[0], GREEDY, lora_request=LoRARequest("nope", 1))
+
+
+def test_adapters_apply_to_compact_weights(make_llm, adapters, prompts):
+    """int8 weights replace the projections; the adapter hooks them all the same (its shapes come from the config)."""
+    llm = make_llm(enable_lora=True, quantization="int8", dtype="bfloat16")
+    base, adapted = llm.generate([prompts[0]] * 2, GREEDY, lora_request=[None, LoRARequest("all8", 1,
+                                                                                           adapters["all8"])])
+    assert base.outputs[0].token_ids != adapted.outputs[0].token_ids
+    assert base.namespace_id != adapted.namespace_id

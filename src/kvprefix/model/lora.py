@@ -21,9 +21,10 @@ from safetensors import safe_open
 from torch import nn
 
 from kvprefix.cache.identity import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, adapter_fingerprint
-from kvprefix.model.llama import CausalLM, MergedLinear
+from kvprefix.model.config import ModelConfig
+from kvprefix.model.llama import CausalLM
 
-# The projection modules of a decoder layer: checkpoint name -> (our module, the part's row offset is found there).
+# The projections of a decoder layer: checkpoint name -> our module (q/k/v and gate/up are stacked ones).
 _PROJECTIONS = {
     "q_proj": "self_attn.qkv_proj",
     "k_proj": "self_attn.qkv_proj",
@@ -117,32 +118,42 @@ def _read_tensors(where: str, path: str) -> dict[str, torch.Tensor]:
         raise ValueError(f"{where}: cannot read {ADAPTER_WEIGHTS_FILE}: {e}") from None
 
 
+def _layouts(config: ModelConfig) -> dict[str, tuple[int, dict[str, int]]]:
+    """Our projection -> (its input size, its output rows per checkpoint part), from the config alone (compact
+    weights replace the modules, not their shapes)."""
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    hidden, inner = config.hidden_size, config.intermediate_size
+    return {
+        "self_attn.qkv_proj": (hidden, {"q_proj": q, "k_proj": kv, "v_proj": kv}),
+        "self_attn.o_proj": (q, {"o_proj": hidden}),
+        "mlp.gate_up_proj": (hidden, {"gate_proj": inner, "up_proj": inner}),
+        "mlp.down_proj": (inner, {"down_proj": hidden}),
+    }
+
+
 def _stack(where: str, model: CausalLM, pairs: dict, rank: int, scaling: float) -> dict:
     """(layer, our module) -> (A, B) over every targeted part of that module, checked against the base's shapes."""
-    dtype = model.dtype
-    modules = dict(model.named_modules())
+    layouts = _layouts(model.config)
     grouped: dict[tuple[int, str], list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
     for (layer, part), ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
             raise ValueError(f"{where}: layer {layer} {part} has lora_{'A' if 'B' in ab else 'B'} missing")
         ours = _PROJECTIONS[part]
-        base = modules[f"model.layers.{layer}.{ours}"]
-        rows = base.parts[part] if isinstance(base, MergedLinear) else base.out_features
+        in_features, layout = layouts[ours]
         a, b = ab["A"], ab["B"]
-        if a.ndim != 2 or b.ndim != 2 or a.shape != (rank, base.in_features) or b.shape != (rows, rank):
+        if a.ndim != 2 or b.ndim != 2 or a.shape != (rank, in_features) or b.shape != (layout[part], rank):
             raise ValueError(f"{where}: layer {layer} {part} has A {tuple(a.shape)} and B {tuple(b.shape)}; the base "
-                             f"model needs A ({rank}, {base.in_features}) and B ({rows}, {rank})")
+                             f"model needs A ({rank}, {in_features}) and B ({layout[part]}, {rank})")
         grouped.setdefault((layer, ours), []).append((part, a, b))
     out = {}
     for (layer, ours), parts in grouped.items():
-        base = modules[f"model.layers.{layer}.{ours}"]
-        layout = base.parts if isinstance(base, MergedLinear) else {parts[0][0]: base.out_features}
-        a_all = torch.cat([a for _, a, _ in parts]).to(dtype)
+        layout = layouts[ours][1]
+        a_all = torch.cat([a for _, a, _ in parts]).to(model.dtype)
         b_all = torch.zeros(sum(layout.values()), rank * len(parts), dtype=torch.float32)
         offsets = dict(zip(layout, _starts(layout.values()), strict=True))
         for i, (part, _, b) in enumerate(parts):
             b_all[offsets[part] : offsets[part] + layout[part], i * rank : (i + 1) * rank] = b.float() * scaling
-        out[(layer, ours)] = (a_all.contiguous(), b_all.to(dtype))
+        out[(layer, ours)] = (a_all.contiguous(), b_all.to(model.dtype))
     return out
 
 
