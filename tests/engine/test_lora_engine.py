@@ -136,3 +136,39 @@ def test_adapters_apply_to_compact_weights(make_llm, adapters, prompts):
                                                                                            adapters["all8"])])
     assert base.outputs[0].token_ids != adapted.outputs[0].token_ids
     assert base.namespace_id != adapted.namespace_id
+
+
+@pytest.mark.slow
+def test_adapter_on_the_builtin_default_model_matches_transformers_peft(tmp_path):
+    """SmolLM2-135M-Instruct (the GGUF the engine serves by default, dequantized) written as a transformers
+    checkpoint, an adapter made by peft on it, and the greedy tokens of both engines for a base and an adapted
+    request in one batch."""
+    import torch
+    import transformers
+
+    from kvprefix import LLM
+    from kvprefix.cache.default_model import default_model_path
+    from kvprefix.model import load_model
+
+    ours = load_model(default_model_path(), dtype=torch.float32)
+    c = ours.config
+    config = transformers.LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
+        rope_theta=c.rope_theta, max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=c.tie_word_embeddings)
+    reference = transformers.LlamaForCausalLM(config)
+    reference.load_state_dict(ours.checkpoint_views(), strict=False)
+    reference.save_pretrained(tmp_path / "smollm2")
+    del ours, reference
+    adapter = write_random_lora_adapter(str(tmp_path / "smollm2"), str(tmp_path / "adapter"), rank=16, seed=5,
+                                        scale=0.05)
+    llm = LLM(enable_lora=True, dtype="float32", device="cpu", num_gpu_blocks=128)
+    prompt = llm.get_tokenizer().encode("The capital of France is")
+    outs = llm.generate([prompt, prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                        lora_request=[None, LoRARequest("smol", 1, adapter)])
+    base, adapted = (o.outputs[0].token_ids for o in outs)
+    assert base == peft_greedy(str(tmp_path / "smollm2"), None, [prompt], 12)[0]
+    assert adapted == peft_greedy(str(tmp_path / "smollm2"), adapter, [prompt], 12)[0]
+    assert base != adapted
