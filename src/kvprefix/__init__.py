@@ -11,8 +11,9 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_LAZY = {"LLM": "kvprefix.engine", "SamplingParams": "kvprefix.engine", "AsyncLLM": "kvprefix.engine"}
-__all__ = ["AsyncLLM", "LLM", "SamplingParams", "__version__"]
+_LAZY = {"LLM": "kvprefix.engine", "SamplingParams": "kvprefix.engine", "AsyncLLM": "kvprefix.engine",
+         "LoRARequest": "kvprefix.engine"}
+__all__ = ["AsyncLLM", "LLM", "LoRARequest", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

@@ -231,9 +231,10 @@ class BlockHasher:
                 self._salted.popitem(last=False)
         return hasher
 
-    def for_namespace(self, tenant: str | None, cache_salt: str | None) -> BlockHasher:
-        """The hasher of a tenant's (and client salt's) namespace: see ``identity.namespace_salt``."""
-        return self.with_salt(namespace_salt(tenant, cache_salt))
+    def for_namespace(self, tenant: str | None, cache_salt: str | None, lora: str | None = None) -> BlockHasher:
+        """The hasher of a tenant's (and client salt's, and LoRA adapter's) namespace: see
+        ``identity.namespace_salt``."""
+        return self.with_salt(namespace_salt(tenant, cache_salt, lora))
 
     def hash_blocks(
         self,

@@ -71,12 +71,17 @@ class ExecutionContext:
         return {name: value for name, value in self.fields() if name != "salt"}
 
 
-def namespace_salt(tenant: str | None, cache_salt: str | None) -> str:
-    """The one derivation of a cache namespace from (tenant, client cache salt). "" is the shared namespace.
+def namespace_salt(tenant: str | None, cache_salt: str | None, lora: str | None = None) -> str:
+    """The one derivation of a cache namespace from (tenant, client cache salt, LoRA adapter fingerprint). "" is
+    the shared namespace of the base model.
 
-    JSON keeps pairs unambiguous (no choice of names makes two pairs encode alike); a request with only a
-    ``cache_salt`` lands in the same namespace whether it went through ``LLM``, the server or the planner.
+    JSON keeps the fields unambiguous (no choice of names makes two tuples encode alike); a request with only a
+    ``cache_salt`` lands in the same namespace whether it went through ``LLM``, the server or the planner. An
+    adapter's requests live in a namespace of their own (``lora`` is ``adapter_fingerprint``: its content, so two
+    names for one adapter share blocks and reloaded weights under one name do not).
     """
+    if lora:
+        return json.dumps([tenant or "", cache_salt or "", lora], separators=(",", ":"))
     if tenant is None and cache_salt is None:
         return ""
     return json.dumps([tenant or "", cache_salt or ""], separators=(",", ":"))
@@ -207,6 +212,16 @@ def checkpoint_fingerprint(path: str) -> str:
         if (n.endswith(_WEIGHT_SUFFIXES) and not n.startswith("consolidated")) or n in _CONFIG_FILES
     )
     return _fingerprint_files([os.path.join(path, n) for n in names]) if names else ""
+
+
+ADAPTER_CONFIG_FILE = "adapter_config.json"  # a PEFT LoRA adapter directory's two files
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+
+
+def adapter_fingerprint(path: str) -> str:
+    """XXH3-128 over a PEFT adapter directory's config and weights (names, sizes and bytes): the adapter's content,
+    whatever it is named or where it lies."""
+    return _fingerprint_files([os.path.join(path, n) for n in (ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE)])
 
 
 def tokenizer_fingerprint(path: str) -> str:

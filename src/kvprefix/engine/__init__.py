@@ -9,6 +9,7 @@ import importlib
 from typing import Any
 
 from kvprefix.engine.args import EngineArgs
+from kvprefix.engine.lora_request import LoraNotFoundError, LoRARequest
 from kvprefix.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, RequestOutputKind
 from kvprefix.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -30,6 +31,8 @@ __all__ = [
     "LLM",
     "LLMEngine",
     "Logprob",
+    "LoRARequest",
+    "LoraNotFoundError",
     "RequestMetrics",
     "RequestFailedError",
     "RequestOutput",

@@ -25,7 +25,9 @@ class EngineArgs:
     a request that asks for nothing gets ("in_memory", "5m", "1h", "24h"; None: written, LRU), within
     ``kv_retention_budget`` retained bytes per tenant (default: half of ``kv_disk_size``; docs/tiers.md#retention).
     ``deterministic``: batch-invariant numerics, so a token's KV and logits never depend on chunking, batching or
-    cache hits; its settings join the block identity (docs/determinism.md)."""
+    cache hits; its settings join the block identity (docs/determinism.md). ``enable_lora``: serve PEFT LoRA adapters, at most ``max_loras`` of them in
+    one step, each of rank at most ``max_lora_rank``; ``lora_modules`` (name -> adapter directory) are loaded at
+    start (docs/lora.md)."""
 
     model: str | None = None
     dtype: str = "auto"
@@ -54,3 +56,7 @@ class EngineArgs:
     kv_retention: str | None = None
     kv_retention_budget: int | str | None = None
     deterministic: bool = False
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    lora_modules: dict[str, str] | None = None

@@ -18,6 +18,7 @@ from typing import Any
 from kvprefix.cache import KVCacheEvent
 from kvprefix.engine.args import EngineArgs
 from kvprefix.engine.llm_engine import LLMEngine, PromptType
+from kvprefix.engine.lora_request import LoraActivity, LoraInfo, LoRARequest
 from kvprefix.engine.output_state import OutputState
 from kvprefix.engine.outputs import RequestDelta, RequestOutput, RequestOutputKind
 from kvprefix.engine.sampling_params import SamplingParams
@@ -55,6 +56,10 @@ class AsyncLLM:
         self.hasher = self.engine.hasher
         self.num_kv_blocks = self.engine.manager.pool.num_blocks
         self.enable_prefix_caching = self.engine.manager.enable_prefix_caching
+        self.enable_lora = self.engine.loras is not None
+        # Replaced whole on the engine thread (load, unload, each step), so the event loop reads them without locks.
+        self.lora_adapters: dict[str, LoraInfo] = self.engine.loras.infos() if self.enable_lora else {}
+        self.lora_activity: LoraActivity | None = self.engine.lora_activity()
         self._streams: dict[str, _Stream] = {}
         self._commands: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []
         self._wake = threading.Condition()
@@ -82,10 +87,12 @@ class AsyncLLM:
         tenant: str | None = None,
         *,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Streams the request's outputs of ``output_kind`` until one has ``finished``. Raises ValueError for an
-        invalid request, EngineDeadError if the engine stops. Closing the stream early aborts the request.
-        ``tenant`` and ``cache_salt`` pick the cache namespace (see LLMEngine.add_request)."""
+        invalid request (``LoraNotFoundError`` for an adapter not loaded), EngineDeadError if the engine stops.
+        Closing the stream early aborts the request. ``tenant``, ``cache_salt`` and the adapter pick the cache
+        namespace (see LLMEngine.add_request)."""
         arrival = time.monotonic()
         stream = _Stream(asyncio.get_running_loop())
         final_only = output_kind is RequestOutputKind.FINAL_ONLY
@@ -93,7 +100,8 @@ class AsyncLLM:
         def add() -> OutputState:
             # Registered on the engine thread once the engine accepted the id: a previous request with this id has
             # then left the engine (its queued abort ran first), so none of its outputs can reach this stream.
-            state = self.engine.add_request(request_id, prompt, sampling_params, cache_salt, arrival, tenant)
+            state = self.engine.add_request(request_id, prompt, sampling_params, cache_salt, arrival, tenant,
+                                            lora_request)
             self._streams[request_id] = stream
             return state
 
@@ -146,6 +154,29 @@ class AsyncLLM:
         """Stops the request and frees its blocks (done when this returns); its stream ends with finish_reason
         "abort". Unknown or finished ids are ignored."""
         await self._call(lambda: self._abort_and_deliver(request_id))
+
+    async def load_lora_adapter(self, name: str, path: str) -> LoraInfo:
+        """Loads the PEFT adapter at ``path`` as ``name`` (ValueError, one line, for a bad one or a name in use)."""
+
+        def load() -> LoraInfo:
+            if self.engine.loras is None:
+                raise ValueError("LoRA is off: start the engine with enable_lora (kvprefix serve --enable-lora)")
+            self.engine.loras.load(name, path)
+            self.lora_adapters = self.engine.loras.infos()
+            return self.lora_adapters[name]
+
+        return await self._call(load)
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Forgets ``name`` (``LoraNotFoundError`` if not loaded); requests running with it keep it to their end."""
+
+        def unload() -> None:
+            if self.engine.loras is None:
+                raise ValueError("LoRA is off: start the engine with enable_lora (kvprefix serve --enable-lora)")
+            self.engine.loras.unload(name)
+            self.lora_adapters = self.engine.loras.infos()
+
+        await self._call(unload)
 
     async def reset_prefix_cache(self) -> bool:
         """Forgets every cached block; False (nothing changed) while requests hold blocks."""
@@ -235,6 +266,8 @@ class AsyncLLM:
             if not engine.has_unfinished_requests():
                 continue
             outputs = engine.step()
+            if self.enable_lora:
+                self.lora_activity = engine.lora_activity()
             for out in outputs:
                 stream = self._streams.get(out.request_id)
                 if stream is not None:

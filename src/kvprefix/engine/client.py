@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 from kvprefix.cache import BlockHasher, BlockIdentity, KVCacheEvent
+from kvprefix.engine.lora_request import LoraActivity, LoraInfo, LoRARequest
 from kvprefix.engine.outputs import RequestOutput, RequestOutputKind
 from kvprefix.engine.sampling_params import SamplingParams
 from kvprefix.tokenizer import Tokenizer
@@ -26,6 +27,10 @@ class EngineClient(Protocol):
     hasher: BlockHasher  # identity.hasher(), unsalted; a namespace's chain is ``hasher.for_namespace(tenant, salt)``
     num_kv_blocks: int
     enable_prefix_caching: bool
+    enable_lora: bool
+    # Read on the event loop; the engine replaces each whole (never mutated in place).
+    lora_adapters: dict[str, LoraInfo]  # the loaded LoRA adapters by name
+    lora_activity: LoraActivity | None  # the adapters of running and waiting requests; None when LoRA is off
 
     @property
     def errored(self) -> bool: ...
@@ -42,8 +47,18 @@ class EngineClient(Protocol):
         tenant: str | None = None,
         *,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """The request's outputs until one has ``finished``; closing the stream early aborts the request."""
+        """The request's outputs until one has ``finished``; closing the stream early aborts the request. With
+        ``lora_request`` (a loaded adapter's name, no path) it runs with that adapter, in its cache namespace."""
+        ...
+
+    async def load_lora_adapter(self, name: str, path: str) -> LoraInfo:
+        """ValueError (one line) for a bad adapter or a name already loaded."""
+        ...
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """``LoraNotFoundError`` for a name not loaded; running requests keep their adapter."""
         ...
 
     async def abort(self, request_id: str) -> None:

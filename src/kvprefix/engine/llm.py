@@ -8,6 +8,7 @@ from typing import Any
 
 from kvprefix.engine.args import EngineArgs
 from kvprefix.engine.llm_engine import LLMEngine, PromptType
+from kvprefix.engine.lora_request import LoRARequest
 from kvprefix.engine.outputs import RequestOutput
 from kvprefix.engine.sampling_params import SamplingParams
 from kvprefix.prompts import render_chat
@@ -37,10 +38,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Runs every prompt to completion (batched) and returns their outputs in the order given."""
+        """Runs every prompt to completion (batched) and returns their outputs in the order given. ``lora_request``
+        (with ``enable_lora=True``): one adapter for every prompt, or one (or None: the base model) per prompt."""
         prompts = _as_prompt_list(prompts)
-        return self._run(prompts, sampling_params, use_tqdm, cache_salt)
+        return self._run(prompts, sampling_params, use_tqdm, cache_salt, lora_request)
 
     def chat(
         self,
@@ -61,21 +64,17 @@ class LLM:
             prompts.append({"prompt": rendered.text, "prompt_token_ids": rendered.token_ids})
         return self._run(prompts, sampling_params, use_tqdm, cache_salt)
 
-    def _run(self, prompts, sampling_params, use_tqdm: bool, cache_salt: str | None) -> list[RequestOutput]:
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or SamplingParams()] * len(prompts)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompts):
-                raise ValueError(
-                    f"got {len(params_list)} sampling_params for {len(prompts)} prompts; give one or one each"
-                )
+    def _run(self, prompts, sampling_params, use_tqdm: bool, cache_salt: str | None,
+             lora_request=None) -> list[RequestOutput]:
+        params_list = _one_each(SamplingParams() if sampling_params is None else sampling_params, SamplingParams, prompts, "sampling_params")
+        loras = _one_each(lora_request, LoRARequest, prompts, "lora_request")
         engine = self.llm_engine
         ids = [str(next(self._ids)) for _ in prompts]
         states = {}
         try:
-            for request_id, prompt, params in zip(ids, prompts, params_list, strict=True):
-                states[request_id] = engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
+            for request_id, prompt, params, lora in zip(ids, prompts, params_list, loras, strict=True):
+                states[request_id] = engine.add_request(request_id, prompt, params, cache_salt=cache_salt,
+                                                        lora_request=lora)
             finals: dict[str, RequestOutput] = {}
             bar = _progress(len(ids)) if use_tqdm else None
             while len(finals) < len(ids):
@@ -102,6 +101,16 @@ class LLM:
 
     def get_metrics(self) -> dict[str, int | float]:
         return self.llm_engine.get_metrics()
+
+
+def _one_each(value, kind: type, prompts: list, name: str) -> list:
+    """``value`` for every prompt when it is one ``kind`` (or None), else the sequence given, one per prompt."""
+    if value is None or isinstance(value, kind):
+        return [value] * len(prompts)
+    values = list(value)
+    if len(values) != len(prompts):
+        raise ValueError(f"got {len(values)} {name} for {len(prompts)} prompts; give one or one each")
+    return values
 
 
 def _as_prompt_list(prompts) -> list[PromptType]:

@@ -14,6 +14,8 @@ from kvprefix.cache import KVCacheManager, block_identity
 from kvprefix.cache.default_model import DEFAULT_MODEL_NAME, default_model_path
 from kvprefix.engine.args import EngineArgs
 from kvprefix.engine.kv_tier import open_kv_tier
+from kvprefix.engine.lora import LoraAdapters
+from kvprefix.engine.lora_request import LoraActivity, LoRARequest
 from kvprefix.engine.metrics import ITERATION_TOKEN_BUCKETS, engine_metrics
 from kvprefix.engine.model_runner import ModelRunner, num_kv_blocks
 from kvprefix.engine.output_state import OutputState
@@ -25,6 +27,7 @@ from kvprefix.engine.scheduler import Scheduler
 from kvprefix.model import ModelConfig, load_model
 from kvprefix.model.batch_invariant import make_batch_invariant, numerics_fingerprint
 from kvprefix.model.loader import default_dtype, resolve_dtype, resolve_model_path
+from kvprefix.model.lora import LoraAdapter, LoraLayers
 from kvprefix.model.quantized_linear import check_quantization, quantize_model
 from kvprefix.tokenizer import Tokenizer
 
@@ -79,8 +82,15 @@ class LLMEngine:
         self.hasher = self.identity.hasher()
         # First: on CUDA the KV budget is what the weights leave free.
         model = quantize_model(load_model(path, dtype, device), args.quantization, path)
+        if args.deterministic and args.enable_lora:  # the invariant tiles would wrap the adapters' hooks untested
+            raise ValueError("deterministic=True does not serve LoRA adapters yet: choose one")
         if args.deterministic:
             model = make_batch_invariant(model)
+        self.loras = LoraAdapters(model, args.max_loras, args.max_lora_rank) if args.enable_lora else None
+        for name, adapter_path in dict(args.lora_modules or {}).items():  # (a list of pairs from the CLI too)
+            if self.loras is None:
+                raise ValueError("lora_modules need enable_lora=True")
+            self.loras.load(name, adapter_path)
         num_blocks = num_kv_blocks(
             self.model_config,
             args.block_size,
@@ -102,8 +112,10 @@ class LLMEngine:
             share_inflight_prefixes=args.share_inflight_prefixes and args.enable_prefix_caching,
             scheduling_policy=args.scheduling_policy,
             max_wait_steps=args.max_wait_steps,
+            max_loras=args.max_loras if args.enable_lora else None,
         )
-        self.runner = ModelRunner.create(model, num_blocks, self.manager, dtype, device)
+        self.runner = ModelRunner.create(model, num_blocks, self.manager, dtype, device,
+                                         LoraLayers(model) if args.enable_lora else None)
         self.kv_tier = open_kv_tier(args, self.identity, self.model_config, dtype, self.manager,
                                     self.runner.kv_caches)
         self.scheduler.lower_tier = self.kv_tier
@@ -141,10 +153,13 @@ class LLMEngine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         tenant: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> OutputState:
         """Queues a request. Raises ValueError for a reused id, a bad prompt, or one that cannot fit.
 
-        ``tenant`` and ``cache_salt`` pick the cache namespace: the request only hits blocks of its namespace.
+        ``tenant``, ``cache_salt`` and the LoRA adapter pick the cache namespace: the request only hits blocks of its
+        namespace. ``lora_request`` runs it with that adapter: loaded from its path at the name's first use, or
+        (no path) one loaded already, else ``LoraNotFoundError``.
         Returns the request's ``OutputState``, which the caller feeds the request's deltas (``step``,
         ``abort_request``)."""
         if request_id in self._requests:
@@ -158,9 +173,10 @@ class LLMEngine:
         text, ids = self.tokenize_prompt(prompt)
         self._check_prompt(request_id, ids)
         grammar = self._grammar(params)
+        lora = self._lora(lora_request)
         room = self.max_sequence_tokens - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        hasher = self.hasher.for_namespace(tenant, cache_salt)
+        hasher = self.hasher.for_namespace(tenant, cache_salt, lora.fingerprint if lora else None)
         samples: list[Request] = []
         for i in range(params.n):
             sample_params = params.for_sample(i) if params.n > 1 else params
@@ -175,6 +191,8 @@ class LLMEngine:
                     tokenizer=self.tokenizer,
                     index=i,
                     eviction_group=tenant,
+                    lora=lora,
+                    lora_name=lora_request.lora_name if lora else None,
                 )
             )
         if grammar is not None:
@@ -193,6 +211,16 @@ class LLMEngine:
         self._counters["prompt_tokens"] += len(ids)
         return OutputState(request_id, text, ids, [s.params for s in samples], self.tokenizer, prompt_hashes,
                            hasher.namespace_id, metrics.arrival_time)
+
+    def _lora(self, lora_request: LoRARequest | None) -> LoraAdapter | None:
+        if lora_request is None:
+            return None
+        if self.loras is None:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r} requested, but LoRA is off (enable_lora=True "
+                             "turns it on)")
+        if lora_request.lora_path:
+            return self.loras.resolve(lora_request)
+        return self.loras.get(lora_request.lora_name)
 
     def _grammar(self, params: SamplingParams) -> str | None:
         """The compiled grammar of a structured request (ValueError if it does not compile), loading llguidance
@@ -377,6 +405,17 @@ class LLMEngine:
         return failures
 
     # ---- cache and metrics
+
+    def lora_activity(self) -> LoraActivity | None:
+        """The adapters of the running and the waiting requests (None when LoRA is off)."""
+        if self.loras is None:
+            return None
+        sched = self.scheduler
+
+        def names(requests) -> tuple[str, ...]:
+            return tuple(sorted({r.lora_name for r in requests if r.lora_name is not None}))
+
+        return LoraActivity(self.loras.max_loras, names(sched.running), names(sched.waiting))
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached block; refused (False) while any request holds blocks."""

@@ -10,6 +10,7 @@ from kvprefix.cache import BlockHasher, CacheRequest
 from kvprefix.engine.outputs import Logprob
 from kvprefix.engine.sampling_params import SamplingParams
 from kvprefix.engine.text import SampleText
+from kvprefix.model.lora import LoraAdapter
 from kvprefix.tokenizer import Tokenizer
 
 
@@ -34,10 +35,14 @@ class Request(CacheRequest):
         tokenizer: Tokenizer,
         index: int = 0,
         eviction_group: str | None = None,
+        lora: LoraAdapter | None = None,
+        lora_name: str | None = None,
     ):
         super().__init__(request_id, prompt_token_ids, hasher, eviction_group=eviction_group)
         self.params = params
         self.index = index
+        self.lora = lora  # the adapter it runs with (held to the end, whatever is unloaded meanwhile), and its name
+        self.lora_name = lora_name
         # Waiting behind a running request's in-flight prompt blocks: (first uncached block, step the wait ends).
         self.inflight_wait: tuple[int, int] | None = None
         self.queued_step = 0  # the scheduler step it was queued at (cache-aware admission ages requests by it)

@@ -39,6 +39,8 @@ class Scheduler:
     With ``share_inflight_prefixes``, a request waiting on blocks a running one is computing keeps its place while
     later ones pass (``InflightPrefixes``). ``scheduling_policy``: see ``_admission_order``. ``lower_tier``: blocks
     past the pool's hits are loaded from it before admission, while other requests step (``engine.tier_loads``).
+    ``max_loras``: at most that many LoRA adapters among the running requests (a request of another adapter waits,
+    keeping its place).
     """
 
     def __init__(
@@ -50,6 +52,7 @@ class Scheduler:
         scheduling_policy: str = "fcfs",
         max_wait_steps: int = 100,
         lower_tier=None,
+        max_loras: int | None = None,
     ):
         if scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
@@ -71,6 +74,7 @@ class Scheduler:
         self.num_steps = 0
         self.scheduling_policy = scheduling_policy
         self.max_wait_steps = max_wait_steps
+        self.max_loras = max_loras
         self.lower_tier = lower_tier  # a KVTier (engine.kv_tier): asked for the blocks after the pool's hits
         self.inflight = (
             InflightPrefixes(manager.block_size, max_num_batched_tokens)
@@ -116,9 +120,12 @@ class Scheduler:
         if self.lower_tier is not None:
             self.lower_tier.loads.reap()
         admitted: set[int] = set()
+        adapters = {id(r.lora) for r in self.running if r.lora is not None}
         for req in self._admission_order():
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
+            if req.lora is not None and id(req.lora) not in adapters and len(adapters) >= (self.max_loras or 0):
+                continue  # its adapter would be one too many in the batch
             if req.skips_cache_reads:  # computes its whole prompt anyway: nothing to wait for
                 hits, num_hit_tokens = [], 0
             else:
@@ -136,6 +143,8 @@ class Scheduler:
             if self.manager.allocate_slots(req, num_new, hits) is None:
                 break
             admitted.add(id(req))
+            if req.lora is not None:
+                adapters.add(id(req.lora))
             req.status = RequestStatus.RUNNING
             req.inflight_wait = None
             self.running.append(req)

@@ -5,7 +5,7 @@ from kvprefix.model.attention import AttentionMetadata, KVCache, allocate_kv_cac
 from kvprefix.model.config import ModelConfig
 from kvprefix.model.llama import CausalLM
 from kvprefix.model.loader import load_model
-from kvprefix.model.random_checkpoint import write_random_checkpoint
+from kvprefix.model.random_checkpoint import write_random_checkpoint, write_random_lora_adapter
 
 __all__ = [
     "AttentionMetadata",
@@ -16,4 +16,5 @@ __all__ = [
     "kv_cache_bytes_per_block",
     "load_model",
     "write_random_checkpoint",
+    "write_random_lora_adapter",
 ]

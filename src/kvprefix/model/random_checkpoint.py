@@ -1,4 +1,5 @@
-"""Random-weight checkpoints in real Hugging Face format (transformers' own classes write them)."""
+"""Random-weight checkpoints in real Hugging Face format (transformers' own classes write them), and random LoRA
+adapters of them in the PEFT format (peft writes them)."""
 
 from __future__ import annotations
 
@@ -72,3 +73,27 @@ def _perturb_vectors(model: torch.nn.Module) -> None:
     for param in model.parameters():
         if param.ndim == 1:
             param.add_(torch.randn_like(param) * 0.1)
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_random_lora_adapter(base_path: str, out_dir: str, *, rank: int = 8, seed: int = 0,
+                              targets: tuple[str, ...] | list[str] = LORA_TARGETS, alpha: int | None = None,
+                              scale: float = 0.2) -> str:
+    """Saves a PEFT LoRA adapter of the checkpoint at ``base_path`` (``adapter_config.json`` +
+    ``adapter_model.safetensors``, written by peft itself, a test dependency) with random A and B of entries about
+    ``scale`` (so it changes the outputs); returns ``out_dir``."""
+    import peft
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=list(targets),
+                             init_lora_weights=False, lora_dropout=0.0)
+    wrapped = peft.get_peft_model(model, config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in wrapped.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * scale)
+    wrapped.save_pretrained(out_dir)
+    return out_dir

@@ -29,6 +29,7 @@ from kvprefix.http.errors import APIError, install_error_handlers
 from kvprefix.http.forwarding import forwarded
 from kvprefix.http.metrics import metrics_response
 from kvprefix.http.tenancy import Auth
+from kvprefix.router.adapters import AdapterFingerprints
 from kvprefix.router.events import follow, http_lines, read_hello
 from kvprefix.router.fleet import FleetView, Replica
 from kvprefix.router.hashing import RequestHasher, RouteRequest, route_request
@@ -128,6 +129,7 @@ class Router:
         self.admin_headers = {"authorization": f"Bearer {config.admin_key}"} if config.admin_key else {}
         self.client: httpx.AsyncClient | None = None
         self.hasher: RequestHasher | None = None
+        self.adapters = AdapterFingerprints()
         self._parse = policy.name in (*HASHING_POLICIES, "session")  # the others route without reading the body
 
     async def check(self, i: int) -> None:
@@ -146,6 +148,9 @@ class Router:
     async def health_loop(self) -> None:
         while True:
             await asyncio.gather(*(self.check(i) for i in range(len(self.replicas))))
+            if self.hasher is not None:  # the adapters the replicas serve now, for hashing in their namespaces
+                await self.adapters.refresh(self.client, [r.name for r in self.replicas if r.healthy],
+                                            self.admin_headers, self.config.connect_timeout_s)
             await asyncio.sleep(self.config.health_interval_s)
 
     def check_hello(self, rep: Replica):
@@ -173,6 +178,7 @@ class Router:
                 self.hasher = self.config.hasher or await load_request_hasher(self.client, self.config,
                                                                               self.admin_headers)
                 self.relay.block_size = self.hasher.hasher.block_size
+                self.hasher.adapters = self.adapters
             # What exists now (the tokenizer, the app) lives as long as the router: the collector's full passes
             # no longer walk it (as vLLM does after loading a model).
             gc.freeze()

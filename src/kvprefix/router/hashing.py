@@ -58,6 +58,9 @@ class RequestHasher:
         self.tokenizer = tokenizer
         self.hasher = hasher
         self.max_model_len = max_model_len
+        # LoRA adapter name -> content fingerprint (the router refreshes it from the replicas' model lists): a
+        # request whose "model" is an adapter hashes in that adapter's namespace, as the replica will.
+        self.adapters: dict[str, str] = {}
         # Most of a prompt is a prefix the router hashed before (docs/router.md, the relay): hashed once.
         self.memo = BlockHashMemo(hasher.block_size, hasher.algo)
 
@@ -85,10 +88,11 @@ class RequestHasher:
         """The full-block hashes of the body's first prompt in the caller's namespace, and how many blocks the
         prompt spans (its partial tail included); ([], 0) for a body the replica will refuse anyway (it answers
         with the error, the router only routes)."""
-        salt = body.get("cache_salt")
+        salt, model = body.get("cache_salt"), body.get("model")
+        lora = self.adapters.get(model) if isinstance(model, str) else None
         try:
             prompts = render_body(self.tokenizer, body, self.max_model_len)
-            hasher = self.hasher.for_namespace(tenant, salt if isinstance(salt, str) else None)
+            hasher = self.hasher.for_namespace(tenant, salt if isinstance(salt, str) else None, lora)
         except (PromptError, ValueError, TypeError):
             return [], 0
         if not prompts:

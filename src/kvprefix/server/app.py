@@ -12,9 +12,10 @@ from typing import Any
 
 from fastapi import FastAPI, Query, Request
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 
+from kvprefix.engine import LoraNotFoundError
 from kvprefix.engine.client import EngineClient
 from kvprefix.http.bodies import read_body
 from kvprefix.http.browsers import BrowserGuard
@@ -28,12 +29,15 @@ from kvprefix.server.cache_detail import CacheTracker
 from kvprefix.server.kv_events import add_kv_event_routes
 from kvprefix.server.metrics import ServerMetrics
 from kvprefix.server.model_info import ModelInfo
+from kvprefix.server.models import ServedModels
 from kvprefix.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
+    UnloadLoRAAdapterRequest,
 )
 from kvprefix.server.serving import Serving
 
@@ -178,7 +182,8 @@ def _parts(engine: EngineClient, config: ServerConfig) -> _Parts:
     info = ModelInfo.of(engine, name, config.replica_id)
     cache_config = {"block_size": str(info.block_size), "enable_prefix_caching": str(info.enable_prefix_caching),
                     "num_gpu_blocks": str(engine.num_kv_blocks), "prefix_caching_hash_algo": info.hash_algo}
-    metrics = ServerMetrics(name, engine.get_metrics, config.metrics_names, cache_config, info.max_model_len)
+    metrics = ServerMetrics(name, engine.get_metrics, config.metrics_names, cache_config, info.max_model_len,
+                            read_lora=lambda: engine.lora_activity)
     labels = metrics.labels()
     admission = Admission(config.max_pending, config.max_pending_per_tenant,
                           on_reject=lambda reason: metrics.rejected.labels(*labels, reason).inc())
@@ -187,13 +192,14 @@ def _parts(engine: EngineClient, config: ServerConfig) -> _Parts:
     tracker = CacheTracker(engine.hasher, enabled=info.enable_prefix_caching) if config.cache_detail else None
     request_log = RequestLogWriter(config.request_log, config.request_log_prompts,
                                    on_error=metrics.request_log_errors.labels(*labels).inc) if config.request_log else None
-    serving = Serving(engine, info, admission, metrics, tracker, request_log)
+    serving = Serving(engine, info, admission, metrics, tracker, request_log,
+                      ServedModels(engine, name, info.max_model_len))
     return _Parts(engine, config, config.auth or Auth(), info, metrics, admission, tracker, request_log, serving)
 
 
 def _add_info_routes(app: FastAPI, parts: _Parts) -> None:
     """Health, version, models, /tokenize and /detokenize."""
-    engine, serving, name, tenant = parts.engine, parts.serving, parts.info.name, parts.tenant
+    engine, serving, tenant = parts.engine, parts.serving, parts.tenant
 
     @app.get("/health")
     async def health() -> Response:
@@ -227,23 +233,27 @@ def _add_info_routes(app: FastAPI, parts: _Parts) -> None:
         tenant(raw)
         return await serving.detokenize(await _parse(raw, DetokenizeRequest))
 
-    # Tenants see the identity without the checkpoint's path on this machine (the admin-only event hello has it).
-    identity = {**engine.identity.to_dict(), "checkpoint": ""}
-    model_card = {"id": name, "object": "model", "created": int(time.time()), "owned_by": "kvprefix",
-                  "max_model_len": parts.info.max_model_len, "kvprefix": {"block_identity": identity}}
+    served = serving.models
+
+    def lister(raw: Request) -> None:
+        """Tenants, and the admin (a router learning the adapters it must hash for), may list the models."""
+        try:
+            tenant(raw)
+        except APIError as exc:
+            try:
+                parts.auth.check_admin(raw.headers.get("authorization"))
+            except APIError:
+                raise exc from None
 
     @app.get("/v1/models")
     async def models(raw: Request) -> dict:
-        tenant(raw)
-        return {"object": "list", "data": [model_card]}
+        lister(raw)
+        return {"object": "list", "data": served.cards()}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, raw: Request) -> dict:
-        tenant(raw)
-        if model_id != name:
-            raise APIError(404, f"the model '{model_id}' does not exist; this server serves '{name}'",
-                           param="model", code="model_not_found")
-        return model_card
+        lister(raw)
+        return served.card(model_id)
 
 
 def _add_generation_routes(app: FastAPI, parts: _Parts) -> None:
@@ -289,6 +299,42 @@ def _add_admin_routes(app: FastAPI, parts: _Parts) -> None:
         """SGLang's name for the same operation."""
         auth.check_admin(raw.headers.get("authorization"))
         return await _reset(parts.engine, parts.admission, wait, timeout)
+
+    _add_lora_routes(app, parts)
+
+
+def _add_lora_routes(app: FastAPI, parts: _Parts) -> None:
+    """vLLM's run-time adapter loading (``--enable-lora``), admin only: they change what every tenant is served."""
+    auth, engine = parts.auth, parts.engine
+
+    async def lora_body(raw: Request, need_path: bool) -> tuple[str, str]:
+        auth.check_admin(raw.headers.get("authorization"))
+        if not engine.enable_lora:
+            raise bad_request("LoRA is off: start the server with --enable-lora to load adapters")
+        body = await _parse(raw, LoadLoRAAdapterRequest if need_path else UnloadLoRAAdapterRequest)
+        return body.lora_name, getattr(body, "lora_path", "")
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(raw: Request) -> Response:
+        name, path = await lora_body(raw, need_path=True)
+        if name == parts.info.name:
+            raise bad_request(f"'{name}' is the base model's name; choose another lora_name", param="lora_name")
+        try:
+            await engine.load_lora_adapter(name, path)
+        except ValueError as exc:
+            raise bad_request(str(exc), param="lora_path") from None
+        log.info("loaded LoRA adapter %s from %s", name, path)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(raw: Request) -> Response:
+        name, _ = await lora_body(raw, need_path=False)
+        try:
+            await engine.unload_lora_adapter(name)
+        except LoraNotFoundError as exc:
+            raise APIError(404, str(exc), param="lora_name", type="NotFoundError") from None
+        log.info("unloaded LoRA adapter %s", name)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
 
 async def _reset(engine: EngineClient, admission: Admission, wait: bool, timeout: float) -> JSONResponse:

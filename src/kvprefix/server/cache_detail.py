@@ -113,9 +113,9 @@ class CacheTracker:
 
     # -- request side
 
-    def hasher_for(self, tenant: str | None, client_salt: str | None) -> BlockHasher:
-        """The hasher the engine uses for this namespace."""
-        return self.hasher.for_namespace(tenant, client_salt)
+    def hasher_for(self, tenant: str | None, client_salt: str | None, lora: str | None = None) -> BlockHasher:
+        """The hasher the engine uses for this namespace (``lora``: the adapter's fingerprint)."""
+        return self.hasher.for_namespace(tenant, client_salt, lora)
 
     def diagnose(
         self,
@@ -125,6 +125,7 @@ class CacheTracker:
         cached_tokens: int,
         tenant: str | None,
         client_salt: str | None,
+        lora: str | None = None,
     ) -> CacheDetail:
         bs = self.block_size
         n_tokens = len(token_ids)
@@ -149,10 +150,10 @@ class CacheTracker:
         # anyway; other cache_salts may be secrets of other users (docs/security.md). Checked before divergence:
         # every prompt shares the chat template's first tokens, so a first block always "diverges" somewhere.
         if i == 0 and client_salt is not None:
-            first = self.hasher_for(tenant, None).hash_blocks(token_ids[:bs])[0]
+            first = self.hasher_for(tenant, None, lora).hash_blocks(token_ids[:bs])[0]
             if self._is_cached(first):
                 return detail("different_salt")
-        parent = block_hashes[i - 1] if i else self.hasher_for(tenant, client_salt).root
+        parent = block_hashes[i - 1] if i else self.hasher_for(tenant, client_salt, lora).root
         block = token_ids[i * bs : (i + 1) * bs]
         with self._lock:
             # Our own block may be cached by now (registered after our prefill): compare with the others only.

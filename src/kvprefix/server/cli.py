@@ -65,10 +65,31 @@ def _add_tier_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"with --kv-shared: the prefix of every key written (default {DEFAULT_KEY_PREFIX!r})")
 
 
+def _lora_module(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH (an adapter name and its PEFT directory), got {text!r}")
+    return name, path
+
+
+def _add_lora_arguments(parser: argparse.ArgumentParser) -> None:
+    lora = parser.add_argument_group("LoRA adapters (docs/lora.md)")
+    lora.add_argument("--enable-lora", action="store_true",
+                      help="serve PEFT LoRA adapters on the base model; a request's \"model\" picks one, and each "
+                           "adapter's prefix cache is its own")
+    lora.add_argument("--lora-modules", nargs="+", type=_lora_module, default=None, metavar="NAME=PATH",
+                      help="adapters to load at start (more load at run time: POST /v1/load_lora_adapter)")
+    lora.add_argument("--max-loras", type=_positive_int, default=1,
+                      help="most adapters in one engine step (requests of another adapter wait; default 1)")
+    lora.add_argument("--max-lora-rank", type=_positive_int, default=16,
+                      help="largest adapter rank accepted (default 16)")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     _server_arguments(parser)
     _tenancy_and_log_arguments(parser)
     _add_tier_arguments(parser)
+    _add_lora_arguments(parser)
     _engine_arguments(parser)
 
 
@@ -187,6 +208,13 @@ def prepare(args: argparse.Namespace):
             raise SystemExit(f"kvprefix serve: {exc}") from None
     if args.kv_shared:
         _check_shared(args, auth.enabled)
+    if args.lora_modules is not None:
+        names = [name for name, _ in args.lora_modules]
+        if not args.enable_lora:
+            raise SystemExit("kvprefix serve: --lora-modules needs --enable-lora")
+        if len(set(names)) < len(names):
+            raise SystemExit(f"kvprefix serve: --lora-modules names an adapter twice: {', '.join(names)}")
+        args.lora_modules = dict(args.lora_modules)
     from kvprefix.engine import EngineArgs
     from kvprefix.server.app import ServerConfig
     # Every engine option we expose has EngineArgs' field name; a field without an option keeps its default.

@@ -11,7 +11,7 @@ from fastapi import Request
 
 from kvprefix.engine import SamplingParams
 from kvprefix.engine.structured import grammar_for
-from kvprefix.http.errors import APIError, bad_request
+from kvprefix.http.errors import bad_request
 from kvprefix.http.request_ids import MAX_REQUEST_ID_LEN, request_id_of, valid_request_id
 from kvprefix.http.tenancy import Caller, validate_client_salt
 from kvprefix.prompts import RenderedPrompt
@@ -31,12 +31,6 @@ class EngineCall:
     params: SamplingParams
     rid: str  # the response's id
     engine_rid: str
-
-
-def check_model(info: ModelInfo, model: str | None) -> None:
-    if model is not None and model != info.name:
-        raise APIError(404, f"the model '{model}' does not exist; this server serves '{info.name}'",
-                       param="model", code="model_not_found")
 
 
 async def engine_call(req: CompletionRequest | ChatCompletionRequest, caller: Caller, raw: Request, info: ModelInfo,

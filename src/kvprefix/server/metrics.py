@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from kvprefix.engine.lora_request import LoraActivity
 from kvprefix.server.tier_metrics import tier_families
 
 NAMESPACES = ("kvprefix", "vllm")
@@ -64,9 +65,10 @@ def _one_two_five(limit: int) -> tuple[int, ...]:
 
 class _EngineCollector:
     def __init__(self, model_name: str, read: Callable[[], Mapping[str, float]], namespace: str,
-                 cache_config: Mapping[str, str]):
+                 cache_config: Mapping[str, str], read_lora: Callable[[], LoraActivity | None]):
         self._labels = [model_name, ENGINE_INDEX]
         self._read = read
+        self._read_lora = read_lora
         self._ns = namespace
         self._cache_config = dict(cache_config)
 
@@ -96,10 +98,14 @@ class _EngineCollector:
         info.add_metric([*self._labels, *self._cache_config.values()], 1.0)
         yield info
         yield from tier_families(values, lambda n, in_vllm: metric_name(ns, n, in_vllm), labels, self._labels)
-        # The inference extension's endpoint picker reads this for LoRA affinity: no adapters here.
+        # The inference extension's endpoint picker reads this for LoRA affinity: the adapters of the requests running
+        # and waiting in the engine (comma-separated names), and the step's limit ("0" when LoRA is off).
+        activity = self._read_lora()
         lora = GaugeMetricFamily(metric_name(ns, "lora_requests_info"), "Running and waiting LoRA adapters",
                                  labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
-        lora.add_metric(["0", "", ""], time.time())  # vLLM's value: when the adapter sets were read
+        lora.add_metric(["0", "", ""] if activity is None else
+                        [str(activity.max_loras), ",".join(activity.running), ",".join(activity.waiting)],
+                        time.time())  # vLLM's value: when the adapter sets were read
         yield lora
 
 
@@ -120,6 +126,7 @@ class FinishedSequence:
     decode_s: float | None = None
     inference_s: float | None = None
     token_gaps_s: list[float] = field(default_factory=list)  # seconds between a choice's consecutive tokens
+    lora_name: str | None = None  # the LoRA adapter it ran on (None: the base model)
 
 
 class ServerMetrics:
@@ -127,14 +134,15 @@ class ServerMetrics:
     of cache_config_info; ``max_model_len`` bounds the token-count buckets."""
 
     def __init__(self, model_name: str, read_engine: Callable[[], Mapping[str, float]], namespace: str = "kvprefix",
-                 cache_config: Mapping[str, str] | None = None, max_model_len: int = 8192):
+                 cache_config: Mapping[str, str] | None = None, max_model_len: int = 8192,
+                 read_lora: Callable[[], LoraActivity | None] = lambda: None):
         if namespace not in NAMESPACES:
             raise ValueError(f"metric names must be one of {', '.join(NAMESPACES)}, got {namespace!r}")
         self.registry = CollectorRegistry()
         self.model_name = model_name
         self.namespace = namespace
         r, labels = self.registry, ["model_name", "engine"]
-        self.registry.register(_EngineCollector(model_name, read_engine, namespace, cache_config or {}))
+        self.registry.register(_EngineCollector(model_name, read_engine, namespace, cache_config or {}, read_lora))
 
         def name(metric: str, in_vllm: bool = True) -> str:
             return metric_name(namespace, metric, in_vllm)
@@ -165,6 +173,12 @@ class ServerMetrics:
                                "(held at an admin drain or in the engine) and not yet finished", labels, registry=r)
         self.request_log_errors = Counter(name("request_log_errors", False), "Request-log records lost to a failed "
                                           "write (the requests themselves were served)", labels, registry=r)
+        # Per LoRA adapter (by the name requests used): its prompt tokens and those served from its prefix cache.
+        lora_labels = labels + ["lora_name"]
+        self.lora_prompt_tokens = Counter(name("lora_prompt_tokens", False), "Prompt tokens of finished requests "
+                                          "per LoRA adapter", lora_labels, registry=r)
+        self.lora_cached_tokens = Counter(name("lora_prefix_cache_hits", False), "Prompt tokens served from the "
+                                          "prefix cache per LoRA adapter (its own namespace)", lora_labels, registry=r)
         m = self._labels = (model_name, ENGINE_INDEX)
         self.request_log_errors.labels(*m)
         for reason in ("stop", "length", "abort"):
@@ -220,6 +234,9 @@ class ServerMetrics:
                 hist.labels(*m).observe(value)
         for gap in seq.token_gaps_s:
             self.itl.labels(*m).observe(gap)
+        if seq.lora_name is not None:
+            self.lora_prompt_tokens.labels(*m, seq.lora_name).inc(seq.prompt_tokens)
+            self.lora_cached_tokens.labels(*m, seq.lora_name).inc(seq.cached_tokens)
         if seq.prompt_tokens:
             self.cached_fraction.labels(*m).observe(seq.cached_tokens / seq.prompt_tokens)
         if seq.ttft_s is not None:

@@ -355,3 +355,17 @@ class TokenizeChatRequest(_ChatTemplateFields):
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: Annotated[list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]], Field(max_length=MAX_DETOKENIZE)]
+
+
+class LoadLoRAAdapterRequest(_Body):
+    """vLLM's /v1/load_lora_adapter body: the adapter's name (what requests put in ``model``) and its directory."""
+
+    lora_name: Annotated[str, Field(min_length=1, max_length=256)]
+    lora_path: Annotated[str, Field(min_length=1, max_length=4096)]
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    """vLLM's /v1/unload_lora_adapter body (``lora_int_id`` is accepted and not used: names identify adapters)."""
+
+    lora_name: Annotated[str, Field(min_length=1, max_length=256)]
+    lora_int_id: int | None = None

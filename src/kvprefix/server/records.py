@@ -11,6 +11,7 @@ from kvprefix.logs import RequestLogWriter, RequestRecord
 from kvprefix.server.cache_detail import CacheDetail, CacheTracker
 from kvprefix.server.metrics import FinishedSequence, ServerMetrics
 from kvprefix.server.model_info import ModelInfo
+from kvprefix.server.models import Target
 from kvprefix.server.run import Job
 
 
@@ -19,7 +20,7 @@ class Books:
 
     def __init__(self, info: ModelInfo, metrics: ServerMetrics, tracker: CacheTracker | None,
                  request_log: RequestLogWriter | None, hasher: BlockHasher, req, caller: Caller, chat: bool,
-                 max_tokens: int):
+                 max_tokens: int, target: Target):
         self.info = info
         self.metrics = metrics
         self.tracker = tracker  # None: cache detail is off, and nothing mirrors the cache
@@ -29,6 +30,7 @@ class Books:
         self.caller = caller
         self.chat = chat
         self.max_tokens = max_tokens  # after defaults
+        self.target = target  # the base model or the adapter it ran on
 
     def diagnose(self, job: Job) -> CacheDetail | None:
         """Why the job's prompt missed the cache, when asked for or logged; made at its first output with a token,
@@ -37,7 +39,8 @@ class Books:
             return None
         out = job.out
         detail = self.tracker.diagnose(job.index, job.prompt.token_ids, out.prompt_block_hashes,
-                                       out.num_cached_tokens, self.caller.tenant, self.caller.client_salt)
+                                       out.num_cached_tokens, self.caller.tenant, self.caller.client_salt,
+                                       self.target.lora_fingerprint)
         if detail is not None and out.cached_tokens_by_tier:
             lower = sum(out.cached_tokens_by_tier.values())
             detail.cached_tokens_from = {"pool": out.num_cached_tokens - lower, **out.cached_tokens_by_tier}
@@ -57,7 +60,8 @@ class Books:
         ttft = None if m is None or m.first_token_time is None else m.first_token_time - job.arrival
         self.metrics.observe(FinishedSequence(
             len(job.prompt.token_ids), cached, job.tokens, reasons, ttft, e2e, self.max_tokens,
-            *_phases(m), token_gaps_s=m.token_gaps if m is not None else []))
+            *_phases(m), token_gaps_s=m.token_gaps if m is not None else [],
+            lora_name=None if self.target.lora is None else self.target.name))
         if self.request_log is not None:
             self.request_log.write(self._record(job, cached, reasons, ttft, e2e, aborted))
 
@@ -67,7 +71,7 @@ class Books:
         if out is not None:
             hashes, namespace = out.prompt_block_hashes, out.namespace_id
         else:  # aborted before the engine's first output: hash as the engine does
-            hasher = self.hasher.for_namespace(caller.tenant, caller.client_salt)
+            hasher = self.hasher.for_namespace(caller.tenant, caller.client_salt, self.target.lora_fingerprint)
             hashes, namespace = hasher.hash_blocks(job.prompt.token_ids), hasher.namespace_id
         spans = job.prompt.message_spans
         return RequestRecord(
@@ -75,7 +79,7 @@ class Books:
             finish_time=round(job.arrival_wall + e2e, 6),
             request_id=job.request_id,
             endpoint="chat" if self.chat else "completions",
-            model=info.name,
+            model=self.target.name,
             replica=info.replica_id,
             tenant=pseudonym(caller.tenant_label),
             namespace=namespace,

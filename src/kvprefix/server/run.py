@@ -11,7 +11,14 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from kvprefix.engine import EngineDeadError, RequestFailedError, RequestOutput, RequestOutputKind, SamplingParams
+from kvprefix.engine import (
+    EngineDeadError,
+    LoraNotFoundError,
+    RequestFailedError,
+    RequestOutput,
+    RequestOutputKind,
+    SamplingParams,
+)
 from kvprefix.engine.client import EngineClient
 from kvprefix.http.errors import APIError, bad_request
 from kvprefix.http.tenancy import Caller
@@ -19,6 +26,7 @@ from kvprefix.prompts import RenderedPrompt
 from kvprefix.server.cache_detail import CacheDetail
 
 if TYPE_CHECKING:
+    from kvprefix.server.models import Target
     from kvprefix.server.records import Books
 
 
@@ -58,7 +66,7 @@ class Run:
     only one on the way); several prompts are merged through one more queue."""
 
     def __init__(self, engine: EngineClient, prompts: list[RenderedPrompt], engine_rid: str, params: SamplingParams,
-                 caller: Caller, kind: RequestOutputKind, books: Books):
+                 caller: Caller, kind: RequestOutputKind, books: Books, target: Target):
         now, wall = time.monotonic(), time.time()  # the request's arrival: before it waits for admission
         self.jobs = [Job(i, f"{engine_rid}-{i}", p, params.n, now, wall) for i, p in enumerate(prompts)]
         self.engine = engine
@@ -66,10 +74,12 @@ class Run:
         self.caller = caller
         self.kind = kind
         self.books = books
+        self.lora_request = target.lora_request()
 
     def _generate(self, job: Job) -> AsyncIterator[RequestOutput]:
         return self.engine.generate(job.prompt.token_ids, self.params, job.request_id,
-                                    cache_salt=self.caller.client_salt, tenant=self.caller.tenant, output_kind=self.kind)
+                                    cache_salt=self.caller.client_salt, tenant=self.caller.tenant, output_kind=self.kind,
+                                    lora_request=self.lora_request)
 
     async def outputs(self) -> AsyncIterator[tuple[Job, RequestOutput]]:
         """Every job's outputs as they come; on exit (finished, closed, cancelled or failed) aborts what runs."""
@@ -141,6 +151,8 @@ async def _merged(jobs: list[Job], streams: list) -> AsyncIterator[tuple[Job, Re
 
 def engine_error(exc: BaseException) -> APIError:
     # The engine raises ValueError for a request it cannot take (ours are validated first; this is a backstop).
+    if isinstance(exc, LoraNotFoundError):  # unloaded between the request's check and its start
+        return APIError(404, str(exc), param="model", code="model_not_found")
     if isinstance(exc, ValueError):
         return bad_request(str(exc))
     if isinstance(exc, EngineDeadError):

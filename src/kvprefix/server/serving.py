@@ -19,9 +19,10 @@ from kvprefix.prompts import RenderedPrompt
 from kvprefix.server.admission import Admission, Ticket
 from kvprefix.server.cache_detail import CacheTracker
 from kvprefix.server.chunks import Chunks, sse
-from kvprefix.server.engine_call import check_model, engine_call
+from kvprefix.server.engine_call import engine_call
 from kvprefix.server.metrics import ServerMetrics
 from kvprefix.server.model_info import ModelInfo
+from kvprefix.server.models import ServedModels, Target
 from kvprefix.server.prompting import Prompter
 from kvprefix.server.protocol import (
     ChatCompletionRequest,
@@ -39,33 +40,34 @@ from kvprefix.server.tools import ToolPlan, plan_tools
 
 class Serving:
     def __init__(self, engine: EngineClient, info: ModelInfo, admission: Admission, metrics: ServerMetrics,
-                 tracker: CacheTracker | None, request_log: RequestLogWriter | None):
+                 tracker: CacheTracker | None, request_log: RequestLogWriter | None, models: ServedModels):
         self.engine = engine
         self.info = info
         self.admission = admission
         self.metrics = metrics
         self.tracker = tracker  # None: cache detail is off, and nothing mirrors the cache
         self.request_log = request_log
+        self.models = models
         self.prompter = Prompter(engine.tokenizer, info.max_model_len, info.vocab_size)
 
     async def completions(self, req: CompletionRequest, caller: Caller, raw: Request):
-        check_model(self.info, req.model)
+        target = self.models.resolve(req.model)
         check_supported(req)
         prompts = await self.prompter.prompts(req)
-        return await self._serve(req, caller, raw, prompts, "prompt", None)
+        return await self._serve(req, caller, raw, prompts, "prompt", None, target)
 
     async def chat(self, req: ChatCompletionRequest, caller: Caller, raw: Request):
-        check_model(self.info, req.model)
+        target = self.models.resolve(req.model)
         check_supported(req)
         # Compiles a required/named grammar: off the loop; a request without tools needs no thread hop.
         tools = None if req.tools is None and req.tool_choice in (None, "none") else await asyncio.to_thread(
             plan_tools, req)
         prompts = await self.prompter.prompts(req)
-        return await self._serve(req, caller, raw, prompts, "messages", tools)
+        return await self._serve(req, caller, raw, prompts, "messages", tools, target)
 
     async def tokenize(self, req: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:
         """vLLM's /tokenize: the token ids a completions or chat request with these fields would run."""
-        check_model(self.info, req.model)
+        self.models.resolve(req.model)
         # A completions text of any length is tokenized; messages too long for the context are refused.
         (prompt,) = await self.prompter.prompts(req, refuse_long=isinstance(req, TokenizeChatRequest))
         ids = prompt.token_ids
@@ -75,21 +77,21 @@ class Serving:
         return out
 
     async def detokenize(self, req: DetokenizeRequest) -> dict:
-        check_model(self.info, req.model)
+        self.models.resolve(req.model)
         self.prompter.check_vocabulary(req.tokens, "tokens")
         # Special tokens kept, as vLLM's /detokenize does: the caller wants the text these ids stand for.
         text = await asyncio.to_thread(self.engine.tokenizer.decode, req.tokens, False)
         return {"prompt": text}
 
     async def _serve(self, req: CompletionRequest | ChatCompletionRequest, caller: Caller, raw: Request,
-                     prompts: list[RenderedPrompt], param: str, tools: ToolPlan | None):
+                     prompts: list[RenderedPrompt], param: str, tools: ToolPlan | None, target: Target):
         call = await engine_call(req, caller, raw, self.info, prompts, param, tools)
         chat = isinstance(req, ChatCompletionRequest)
         books = Books(self.info, self.metrics, self.tracker, self.request_log, self.engine.hasher, req, caller, chat,
-                      call.params.max_tokens or 0)
+                      call.params.max_tokens or 0, target)
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
-        run = Run(self.engine, call.prompts, call.engine_rid, call.params, caller, kind, books)
-        shape = Shape(req, call.rid, chat, self.info.name, run.jobs, tools)
+        run = Run(self.engine, call.prompts, call.engine_rid, call.params, caller, kind, books, target)
+        shape = Shape(req, call.rid, chat, target.name, run.jobs, tools)
         # Admission happens before the response starts, so overload is a plain 503 even for streams.
         ticket = await self.admission.acquire(len(run.jobs), caller.tenant)
         if req.stream:
