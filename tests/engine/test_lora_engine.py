@@ -127,6 +127,8 @@ def test_unknown_and_disabled_adapters_are_refused(make_llm, adapters, prompts):
     llm = make_llm(enable_lora=True)
     with pytest.raises(LoraNotFoundError, match="The model `nope` does not exist"):
         llm.llm_engine.add_request("x", prompts[0], GREEDY, lora_request=LoRARequest("nope", 1))
+    with pytest.raises(ValueError, match="deterministic=True does not serve LoRA adapters"):
+        make_llm(enable_lora=True, deterministic=True)
 
 
 def test_adapters_apply_to_compact_weights(make_llm, adapters, prompts):
