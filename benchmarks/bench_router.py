@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 import httpx
-from harness import Process, free_port, percentile, start_route, start_serve, wait_healthy, write_results
+from harness import Process, counters, free_port, percentile, start_route, start_serve, wait_healthy, write_results
 
 from kvprefix.router.policies import POLICIES
 from kvprefix.sim.formats import load_trace
@@ -500,11 +500,68 @@ def live(model: str | None, rates: list[str], requests: int, replicas: int = 4, 
     return rows
 
 
+SUPPORT_AGENTS = Path(__file__).resolve().parents[1] / "tests" / "data" / "support_agents.jsonl"
+SUPPORT_AGENTS_KV_BYTES = 256 << 20  # per replica, as in issue 27
+
+
+def support_agents(model: str | None, tokenizer_dir: str, replicas: int = 3) -> list[dict]:
+    """Issue 27's workload live: ``replicas`` real `kvprefix serve` replicas with 256 MiB of KV each behind one
+    real `kvprefix route` per policy, the bodies of tests/data/support_agents.jsonl (benchmarks/
+    make_support_agents.py) sent one at a time; each policy's hit rate (the replicas' own ``cached_tokens``)
+    against the planner's replay of the same requests on one shared pool of all the replicas' blocks."""
+    import openai
+
+    bodies = [json.loads(line) for line in SUPPORT_AGENTS.read_text().splitlines()]
+    procs: list[Process] = []
+    rows = []
+    try:
+        for _ in range(replicas):
+            procs.append(start_serve(["--kv-cache-memory", str(SUPPORT_AGENTS_KV_BYTES),
+                                      *(["--model", model] if model else [])], wait=False))
+        for replica in procs:
+            wait_healthy(replica.url, replica.proc, timeout_s=900)
+        urls = [p.url for p in procs]
+        listing = httpx.get(urls[0] + "/v1/models", timeout=10).json()["data"][0]
+        num_blocks = int(counters(urls[0])["kvprefix:kv_cache_blocks"])
+        hasher = _live_hasher(urls[0], tokenizer_dir)
+        traffic = [b["messages"] for b in bodies]
+        bound = _replayed_hit_rate(hasher, traffic, num_blocks, replicas, SHARED)
+        for policy in LIVE_POLICIES:
+            router = start_route(["--policy", policy, "--model", tokenizer_dir,
+                                  *[a for u in urls for a in ("--replica", u)]], timeout_s=300)
+            procs.append(router)
+            time.sleep(2)  # kv-events: every replica's stream synced
+            httpx.post(router.url + "/reset_prefix_cache", params={"wait": "true"}, timeout=60).raise_for_status()
+            client = openai.OpenAI(base_url=router.url + "/v1", api_key="none", max_retries=0, timeout=600)
+            prompt = cached = 0
+            for body in bodies:
+                usage = client.chat.completions.create(model=listing["id"], messages=body["messages"],
+                                                       max_tokens=LIVE_MAX_TOKENS).usage
+                prompt += usage.prompt_tokens
+                cached += usage.prompt_tokens_details.cached_tokens
+            counts = _requests_per_replica(router.url)
+            rows.append({"workload": "support-agents", "policy": policy, "hit_rate": cached / prompt,
+                         "shared_pool_hit_rate": bound, "vs_shared": cached / prompt / bound,
+                         "requests_per_replica": counts, "replica_blocks": num_blocks})
+            router.stop(30)
+        print(f"\nsupport agents, {replicas} replicas x {num_blocks} blocks, one request at a time; "
+              f"one shared pool: {bound:.3f}")
+        print(f"{'policy':12} {'hit rate':>8} {'/shared':>7} requests per replica")
+        for row in rows:
+            print(f"{row['policy']:12} {row['hit_rate']:8.3f} {row['vs_shared']:7.2f} {row['requests_per_replica']}")
+    finally:
+        for proc in procs:
+            proc.stop(60)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-planner", action="store_true")
     parser.add_argument("--skip-proxy", action="store_true")
     parser.add_argument("--live", action="store_true", help="also the live loopback run: real replicas, per policy")
+    parser.add_argument("--support-agents", action="store_true",
+                        help="also issue 27's support-agents workload live: 3 replicas, one request at a time")
     parser.add_argument("--rates", default="0.8x,1.25x",
                         help="live: request rates, comma-separated: req/s, or Nx = N x round robin's estimated "
                              "capacity (default 0.8x,1.25x)")
@@ -540,7 +597,8 @@ def main() -> None:
            "proxy": [] if args.skip_proxy else proxy(args.model, args.seconds, rounds=args.rounds,
                                                      baseline_src=args.baseline_src, pin=not args.no_pin),
            "live": live(args.live_model, args.rates.split(","), args.requests, blocks=args.live_blocks)
-           if args.live else []}
+           if args.live else [],
+           "support_agents": support_agents(args.live_model, args.model) if args.support_agents else []}
     write_results(args.out, out)
 
 

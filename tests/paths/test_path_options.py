@@ -89,7 +89,7 @@ def test_a_read_only_file_system_is_refused(tmp_path, words, option) -> None:
 @pytest.mark.parametrize("words, option", READ_FILE)
 def test_a_missing_input_is_refused(tmp_path, words, option) -> None:
     line = refusal(tmp_path, words, str(tmp_path / "missing"))
-    kind = "directory" if option in ("--tokenizer", "dir") else "file"
+    kind = {"--tokenizer": "file or directory", "dir": "directory"}.get(option, "file")
     assert line == f"kvprefix {words[0]}: {option} {tmp_path}/missing: no such {kind}"
 
 

@@ -38,7 +38,8 @@ def test_queued_prefill_is_counted_until_the_first_token_and_everything_settles_
 
 def test_credit_is_weighed_against_queued_prefill():
     """A replica holding the prefix wins while its queue is short, and is passed over once its queued prefill
-    exceeds what the prefix would save there; the blocks it was not credited become queued prefill."""
+    exceeds what the prefix would cost elsewhere (its blocks, weighed 1 + the mean requests in flight: 8 x 9 =
+    72 blocks here); the blocks it was not credited become queued prefill."""
     view, ledger = fleet(3), Ledger(make_policy("kv-events"))
     prefix = [f"h{i}" for i in range(8)]
     holder = view.replicas[1].outstanding
@@ -47,8 +48,8 @@ def test_credit_is_weighed_against_queued_prefill():
     decision, second = ledger.route(request, view)
     assert decision == Decision(1, 8, "cached_prefix")
     assert view.queued_prefill_blocks(1) == 8 + 2
-    for _ in range(6):  # far more queued there than the 8 blocks the prefix saves
-        holder.add([], 10)
+    for _ in range(6):  # 82 blocks queued there: more than the prefix's 72 elsewhere
+        holder.add([], 12)
     for i in (0, 2):  # as many requests in flight elsewhere, all past prefill: only the queues differ
         for _ in range(8):
             view.replicas[i].outstanding.add([], 0)

@@ -4,13 +4,16 @@ from kvprefix.paths.checks import (
     PathError,
     ReadableDir,
     ReadableFile,
+    ReadablePath,
     WritableDir,
     WritableFile,
     check_readable_dir,
     check_readable_file,
+    check_readable_path,
     check_writable_dir,
     check_writable_file,
 )
 
-__all__ = ["PathError", "ReadableDir", "ReadableFile", "WritableDir", "WritableFile", "check_readable_dir",
-           "check_readable_file", "check_writable_dir", "check_writable_file"]
+__all__ = ["PathError", "ReadableDir", "ReadableFile", "ReadablePath", "WritableDir", "WritableFile",
+           "check_readable_dir", "check_readable_file", "check_readable_path", "check_writable_dir",
+           "check_writable_file"]

@@ -96,6 +96,13 @@ def check_readable_dir(path: str, option: str) -> str:
     return path
 
 
+def check_readable_path(path: str, option: str) -> str:
+    """``path`` as given, if it is a file this process can read or a directory it can list."""
+    if not os.path.exists(path):
+        raise PathError(f"{option} {path}: no such file or directory")
+    return (check_readable_dir if os.path.isdir(path) else check_readable_file)(path, option)
+
+
 class _PathAction(argparse.Action):
     """Stores the option's path once ``check`` accepts it; else ends the command with the check's one line."""
 
@@ -139,6 +146,12 @@ class ReadableFile(_PathAction):
 
 
 class ReadableDir(_PathAction):
-    """An option naming a directory to read (``--tokenizer``, ``cache DIR``)."""
+    """An option naming a directory to read (``cache DIR``)."""
 
     check = staticmethod(check_readable_dir)
+
+
+class ReadablePath(_PathAction):
+    """An option naming a file or a directory to read (``--tokenizer``: a checkpoint directory or a GGUF file)."""
+
+    check = staticmethod(check_readable_path)

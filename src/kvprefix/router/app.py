@@ -50,7 +50,7 @@ NO_ROUTE = RouteRequest((), None)
 @dataclass
 class RouterConfig:
     replicas: list[str]
-    policy: str = "round-robin"
+    policy: str = "kv-events"
     model: str | None = None  # the replicas' checkpoint, where the one their identity names is not here
     auth: Auth | None = None
     admin_key: str | None = None  # sent to replicas for KV events and admin fan-out when the caller sends none

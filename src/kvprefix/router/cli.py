@@ -12,8 +12,9 @@ from kvprefix.router.policies import POLICIES
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replica", action="append", required=True, metavar="URL",
                         help="a replica's base URL, e.g. http://10.0.0.5:8000 (repeat for each replica)")
-    parser.add_argument("--policy", default="round-robin", choices=list(POLICIES),
-                        help="how to pick a replica (docs/router.md; default round-robin)")
+    parser.add_argument("--policy", default="kv-events", choices=list(POLICIES),
+                        help="how to pick a replica (docs/router.md; default kv-events: by each replica's exact "
+                             "cached blocks, from its KV event stream, weighed against its queued work)")
     parser.add_argument("--model", default=None,
                         help="the replicas' checkpoint, for prefix and kv-events (they render prompts with its "
                              "tokenizer); needed only where the checkpoint the replicas announce (its path, or the "
@@ -23,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allowed-hosts", default=None, metavar="NAMES",
                         help="comma-separated Host names to serve, * for any (as for kvprefix serve)")
     parser.add_argument("--load-cap", type=float, default=1.25,
-                        help="session, prefix, kv-events: pass over replicas above this x the mean load")
+                        help="session, prefix, kv-events: pass over replicas above this x the mean requests in flight")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random choices (ties, two choices)")
     parser.add_argument("--health-interval", type=float, default=1.0, help="seconds between health checks")
     parser.add_argument("--api-key", default=None, help="as for kvprefix serve: callers form the tenant 'default'")

@@ -234,55 +234,39 @@ class RoutedIndex:
         self._replicas.pop(replica, None)
 
 
-class RecentShare:
-    """Each replica's share of the recently routed requests (counts decayed per request, over about ``window``
-    requests). Requests in flight show load only while they run; at low concurrency a hot prefix could take
-    every request for ever without ever looking loaded. This is the bound that sees it."""
-
-    def __init__(self, window: int) -> None:
-        self.decay = 1.0 - 1.0 / window
-        self._counts: dict[int, float] = {}
-
-    def under(self, candidates: Sequence[int], replicas: Sequence[int], load_cap: float) -> list[int]:
-        """The candidates one more request would not put over ``load_cap`` x the mean share of ``replicas`` (+1
-        request)."""
-        counts = self._counts
-        bound = load_cap * (sum(counts.get(r, 0.0) for r in replicas) + 1) / len(replicas) + 1
-        return [r for r in candidates if counts.get(r, 0.0) + 1 <= bound]
-
-    def record(self, replica: int) -> None:
-        counts, decay = self._counts, self.decay
-        for r in counts:
-            counts[r] *= decay
-        counts[replica] = counts.get(replica, 0.0) + 1
+# What one request in flight adds to the wait of a request routed behind it, in blocks of prefill: the decode steps
+# it shares with the newcomer's prefill. A step of a small decode batch costs about what prefilling one block does,
+# and a replica's own queue of prefill is counted block by block (``queued_prefill_blocks``).
+DECODE_BLOCKS_PER_REQUEST = 1.0
 
 
 class PrefixScore:
-    """The least prefill work ahead wins, among replicas under the load bound.
+    """The replica where this request's first token comes soonest: the least work ahead plus its own.
 
-    Credit is the cached prefix, weighed against load: a replica's cost is the prefill it has queued (prompt
-    blocks routed there, not credited as cached, whose first token is not out yet) plus the blocks of this request
-    it would have to compute, so a cached prefix is worth exactly the work it saves, and a replica that holds it
-    but has more than that queued loses to an idle one (which then caches it too). Requests in flight are the
-    other clock: a replica above ``load_cap`` x the mean (+ 1), or above that share of recent requests
-    (``RecentShare``), is passed over however much it caches, so one hot prefix spreads over several replicas
-    instead of herding onto one. Equal cost: fewer requests in flight, then a seeded coin. A request that hits
-    nowhere goes to the least loaded replica (least queued prefill, then fewest requests; equal loads: the next in
-    rotation).
+    A replica's cost, in blocks of prefill (prefill time grows with the blocks computed): the prefill it has
+    queued (prompt blocks routed there, not credited as cached, whose first token is not out yet), the decode work
+    of the requests it runs (``DECODE_BLOCKS_PER_REQUEST`` each), and the blocks of this request it would have to
+    compute. The least cost wins. So a prefix stays on the replica that holds it until the wait there costs more
+    than computing the prefix elsewhere, and only then spreads, as NVIDIA Dynamo's KV router weighs potential
+    prefill blocks against active decode work; an idle fleet never spreads a prefix (every spread is a prefix
+    computed again). Requests in flight are also bounded, as SGLang's cache-aware router falls back to the
+    shortest queue when the fleet is out of balance: a replica above ``load_cap`` x the mean (+ 1) is passed over
+    however much it caches. A computed block weighs 1 + the mean requests in flight per replica: on a busy fleet
+    every block computed again is throughput the others wait on. A request cached nowhere for at least half its
+    blocks is placed as a new prefix (as SGLang's router sends a request under its cache threshold to the
+    replica with the most room): among the least loaded replicas, the next in rotation, so new prefixes and the
+    long branches of a short shared start spread evenly over the pools. Equal cost: the longer cached prefix,
+    then fewer requests in flight, then a seeded coin.
 
     Two sources of "cached": ``prefix`` remembers where it routed each block (``RoutedIndex``: approximate, no
     events needed); ``kv-events`` asks the view, which holds each replica's exact set (the router's event-fed
     mirrors, the planner's pools).
     """
 
-    def __init__(self, name: str, load_cap: float = 1.25, seed: int = 0, routed: RoutedIndex | None = None,
-                 window_per_replica: int = 16):
+    def __init__(self, name: str, load_cap: float = 1.25, seed: int = 0, routed: RoutedIndex | None = None):
         if load_cap < 1.0:
             raise ValueError(f"load_cap must be >= 1.0, got {load_cap}")
         self.name = name
-        self.window_per_replica = window_per_replica
-        self._recent: RecentShare | None = None
-        self._recent_size = 0
         self.load_cap = load_cap
         self._routed = routed
         self.reads_cache = routed is None
@@ -298,12 +282,9 @@ class PrefixScore:
         if self._routed is not None:
             self._routed.forget(replica)
 
-    def _new_prefix_home(self, eligible: list[int], view: ReplicaView) -> int:
-        """The least loaded replica; among equally loaded ones (an idle fleet), the next in rotation, so that new
-        prefixes spread evenly over the pools instead of by chance (three on one pool may not fit)."""
-        loads = {r: (view.queued_prefill_blocks(r), view.load(r)) for r in eligible}
-        low = min(loads.values())
-        ties = [r for r in eligible if loads[r] == low]
+    def _rotation(self, ties: list[int], view: ReplicaView) -> int:
+        """The next of ``ties`` in rotation, so that new prefixes on an idle fleet spread evenly over the pools
+        instead of by chance (three on one pool may not fit)."""
         replica = min(ties, key=lambda r: (r - self._next) % view.num_replicas)
         self._next = replica + 1
         return replica
@@ -312,30 +293,27 @@ class PrefixScore:
         up = candidates(view)
         # Not overloaded: at most load_cap x the mean (+1, so an idle fleet admits anyone); the least loaded
         # replica always qualifies.
-        loads = [view.load(r) for r in up]
-        limit = self.load_cap * sum(loads) / len(up) + 1
-        eligible = [r for r, load in zip(up, loads, strict=True) if load <= limit]
-        if self._recent is None or self._recent_size != view.num_replicas:
-            self._recent = RecentShare(self.window_per_replica * view.num_replicas)
-            self._recent_size = view.num_replicas
-        recent = self._recent
-        eligible = recent.under(eligible, up, self.load_cap) or eligible
+        loads = {r: view.load(r) for r in up}
+        limit = self.load_cap * sum(loads.values()) / len(up) + 1
+        eligible = [r for r in up if loads[r] <= limit]
         scores = {r: self.cached(r, request, view) for r in eligible} if request.block_hashes else {}
-        # Queued prefill is the load that credit is weighed against: a replica may have at most load_cap x the
-        # mean queued, + this request's blocks, + the blocks it would save here.
-        queued = {r: view.queued_prefill_blocks(r) for r in eligible}
-        bound = self.load_cap * sum(queued.values()) / len(queued) + request.num_blocks
-        eligible = [r for r in eligible if queued[r] - scores.get(r, 0) <= bound]
-        scores = {r: scores[r] for r in eligible if r in scores}
-        best = max(scores.values(), default=0)
-        if best == 0:
-            replica = self._new_prefix_home(eligible, view)
-        else:
-            replica = least_loaded([r for r in eligible if scores[r] == best], view, self._rng)
+        size = max(request.num_blocks, len(request.block_hashes))
+        # A request that computes most of its prompt wherever it goes is placed as a new prefix: where its new
+        # blocks spread the pools evenly, not next to a short shared start (one pool would hold every branch).
+        weighed = scores if 2 * max(scores.values(), default=0) >= size else {}
+        # A block computed again costs this request its time, and on a busy fleet also the throughput the requests
+        # in flight wait on: weighed 1 + the mean requests in flight per replica.
+        weight = 1 + sum(loads.values()) / len(up)
+        cost = {r: view.queued_prefill_blocks(r) + DECODE_BLOCKS_PER_REQUEST * loads[r]
+                + weight * (size - weighed.get(r, 0)) for r in eligible}
+        low = min(cost.values())
+        ties = [r for r in eligible if cost[r] == low]
+        best = max(weighed.get(r, 0) for r in ties)
+        ties = [r for r in ties if weighed.get(r, 0) == best]
+        replica = self._rotation(ties, view) if best == 0 else least_loaded(ties, view, self._rng)
         credited = scores.get(replica, 0)
         if self._routed is not None:
             self._routed.record(replica, request.block_hashes)
-        recent.record(replica)
         return Decision(replica, credited, "cached_prefix" if credited else "no_prefix")
 
 

@@ -9,7 +9,7 @@ import argparse
 import math
 import sys
 
-from kvprefix.paths import ReadableDir, ReadableFile, WritableFile
+from kvprefix.paths import ReadableFile, ReadablePath, WritableFile
 from kvprefix.sim.formats import FORMATS
 from kvprefix.sim.replay import DEFAULT_KV_BYTES_PER_TOKEN, MODES, ROUTINGS
 from kvprefix.tiers.sizes import size_argument
@@ -89,7 +89,8 @@ def _trace_arguments(t) -> None:
         help="block size to replay at, a multiple of the trace's (default: the trace's own; for OpenAI bodies "
         "the --identity's, else 16)",
     )
-    t.add_argument("--tokenizer", action=ReadableDir, help="local Hugging Face tokenizer directory (OpenAI request bodies)")
+    t.add_argument("--tokenizer", action=ReadablePath,
+                   help="local Hugging Face tokenizer directory or GGUF file (OpenAI request bodies)")
     t.add_argument("--identity", metavar="URL|FILE",
                    help="OpenAI request bodies: hash under a replica's block identity, from its base URL or a JSON "
                         "file of its /v1/models listing (default: the --tokenizer checkpoint's own, float32, sha256)")

@@ -2,7 +2,8 @@
 
 Two modes:
 - ``order``: only the order of requests matters; each request is admitted, its prompt blocks registered and
-  released at once (what published simulations such as Mooncake's Figure 9 do).
+  released at once (what published simulations such as Mooncake's Figure 9 do): the fleet is idle at every
+  decision, so load-aware policies see no load.
 - ``timed``: requests arrive at their timestamps and hold their blocks (prompt + output) while they run. Each
   replica prefills one request at a time (FIFO), taking uncached tokens / ``prefill_tps``; then the request
   decodes alongside the others for ``output_length / decode_tps``. The cache lookup happens when prefill starts
@@ -169,8 +170,8 @@ def _replay_order(reqs: list[TraceRequest], bs: int, managers: list[KVCacheManag
         disk = _disk_hits(disks, rep, req, len(hits), bs)
         mgr.cache_blocks(req, r.input_length)
         mgr.free(req)
-        if decision is not None:  # in order mode nothing is in flight: load = requests routed so far
-            ledger.record(r, decision, view.replicas[rep].outstanding).prefilled()
+        if decision is not None:  # in order mode nothing stays in flight: each request ends before the next
+            ledger.record(r, decision, view.replicas[rep].outstanding).finish()
         rec_replica[i] = rep
         rec_blocks[i] = len(hits) + disk
         rec.disk_blocks[i] = disk

@@ -27,8 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ray.add_argument("--replicas", type=_positive_int, default=2, help="with --ray: engine replicas (default 2)")
     ray.add_argument("--ray-address", default=None,
                      help="with --ray: a running cluster (auto, or HEAD_IP:6379); default: start a local one")
-    ray.add_argument("--policy", default="prefix", choices=list(POLICIES),
-                     help="with --ray: how to pick a replica (default prefix)")
+    ray.add_argument("--policy", default="kv-events", choices=list(POLICIES),
+                     help="with --ray: how to pick a replica (default kv-events: by each replica's exact cached "
+                          "blocks, from its KV event stream, weighed against its queued work)")
     ray.add_argument("--load-cap", type=float, default=1.25,
                      help="with --ray: session, prefix and kv-events pass over replicas above this x the mean load")
     ray.add_argument("--replica-cpus", type=float, default=1.0, help="with --ray: CPUs reserved per replica")
