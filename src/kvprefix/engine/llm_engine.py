@@ -305,6 +305,8 @@ class LLMEngine:
             self._counters["generation_tokens"] += 1
             if req.finished:
                 self.scheduler.finish(req)
+                if req.text is not None:
+                    req.text.finish()
             if req.prompt_logprobs is not None:  # a sampled token: the prompt is computed, its logprobs complete
                 prompt_logprobs[user_request.request_id] = req.take_prompt_logprobs()
             delta = SampleDelta(req.index, [token], None if lp is None else [lp],

@@ -25,6 +25,8 @@ class Sampler:
         raw = logits
         if any(r.params.has_penalties for r in requests):
             logits = self._apply_penalties(logits.clone(), requests)
+        if any(r.params.logit_bias for r in requests):
+            logits = _add_logit_bias(logits if logits is not raw else logits.clone(), requests)
         if any(r.under_min_tokens() for r in requests):
             logits = _ban_stop_tokens(logits if logits is not raw else logits.clone(), requests)
         if any(r.matcher is not None for r in requests):
@@ -104,6 +106,18 @@ class Sampler:
             for rank, (v, t) in enumerate(zip(values.tolist(), ids.tolist(), strict=True), start=1):
                 entry.setdefault(t, Logprob(v, rank))
         return entry
+
+
+def _add_logit_bias(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """OpenAI's logit_bias: each row's biases added to its logits (ids beyond the model's logits are skipped: the
+    server refuses them against the tokenizer's vocabulary)."""
+    vocab = logits.shape[-1]
+    for i, req in enumerate(requests):
+        bias = {t: b for t, b in (req.params.logit_bias or {}).items() if t < vocab}
+        if bias:
+            ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
+            logits[i, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+    return logits
 
 
 def _ban_stop_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:

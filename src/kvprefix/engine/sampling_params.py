@@ -40,6 +40,7 @@ class SamplingParams:
     per step plus the sampled one (raw distribution); ``min_tokens``: nothing stops a sample before it.
     ``prompt_logprobs`` k: such a request reads nothing from the prefix cache (cached tokens have no logits).
     ``structured_outputs``: the output stays in the language; the sample stops when it allows nothing more.
+    ``logit_bias``: {token id: bias} added to those logits before sampling (logprobs stay the raw distribution's).
     """
 
     n: int = 1
@@ -61,6 +62,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
     # Normalized forms, filled in by __post_init__.
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
     stop_token_set: frozenset[int] = field(init=False, repr=False)
@@ -97,6 +99,9 @@ class SamplingParams:
         for t in self.stop_token_ids or []:
             _check_int("stop_token_ids", t, minimum=0, accepted="a list of token ids >= 0")
         self.stop_token_set = frozenset(self.stop_token_ids or ())
+        for t, bias in (self.logit_bias or {}).items():
+            _check_int("logit_bias", t, minimum=0, accepted="a dict of token ids >= 0 to numbers")
+            _check_number("logit_bias", bias, "a finite number per token", lambda v: True)
 
     def for_sample(self, index: int) -> SamplingParams:
         """The params of sample ``index`` of an n > 1 request: n=1 and a distinct but reproducible seed. A copy,

@@ -29,6 +29,7 @@ from kvprefix.server.kv_events import add_kv_event_routes
 from kvprefix.server.metrics import ServerMetrics
 from kvprefix.server.model_info import ModelInfo
 from kvprefix.server.protocol import (
+    MAX_LOGPROBS,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -54,6 +55,8 @@ class ServerConfig:
     replica_id: str = "replica-0"  # names this replica in KV events and the request log
     allowed_hosts: frozenset[str] | None = None  # Host names served (browsers.py); None: any, same-origin only
     metrics_names: str = "kvprefix"  # "vllm": vLLM's metric names (docs/metrics.md)
+    max_logprobs: int = MAX_LOGPROBS  # vLLM's --max-logprobs
+    return_tokens_as_token_ids: bool = False  # vLLM's --return-tokens-as-token-ids
 
 
 _PARSE_INLINE_BYTES = 256 * 1024
@@ -175,7 +178,7 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
 
 def _parts(engine: EngineClient, config: ServerConfig) -> _Parts:
     name = config.served_model_name or engine.model_name
-    info = ModelInfo.of(engine, name, config.replica_id)
+    info = ModelInfo.of(engine, name, config.replica_id, config.max_logprobs, config.return_tokens_as_token_ids)
     cache_config = {"block_size": str(info.block_size), "enable_prefix_caching": str(info.enable_prefix_caching),
                     "num_gpu_blocks": str(engine.num_kv_blocks), "prefix_caching_hash_algo": info.hash_algo}
     metrics = ServerMetrics(name, engine.get_metrics, config.metrics_names, cache_config, info.max_model_len)

@@ -26,11 +26,6 @@ _REFUSED: dict[str, tuple[tuple, str]] = {
 _REFUSED_COMPLETIONS = {
     "prompt_embeds": ((), "prompt embeddings are not supported; send text or token ids"),
 }
-_REFUSED_CHAT = {
-    "add_special_tokens": ((False,), "the chat template writes its own special tokens"),
-    "documents": (([],), "documents for the chat template are not supported"),
-    "echo": ((False,), "echoing the last message is not supported in chat"),
-}
 
 
 def _neutral(value: Any, neutral: tuple) -> bool:
@@ -40,7 +35,7 @@ def _neutral(value: Any, neutral: tuple) -> bool:
 
 def check_supported(req: CompletionRequest | ChatCompletionRequest) -> None:
     """Refuses parameters that we parse but do not implement, instead of silently ignoring them."""
-    refused = _REFUSED | (_REFUSED_CHAT if isinstance(req, ChatCompletionRequest) else _REFUSED_COMPLETIONS)
+    refused = _REFUSED if isinstance(req, ChatCompletionRequest) else _REFUSED | _REFUSED_COMPLETIONS
     for name, (neutral, why) in refused.items():
         if not _neutral(getattr(req, name), neutral):
             raise APIError(400, f"'{name}' is not supported: {why}", param=name)
@@ -51,12 +46,10 @@ def check_supported(req: CompletionRequest | ChatCompletionRequest) -> None:
         raise APIError(400, "'truncate_prompt_tokens' must be -1 (the context length) or at least 1",
                        param="truncate_prompt_tokens")
     unsupported: dict[str, bool] = {
-        "logit_bias": bool(req.logit_bias),
         "stream_options": req.stream_options is not None and not req.stream,
     }
     if isinstance(req, CompletionRequest):
         unsupported |= {
-            "echo": req.echo,
             "suffix": bool(req.suffix),
             "best_of": req.best_of not in (None, req.n),
         }
