@@ -204,3 +204,52 @@ def test_max_logprobs_and_tokens_as_ids_options(app_registry: AppRegistry) -> No
     off = s.post("/v1/completions", {"model": M, "prompt": PROMPT, "max_tokens": 2, "logprobs": 1,
                                      "return_tokens_as_token_ids": False}).json()
     assert not any(t.startswith("token_id:") for t in off["choices"][0]["logprobs"]["tokens"])
+
+
+def test_invocations_tokenizer_info_and_load(server: Server) -> None:
+    """SageMaker's /invocations routes by the body's shape; /tokenizer_info and /load as vLLM serves them."""
+    chat = {"model": M, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
+    completion = {"model": M, "prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+    assert server.post("/invocations", chat).json() | {"id": 0, "created": 0} == server.post(
+        "/v1/chat/completions", chat).json() | {"id": 0, "created": 0}
+    routed = server.post("/invocations", completion).json()
+    assert routed["object"] == "text_completion"
+    assert routed["choices"][0]["text"] == server.post("/v1/completions", completion).json()["choices"][0]["text"]
+    neither = server.post("/invocations", {"model": M, "input": "x"})
+    assert neither.status_code == 400 and "'messages'" in neither.json()["error"]["message"]
+    assert server.post("/invocations", {**completion, "max_tokens": -1}).json()["error"]["param"] == "max_tokens"
+    info = server.get("/tokenizer_info").json()
+    assert info["chat_template"] and info["eos_token_ids"] and info["vocab_size"] == _vocab_size(server)
+    assert server.get("/load").json() == {"server_load": 0}
+
+
+def test_recent_vllm_fields(server: Server) -> None:
+    """truncation_side and logprob_token_ids work; the other fields of vLLM's current protocol are accepted at
+    their neutral value or refused with the reason, never "unrecognized"."""
+    ids = _prompt_ids(server)
+    body = {"model": M, "prompt": ids, "max_tokens": 1, "truncate_prompt_tokens": 3}
+    left = server.post("/v1/completions", {**body, "return_token_ids": True}).json()["choices"][0]
+    right = server.post("/v1/completions", {**body, "return_token_ids": True,
+                                            "truncation_side": "right"}).json()["choices"][0]
+    assert left["prompt_token_ids"] == ids[-3:] and right["prompt_token_ids"] == ids[:3]
+    wanted = [5, 17, 300]
+    r = server.client().chat.completions.create(
+        model=M, messages=[{"role": "user", "content": "Hello"}], max_tokens=2, temperature=0, logprobs=True,
+        top_logprobs=len(wanted) + 1, extra_body={"logprob_token_ids": wanted, "return_tokens_as_token_ids": True})
+    for step in r.choices[0].logprobs.content:
+        listed = [int(t.token.removeprefix("token_id:")) for t in step.top_logprobs]
+        assert listed[0] == int(step.token.removeprefix("token_id:")) and set(wanted) <= set(listed)
+    alone = server.post("/v1/completions", {"model": M, "prompt": "x", "logprob_token_ids": [1]}).json()["error"]
+    assert alone["param"] == "logprob_token_ids" and "requires 'logprobs'" in alone["message"]
+    ok = server.post("/v1/completions", {"model": M, "prompt": "x", "max_tokens": 1, "return_token_offsets": True,
+                                         "ec_transfer_params": None, "thinking_token_budget": -1})
+    assert ok.status_code == 200, ok.text
+    for field, value, why in (("repetition_detection", {"min_ngram": 2}, "not implemented"),
+                              ("ec_transfer_params", {"a": 1}, "encoder-cache"),
+                              ("thinking_token_budget", 100, "thinking budget")):
+        e = server.post("/v1/completions", {"model": M, "prompt": "x", field: value}).json()["error"]
+        assert e["param"] == field and why in e["message"], e
+    chat = {"model": M, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+    assert server.post("/v1/chat/completions", {**chat, "include_reasoning": False}).status_code == 200
+    e = server.post("/v1/chat/completions", {**chat, "reasoning_effort": "high"}).json()["error"]
+    assert e["param"] == "reasoning_effort" and "no reasoning mode" in e["message"]

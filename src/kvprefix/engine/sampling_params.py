@@ -12,6 +12,7 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_TOP_K = 2**31 - 1
 MAX_SEED = 2**63 - 1
 MAX_STOP_TOKEN_IDS = 256  # stop tokens per request: checked per sampled token, so the work is bounded
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs: top alternatives per token a request may ask for
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,8 @@ class SamplingParams:
     ``prompt_logprobs`` k: such a request reads nothing from the prefix cache (cached tokens have no logits).
     ``structured_outputs``: the output stays in the language; the sample stops when it allows nothing more.
     ``logit_bias``: {token id: bias} added to those logits before sampling (logprobs stay the raw distribution's).
+    ``logprob_token_ids``: with ``logprobs``, each step's entry holds these tokens after the sampled one, instead
+    of the k most likely (vLLM's: scoring a fixed label set).
     """
 
     n: int = 1
@@ -63,6 +66,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None
+    logprob_token_ids: list[int] | None = None
     # Normalized forms, filled in by __post_init__.
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
     stop_token_set: frozenset[int] = field(init=False, repr=False)
@@ -99,6 +103,8 @@ class SamplingParams:
         for t in self.stop_token_ids or []:
             _check_int("stop_token_ids", t, minimum=0, accepted="a list of token ids >= 0")
         self.stop_token_set = frozenset(self.stop_token_ids or ())
+        for t in self.logprob_token_ids or []:
+            _check_int("logprob_token_ids", t, minimum=0, accepted="a list of token ids >= 0")
         for t, bias in (self.logit_bias or {}).items():
             _check_int("logit_bias", t, minimum=0, accepted="a dict of token ids >= 0 to numbers")
             _check_number("logit_bias", bias, "a finite number per token", lambda v: True)

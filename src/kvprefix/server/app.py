@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from kvprefix.engine.client import EngineClient
+from kvprefix.engine.sampling_params import MAX_LOGPROBS
 from kvprefix.http.bodies import read_body
 from kvprefix.http.browsers import BrowserGuard
 from kvprefix.http.errors import APIError, bad_request, from_validation_error, install_error_handlers
@@ -29,7 +30,6 @@ from kvprefix.server.kv_events import add_kv_event_routes
 from kvprefix.server.metrics import ServerMetrics
 from kvprefix.server.model_info import ModelInfo
 from kvprefix.server.protocol import (
-    MAX_LOGPROBS,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -86,6 +86,15 @@ async def _validate(text: str, model: type[BaseModel]) -> Any:
         return await asyncio.to_thread(model.model_validate_json, text)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
+
+
+def _body_keys(text: str) -> set[str]:
+    """The top-level keys of a JSON object body, to pick its model (empty when it is not one: validation says how)."""
+    try:
+        body = json.loads(text)
+    except (ValueError, RecursionError):
+        return set()
+    return set(body) if isinstance(body, dict) else set()
 
 
 def _log_startup(engine: EngineClient, info: ModelInfo, config: ServerConfig) -> None:
@@ -219,11 +228,24 @@ def _add_info_routes(app: FastAPI, parts: _Parts) -> None:
     async def tokenize(raw: Request) -> dict:
         tenant(raw)
         text = await _body_text(raw)
-        try:
-            chat = "messages" in json.loads(text)
-        except (ValueError, TypeError, RecursionError):  # malformed, not an object, too deep: the validation says how
-            chat = False
+        chat = _body_keys(text) & {"messages"}
         return await serving.tokenize(await _validate(text, TokenizeChatRequest if chat else TokenizeCompletionRequest))
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(raw: Request) -> dict:
+        """vLLM's: what a client needs to tokenize as the server does (its class, template and special tokens)."""
+        tenant(raw)
+        tok = engine.tokenizer
+        return {"tokenizer_class": type(tok.hf if tok.hf is not None else tok).__name__,
+                "chat_template": tok.chat_template, "model_max_length": parts.info.max_model_len,
+                "vocab_size": parts.info.vocab_size, "bos_token_id": tok.bos_token_id,
+                "eos_token_ids": sorted(tok.eos_token_ids), "added_tokens": tok.added_tokens}
+
+    @app.get("/load")
+    async def load(raw: Request) -> dict:
+        """vLLM's server load: the engine requests admitted and not finished (queued or running)."""
+        tenant(raw)
+        return {"server_load": parts.admission.pending}
 
     @app.post("/detokenize")
     async def detokenize(raw: Request) -> dict:
@@ -256,19 +278,31 @@ def _add_generation_routes(app: FastAPI, parts: _Parts) -> None:
         if req.cache_detail and not parts.config.cache_detail:
             raise bad_request("'cache_detail' is disabled on this server", param="cache_detail")
 
+    async def generate(raw: Request, who: str | None, text: str, chat: bool):
+        req = await _validate(text, ChatCompletionRequest if chat else CompletionRequest)
+        check_detail(req)
+        return await (serving.chat if chat else serving.completions)(req, Caller(who, req.cache_salt), raw)
+
     @app.post("/v1/completions")
     async def completions(raw: Request):
         who = tenant(raw)  # authentication first: an unknown caller learns nothing from validation errors
-        req = await _parse(raw, CompletionRequest)
-        check_detail(req)
-        return await serving.completions(req, Caller(who, req.cache_salt), raw)
+        return await generate(raw, who, await _body_text(raw), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request):
         who = tenant(raw)
-        req = await _parse(raw, ChatCompletionRequest)
-        check_detail(req)
-        return await serving.chat(req, Caller(who, req.cache_salt), raw)
+        return await generate(raw, who, await _body_text(raw), chat=True)
+
+    @app.post("/invocations")
+    async def invocations(raw: Request):
+        """SageMaker's (and vLLM's) one path: a chat body (``messages``) or a completions body (``prompt``)."""
+        who = tenant(raw)
+        text = await _body_text(raw)
+        keys = _body_keys(text)
+        if not keys & {"messages", "prompt"}:
+            raise bad_request("an /invocations body needs 'messages' (chat completions) or 'prompt' (completions)",
+                              param="messages")
+        return await generate(raw, who, text, chat="messages" in keys)
 
 
 def _add_admin_routes(app: FastAPI, parts: _Parts) -> None:

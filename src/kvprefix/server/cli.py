@@ -6,7 +6,7 @@ import argparse
 
 from kvprefix.cache import COLLISION_SAFE_ALGOS, HASH_ALGOS
 from kvprefix.engine.args import DEFAULT_KV_DISK_SIZE, QUANTIZATION_METHODS
-from kvprefix.server.protocol import MAX_LOGPROBS
+from kvprefix.engine.sampling_params import MAX_LOGPROBS
 from kvprefix.tiers.sizes import parse_size
 
 # The KV cache fraction shared out as tenants' reserved room when there are tenants (docs/security.md): half stays

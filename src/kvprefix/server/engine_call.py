@@ -143,7 +143,8 @@ def _sampling(req: CompletionRequest | ChatCompletionRequest, max_tokens: int, p
                               logprobs=req.num_logprobs(), min_tokens=req.min_tokens,
                               include_stop_str_in_output=req.include_stop_str_in_output,
                               skip_special_tokens=req.skip_special_tokens, prompt_logprobs=prompt_logprobs,
-                              logit_bias=logit_bias, seed=seed, **kwargs)
+                              logit_bias=logit_bias, logprob_token_ids=req.logprob_token_ids, seed=seed,
+                              **kwargs)
     except ValueError as exc:  # the engine's own range checks, should ours ever be looser
         raise bad_request(str(exc)) from None
 

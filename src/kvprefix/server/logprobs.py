@@ -27,15 +27,19 @@ def _ranked(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
     return sorted(((t, lp) for t, lp in entry.items() if lp.rank <= k), key=lambda item: item[1].rank)[:k]
 
 
-def chat_logprobs(token_ids: Sequence[int], entries: Sequence[dict[int, Logprob]], k: int, as_ids: bool) -> dict:
-    """Chat shape: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}, ...]}``."""
+def chat_logprobs(token_ids: Sequence[int], entries: Sequence[dict[int, Logprob]], k: int, as_ids: bool,
+                  in_order: bool = False) -> dict:
+    """Chat shape: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}, ...]}``: the k most likely,
+    or with ``in_order`` the entry's first k (the sampled token, then the ones named by logprob_token_ids, as
+    vLLM lists them)."""
 
     def item(token_id: int, lp: Logprob) -> dict:
         text = token_text(token_id, lp, as_ids)
         return {"token": text, "logprob": _value(lp), "bytes": list(text.encode("utf-8"))}
 
     return {"content": [
-        {**item(t, entry[t]), "top_logprobs": [item(a, lp) for a, lp in _ranked(entry, k)]}
+        {**item(t, entry[t]), "top_logprobs": [item(a, lp) for a, lp in (
+            list(entry.items())[:k] if in_order else _ranked(entry, k))]}
         for t, entry in zip(token_ids, entries, strict=False)
     ]}
 

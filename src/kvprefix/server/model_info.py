@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvprefix.engine.client import EngineClient
-from kvprefix.server.protocol import MAX_LOGPROBS
+from kvprefix.engine.sampling_params import MAX_LOGPROBS
 
 
 @dataclass(frozen=True)

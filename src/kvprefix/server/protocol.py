@@ -19,9 +19,9 @@ MAX_PROMPTS = 256  # prompts in one completions batch (each is an engine request
 MAX_MESSAGES = 4096  # messages in one chat request
 MAX_CONTENT_PARTS = 256  # content parts in one message
 MAX_TOKEN_ID = 2**31 - 1  # token ids in a prompt or in stop_token_ids; real vocabularies are far smaller
-MAX_LOGPROBS = 20  # vLLM's default --max-logprobs: top alternatives per token a request may ask for
 MIN_SEED = -(2**63)  # vLLM takes any int64 seed; a negative one is folded into the engine's range
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
+MAX_LOGPROB_TOKEN_IDS = 1024  # tokens named in logprob_token_ids (each step's entry holds them all)
 MAX_DETOKENIZE = 2**20  # token ids in one /detokenize body (a long context's worth, and then some)
 MAX_TOOLS = 128  # functions in one request, as in the OpenAI API
 MAX_TOOL_CALLS = 128  # past calls in one assistant message
@@ -111,6 +111,12 @@ class _SamplingFields(_Body):
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = Field(None, ge=-1)  # -1: the whole vocabulary; capped by --max-logprobs
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the last k prompt tokens; -1: max_model_len
+    truncation_side: Literal["left", "right"] | None = None  # "right": keep the first k instead
+    # With logprobs: these tokens' logprobs at each step (after the sampled one's) instead of the top k.
+    logprob_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]],
+                                 Field(min_length=1, max_length=MAX_LOGPROB_TOKEN_IDS)] | None = None
+    # vLLM's: token offsets on its /render endpoints only; generation endpoints ignore it, as vLLM's do.
+    return_token_offsets: bool | None = None
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool | None = None  # None: the server's --return-tokens-as-token-ids
     # vLLM's fields that this server accepts only at their neutral value; supported.py says why.
@@ -133,6 +139,9 @@ class _SamplingFields(_Body):
     guided_whitespace_pattern: Any = None
     vllm_xargs: Any = None
     mm_processor_kwargs: Any = None
+    ec_transfer_params: Any = None
+    repetition_detection: Any = None
+    thinking_token_budget: Any = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=MAX_ID_LEN)
@@ -311,6 +320,8 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     functions: list[Any] | None = None
     function_call: Any = None
     echo: bool = False  # the last message's content before the reply, when it is the reply's role (vLLM's)
+    include_reasoning: bool = True  # vLLM's: no reasoning is parsed out here, so there is nothing to leave out
+    reasoning_effort: Any = None
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

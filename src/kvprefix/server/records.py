@@ -57,7 +57,8 @@ class Books:
         ttft = None if m is None or m.first_token_time is None else m.first_token_time - job.arrival
         self.metrics.observe(FinishedSequence(
             len(job.prompt.token_ids), cached, job.tokens, reasons, ttft, e2e, self.max_tokens,
-            *_phases(m), token_gaps_s=m.token_gaps if m is not None else []))
+            *_phases(m), token_gaps_s=m.token_gaps if m is not None else [],
+            num_preemptions=m.num_preemptions if m is not None else 0))
         if self.request_log is not None:
             self.request_log.write(self._record(job, cached, reasons, ttft, e2e, aborted))
 

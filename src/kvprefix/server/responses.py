@@ -41,7 +41,8 @@ class Shape:
         if self.num_logprobs is None or o.logprobs is None:
             return None
         if self.chat:
-            return chat_logprobs(o.token_ids, o.logprobs, self.num_logprobs, self.as_ids)
+            return chat_logprobs(o.token_ids, o.logprobs, self.num_logprobs, self.as_ids,
+                                 in_order=self.req.logprob_token_ids is not None)
         token_ids, entries = ([], []) if self.echo_only else (o.token_ids, o.logprobs)
         if echoed is not None:
             token_ids, entries = [*echoed[1], *token_ids], [*echoed[2], *entries]

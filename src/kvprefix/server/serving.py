@@ -50,20 +50,23 @@ class Serving:
 
     async def completions(self, req: CompletionRequest, caller: Caller, raw: Request):
         check_model(self.info, req.model)
-        check_supported(req)
-        self.prompter.check_vocabulary(req.stop_token_ids or [], "stop_token_ids")
+        self._check(req)
         prompts = await self.prompter.prompts(req)
         return await self._serve(req, caller, raw, prompts, "prompt", None)
 
     async def chat(self, req: ChatCompletionRequest, caller: Caller, raw: Request):
         check_model(self.info, req.model)
-        check_supported(req)
-        self.prompter.check_vocabulary(req.stop_token_ids or [], "stop_token_ids")
+        self._check(req)
         # Compiles a required/named grammar: off the loop; a request without tools needs no thread hop.
         tools = None if req.tools is None and req.tool_choice in (None, "none") else await asyncio.to_thread(
             plan_tools, req)
         prompts = await self.prompter.prompts(req)
         return await self._serve(req, caller, raw, prompts, "messages", tools)
+
+    def _check(self, req: CompletionRequest | ChatCompletionRequest) -> None:
+        check_supported(req)
+        self.prompter.check_vocabulary(req.stop_token_ids or [], "stop_token_ids")
+        self.prompter.check_vocabulary(req.logprob_token_ids or [], "logprob_token_ids")
 
     async def tokenize(self, req: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:
         """vLLM's /tokenize: the token ids a completions or chat request with these fields would run."""

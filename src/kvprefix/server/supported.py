@@ -22,6 +22,12 @@ _REFUSED: dict[str, tuple[tuple, str]] = {
     "guided_whitespace_pattern": ((), "JSON is generated compact: no whitespace pattern applies"),
     "vllm_xargs": (({},), "this server takes no extension arguments"),
     "mm_processor_kwargs": (({},), "the model takes text only"),
+    "ec_transfer_params": ((), "encoder-cache disaggregation is not supported: the model takes text only"),
+    "repetition_detection": ((), "detecting repeated n-grams is not implemented; use 'stop' or 'max_tokens'"),
+    "thinking_token_budget": ((-1,), "no reasoning is parsed out here, so no thinking budget applies"),
+}
+_REFUSED_CHAT = {
+    "reasoning_effort": ((), "the served model has no reasoning mode to set"),
 }
 _REFUSED_COMPLETIONS = {
     "prompt_embeds": ((), "prompt embeddings are not supported; send text or token ids"),
@@ -35,13 +41,16 @@ def _neutral(value: Any, neutral: tuple) -> bool:
 
 def check_supported(req: CompletionRequest | ChatCompletionRequest) -> None:
     """Refuses parameters that we parse but do not implement, instead of silently ignoring them."""
-    refused = _REFUSED if isinstance(req, ChatCompletionRequest) else _REFUSED | _REFUSED_COMPLETIONS
+    refused = _REFUSED | (_REFUSED_CHAT if isinstance(req, ChatCompletionRequest) else _REFUSED_COMPLETIONS)
     for name, (neutral, why) in refused.items():
         if not _neutral(getattr(req, name), neutral):
             raise APIError(400, f"'{name}' is not supported: {why}", param=name)
     if req.prompt_logprobs is not None and req.stream:
         raise APIError(400, "'prompt_logprobs' cannot be streamed (as in vLLM); send it without 'stream'",
                        param="prompt_logprobs")
+    if req.logprob_token_ids is not None and req.num_logprobs() is None:
+        raise APIError(400, "'logprob_token_ids' requires 'logprobs' (as in vLLM): they name the tokens whose "
+                       "logprobs it returns", param="logprob_token_ids")
     if req.truncate_prompt_tokens == 0:
         raise APIError(400, "'truncate_prompt_tokens' must be -1 (the context length) or at least 1",
                        param="truncate_prompt_tokens")
