@@ -75,6 +75,8 @@ def test_preemption_with_a_tiny_pool(make_llm, assert_no_leaks, prompts, referen
     outputs = llm.generate(prompts, GREEDY)
     metrics = llm.get_metrics()
     assert metrics["num_preemptions"] > 0
+    # Each request's output counts its own preemptions (the server's request_num_preemptions histogram).
+    assert sum(o.metrics.num_preemptions for o in outputs) == metrics["num_preemptions"]
     assert token_ids(outputs) == reference
     assert sum(o.num_cached_tokens for o in outputs) > 0
     assert_no_leaks(llm)

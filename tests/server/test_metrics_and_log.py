@@ -35,15 +35,18 @@ def test_metrics_parse_and_counters_move(server: Server) -> None:
     assert delta("kvprefix:request_success_total{length}") == 3
     for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "time_per_output_token_seconds",
               "request_prefix_cache_hit_fraction", "request_queue_time_seconds", "request_prefill_time_seconds",
-              "request_decode_time_seconds", "request_prompt_tokens", "request_params_max_tokens"):
+              "request_decode_time_seconds", "request_prompt_tokens", "request_params_max_tokens",
+              "request_num_preemptions"):
         assert delta(f"kvprefix:{h}_count") == 3, h
     assert delta("kvprefix:request_prompt_tokens_sum") == prompt
     assert delta("kvprefix:request_prefill_kv_computed_tokens_sum") == prompt - delta("kvprefix:prefix_cache_hits_total")
     assert delta("kvprefix:request_params_max_tokens_sum") == 12
     assert delta("kvprefix:inter_token_latency_seconds_count") >= 3  # tokens read together share one gap
-    # Steps computed each uncached prompt token once, and every generated token but the last of each request.
+    assert delta("kvprefix:request_num_preemptions_sum") == 0  # a pool with room for all
+    # As vLLM counts them: each uncached prompt token once, and every generated token (the first with the prefill
+    # step that samples it, each later one with the decode step that samples it).
     hits = delta("kvprefix:prefix_cache_hits_total")
-    assert delta("kvprefix:iteration_tokens_total_sum") == prompt - hits + 12 - 3
+    assert delta("kvprefix:iteration_tokens_total_sum") == prompt - hits + 12
     assert delta("kvprefix:iteration_tokens_total_count") >= 4 * 3
     assert after["kvprefix:kv_cache_usage_perc"] == 0.0
 

@@ -79,7 +79,7 @@ def test_tokenize_and_detokenize_match_what_requests_run(server: Server) -> None
     assert t["count"] == len(t["tokens"]) == r.usage.prompt_tokens and t["max_model_len"] > 0
     assert len(t["token_strs"]) == t["count"] and all(isinstance(s, str) for s in t["token_strs"])
     bare = server.post("/tokenize", {"prompt": "Hello tokenizer", "add_special_tokens": False}).json()
-    assert bare["count"] <= t["count"] and "token_strs" not in bare
+    assert bare["count"] <= t["count"] and bare["token_strs"] is None  # always there, as in vLLM
     assert server.post("/detokenize", {"model": M, "tokens": bare["tokens"]}).json() == {"prompt": "Hello tokenizer"}
     messages = [{"role": "user", "content": "Tokenize this chat"}]
     tc = server.post("/tokenize", {"messages": messages}).json()
@@ -244,10 +244,6 @@ def test_unsupported_vllm_fields_get_a_named_400(server: Server, field: str, val
         r = server.post(path, {"model": M, "max_tokens": 1, field: value, **extra})
         error = r.json()["error"]
         assert r.status_code == 400 and error["param"] == field and why in error["message"], error
-    chat = {"messages": [{"role": "user", "content": "x"}]}
-    for field, value in (("add_special_tokens", True), ("documents", [{"t": "d"}]), ("echo", True)):
-        r = server.post("/v1/chat/completions", {**chat, field: value})
-        assert r.status_code == 400 and r.json()["error"]["param"] == field
 
 
 @pytest.mark.slow

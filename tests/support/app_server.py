@@ -286,8 +286,8 @@ def build_app(argv: list[str]):
     from kvprefix.engine import AsyncLLM, EngineArgs
     from kvprefix.http.browsers import allowed_hosts
     from kvprefix.http.tenancy import Auth
-    from kvprefix.server.app import ServerConfig, create_app
-    from kvprefix.server.cli import DEFAULT_TENANT_KV_RESERVE
+    from kvprefix.server.app import create_app
+    from kvprefix.server.cli import DEFAULT_TENANT_KV_RESERVE, server_config
 
     args = build_parser().parse_args(["serve", *argv])
     auth = Auth.from_options(args.api_key, args.api_keys_file, args.admin_key)
@@ -295,14 +295,8 @@ def build_app(argv: list[str]):
         args.tenant_kv_reserve = DEFAULT_TENANT_KV_RESERVE if auth.enabled else 0.0
     engine_args = EngineArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)
                                 if hasattr(args, f.name)})
-    config = ServerConfig(
-        served_model_name=args.served_model_name, auth=auth, max_pending=args.max_pending,
-        max_pending_per_tenant=args.max_pending_per_tenant, request_log=args.request_log,
-        request_log_prompts=args.request_log_prompts, cache_detail=args.cache_detail,
-        replica_id=args.replica_id or f"in-process:{args.port}", allowed_hosts=allowed_hosts(args.allowed_hosts,
-                                                                                            args.host),
-        metrics_names=args.metrics_names,
-    )
+    config = server_config(args, auth, allowed_hosts(args.allowed_hosts, args.host),
+                           args.replica_id or f"in-process:{args.port}")
     return create_app(AsyncLLM(engine_args), config), args.shutdown_timeout
 
 

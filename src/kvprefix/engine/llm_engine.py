@@ -269,6 +269,7 @@ class LLMEngine:
                 self.scheduler.finish(s)
                 aborted.append(SampleDelta(s.index, [], finish_reason="abort"))
         user_request.metrics.finished_time = time.monotonic()
+        user_request.metrics.num_preemptions = sum(s.num_preemptions for s in user_request.samples)
         self._forget(user_request)
         self._counters[counter] += 1
         return aborted
@@ -297,12 +298,12 @@ class LLMEngine:
             if self.kv_tier is not None and self.kv_tier.loads.has_pending():
                 self.kv_tier.loads.wait(timeout=0.05)  # everyone waits on a load: sleep until it moves
             return []
-        self._count_step(sched)
         sample_rows = [
             i
             for i, s in enumerate(sched.scheduled)
             if s.request.num_computed_tokens + s.num_new_tokens == s.request.num_tokens
         ]
+        self._count_step(sched, sample_rows)
         score_rows = [i for i, s in enumerate(sched.scheduled) if s.request.prompt_logprobs is not None]
         logits, scored = self.runner.execute(sched, sample_rows, score_rows)
         for i, hidden in scored.items():  # before update_after_step: num_computed_tokens is the chunk's start
@@ -313,10 +314,15 @@ class LLMEngine:
         requests = [sched.scheduled[i].request for i in sample_rows]
         return self._outputs(*self._append_samples(requests, self._sample(logits, requests)))
 
-    def _count_step(self, sched) -> None:
-        """The step's tokens into the histogram; the first scheduling time of requests scheduled for the first time."""
-        self._iteration_tokens[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, sched.num_tokens)] += 1
-        self._iteration_tokens_sum += sched.num_tokens
+    def _count_step(self, sched, sample_rows: list[int]) -> None:
+        """The step's tokens into the histogram, as vLLM counts them (the tokens computed, plus the token sampled at
+        the end of a prefill: a decode's one computed token already stands for the one it samples); the first
+        scheduling time of requests scheduled for the first time."""
+        requests = [sched.scheduled[i].request for i in sample_rows]
+        prefill_samples = sum(1 for r in requests if r.num_computed_tokens < r.num_prompt_tokens)
+        tokens = sched.num_tokens + prefill_samples
+        self._iteration_tokens[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, tokens)] += 1
+        self._iteration_tokens_sum += tokens
         now = time.monotonic()
         for s in sched.scheduled:
             metrics = self._user_request_of[s.request.request_id].metrics
@@ -343,6 +349,8 @@ class LLMEngine:
             self._counters["generation_tokens"] += 1
             if req.finished:
                 self.scheduler.finish(req)
+                if req.text is not None:
+                    req.text.finish()
             if req.prompt_logprobs is not None:  # a sampled token: the prompt is computed, its logprobs complete
                 prompt_logprobs[user_request.request_id] = req.take_prompt_logprobs()
             delta = SampleDelta(req.index, [token], None if lp is None else [lp],
@@ -361,6 +369,7 @@ class LLMEngine:
                 metrics.first_token_time = now
             if all(s.finished for s in user_request.samples):
                 metrics.finished_time = now
+                metrics.num_preemptions = sum(s.num_preemptions for s in user_request.samples)
                 del self._requests[user_request.request_id]
                 self._forget(user_request)
                 self._counters["requests_finished"] += 1

@@ -35,6 +35,8 @@ def engine_metrics(manager, scheduler, counters: dict[str, int], iteration_token
         "requests_failed": counters["requests_failed"],
         "num_requests_running": len(scheduler.running),
         "num_requests_waiting": len(scheduler.waiting),
+        # vLLM's reasons: "deferred" waits behind a running request's in-flight prompt blocks, "capacity" for room.
+        "num_requests_waiting_deferred": sum(1 for r in scheduler.waiting if r.inflight_wait is not None),
         "kv_cache_usage": pool.usage,
         "num_blocks": pool.num_blocks,
         "num_free_blocks": pool.num_free_blocks,

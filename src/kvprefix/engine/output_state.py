@@ -100,6 +100,8 @@ class _Sample:
                 text.add_final(self.token_ids[i], self.params.include_stop_str_in_output)
             else:
                 text.add(self.token_ids[i])
+        if self.finish_reason is not None:
+            text.finish()
 
 
 class OutputState:

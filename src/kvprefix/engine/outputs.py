@@ -50,6 +50,7 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    num_preemptions: int = 0  # times its samples were preempted (set when it ends)
     # Seconds between consecutive tokens of each sample as the reader received them (AsyncLLM; filled by
     # OutputState, never by the engine).
     token_gaps: list[float] = field(default_factory=list)

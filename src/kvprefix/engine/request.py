@@ -46,6 +46,7 @@ class Request(CacheRequest):
         # Waiting behind a running request's in-flight prompt blocks: (first uncached block, step the wait ends).
         self.inflight_wait: tuple[int, int] | None = None
         self.queued_step = 0  # the scheduler step it was queued at (cache-aware admission ages requests by it)
+        self.num_preemptions = 0  # times it lost its blocks and went back to the queue
         self.max_tokens = max_tokens
         self.eos_token_ids = eos_token_ids
         self.status = RequestStatus.WAITING

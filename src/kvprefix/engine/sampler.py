@@ -25,6 +25,8 @@ class Sampler:
         raw = logits
         if any(r.params.has_penalties for r in requests):
             logits = self._apply_penalties(logits.clone(), requests)
+        if any(r.params.logit_bias for r in requests):
+            logits = _add_logit_bias(logits if logits is not raw else logits.clone(), requests)
         if any(r.under_min_tokens() for r in requests):
             logits = _ban_stop_tokens(logits if logits is not raw else logits.clone(), requests)
         if any(r.matcher is not None for r in requests):
@@ -85,7 +87,8 @@ class Sampler:
             return out
         logprobs = torch.log_softmax(raw[rows].float(), dim=-1)
         for row, i in zip(logprobs, rows, strict=True):
-            out[i] = self._entry(row, tokens[i], requests[i].params.logprobs)
+            params = requests[i].params
+            out[i] = self._entry(row, tokens[i], params.logprobs, params.logprob_token_ids)
         return out
 
     def prompt_logprobs(self, logits: torch.Tensor, targets: Sequence[int], k: int) -> list[dict[int, Logprob]]:
@@ -94,16 +97,35 @@ class Sampler:
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         return [self._entry(row, t, k) for row, t in zip(logprobs, targets, strict=True)]
 
-    def _entry(self, row: torch.Tensor, token: int, k: int) -> dict[int, Logprob]:
-        """{token: its logprob and rank, then the top k}; ``decoded_token``s are filled by the reader."""
+    def _entry(self, row: torch.Tensor, token: int, k: int, chosen_ids: list[int] | None = None) -> dict[int, Logprob]:
+        """{token: its logprob and rank, then the top k, or ``chosen_ids`` with theirs}; ``decoded_token``s are
+        filled by the reader."""
         k = min(k, row.shape[-1])
         chosen = row[token]
         entry = {token: Logprob(chosen.item(), int((row > chosen).sum().item()) + 1)}
-        if k:
+        ids = [t for t in chosen_ids or () if t < row.shape[-1]]
+        if ids:
+            values = row[ids]
+            ranks = (row.unsqueeze(0) > values.unsqueeze(1)).sum(dim=1) + 1
+            for t, v, rank in zip(ids, values.tolist(), ranks.tolist(), strict=True):
+                entry.setdefault(t, Logprob(v, rank))
+        elif k:
             values, ids = row.topk(k)
             for rank, (v, t) in enumerate(zip(values.tolist(), ids.tolist(), strict=True), start=1):
                 entry.setdefault(t, Logprob(v, rank))
         return entry
+
+
+def _add_logit_bias(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """OpenAI's logit_bias: each row's biases added to its logits (ids beyond the model's logits are skipped: the
+    server refuses them against the tokenizer's vocabulary)."""
+    vocab = logits.shape[-1]
+    for i, req in enumerate(requests):
+        bias = {t: b for t, b in (req.params.logit_bias or {}).items() if t < vocab}
+        if bias:
+            ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
+            logits[i, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+    return logits
 
 
 def _ban_stop_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:

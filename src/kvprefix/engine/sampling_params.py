@@ -14,6 +14,7 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_TOP_K = 2**31 - 1
 MAX_SEED = 2**63 - 1
 MAX_STOP_TOKEN_IDS = 256  # stop tokens per request: checked per sampled token, so the work is bounded
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs: top alternatives per token a request may ask for
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,9 @@ class SamplingParams:
     ``structured_outputs``: the output stays in the language; the sample stops when it allows nothing more.
     ``kv_retention``: how the prompt's blocks are kept below the pool ("in_memory", "5m", "1h", "24h"; None: the
     engine's ``kv_retention``; docs/tiers.md#retention).
+    ``logit_bias``: {token id: bias} added to those logits before sampling (logprobs stay the raw distribution's).
+    ``logprob_token_ids``: with ``logprobs``, each step's entry holds these tokens after the sampled one, instead
+    of the k most likely (vLLM's: scoring a fixed label set).
     """
 
     n: int = 1
@@ -66,6 +70,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     kv_retention: str | None = None
+    logit_bias: dict[int, float] | None = None
+    logprob_token_ids: list[int] | None = None
     # Normalized forms, filled in by __post_init__.
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
     stop_token_set: frozenset[int] = field(init=False, repr=False)
@@ -103,6 +109,11 @@ class SamplingParams:
             _check_int("stop_token_ids", t, minimum=0, accepted="a list of token ids >= 0")
         self.stop_token_set = frozenset(self.stop_token_ids or ())
         check_retention(self.kv_retention)
+        for t in self.logprob_token_ids or []:
+            _check_int("logprob_token_ids", t, minimum=0, accepted="a list of token ids >= 0")
+        for t, bias in (self.logit_bias or {}).items():
+            _check_int("logit_bias", t, minimum=0, accepted="a dict of token ids >= 0 to numbers")
+            _check_number("logit_bias", bias, "a finite number per token", lambda v: True)
 
     def for_sample(self, index: int) -> SamplingParams:
         """The params of sample ``index`` of an n > 1 request: n=1 and a distinct but reproducible seed. A copy,

@@ -179,6 +179,7 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
         self.num_preemptions += 1
+        req.num_preemptions += 1
 
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Advances progress and registers blocks that became full (their KV is now written)."""

@@ -39,6 +39,12 @@ class SampleText:
         if shown:
             self.text += self._detokenizer.add([token_id])
 
+    def finish(self) -> None:
+        """The sample ended: the text still held back for an incomplete character, as U+FFFD (unless a stop
+        string fixed the text)."""
+        if self.stop is None:
+            self.text += self._detokenizer.flush()
+
 
 def hold_back(params: SamplingParams) -> int:
     """Characters held back from a running sample's reported text while they might still start a stop string, so

@@ -5,7 +5,8 @@ hashes, wherever it is read.
 Every field that changes the prompt has vLLM's meaning: ``messages`` with ``tools``, ``documents``,
 ``chat_template_kwargs``, ``add_generation_prompt`` (default true), ``continue_final_message`` and
 ``add_special_tokens`` (chat: default false), ``prompt`` with ``add_special_tokens`` (completions: default true),
-``truncate_prompt_tokens`` (keep the last k tokens; -1 keeps the context length, ``max_model_len``). A request
+``truncate_prompt_tokens`` (keep the last k tokens, or the first k with ``truncation_side`` "right"; -1 keeps the
+context length, ``max_model_len``). A request
 ``chat_template`` is refused, as vLLM refuses it without ``--trust-request-chat-template``.
 """
 
@@ -29,12 +30,13 @@ from kvprefix.prompts.render import (
 from kvprefix.tokenizer.tokenizer import Tokenizer
 
 
-def truncate_prompt(prompt: RenderedPrompt, num_tokens: int) -> RenderedPrompt:
-    """vLLM's ``truncate_prompt_tokens``: keep the last ``num_tokens`` tokens (the text no longer matches them,
-    so it is dropped)."""
+def truncate_prompt(prompt: RenderedPrompt, num_tokens: int, side: str = "left") -> RenderedPrompt:
+    """vLLM's ``truncate_prompt_tokens``: keep the last ``num_tokens`` tokens (``side`` "left": cut on the left),
+    or the first (``side`` "right"); the text no longer matches them, so it is dropped."""
     if len(prompt.token_ids) <= num_tokens:
         return prompt
-    return RenderedPrompt(prompt.token_ids[-num_tokens:], None)
+    ids = prompt.token_ids[-num_tokens:] if side == "left" else prompt.token_ids[:num_tokens]
+    return RenderedPrompt(ids, None)
 
 
 def render_body(tokenizer: Tokenizer, body: Mapping[str, Any], max_model_len: int | None = None, *,
@@ -46,8 +48,12 @@ def render_body(tokenizer: Tokenizer, body: Mapping[str, Any], max_model_len: in
     before tokenizing, a text too long for ``max_model_len`` tokens unless the body truncates (the server's check).
     """
     keep = _kept_tokens(body, max_model_len)
+    side = body.get("truncation_side") or "left"
+    if side not in ("left", "right"):
+        raise PromptError("'truncation_side' must be \"left\" (keep the last tokens) or \"right\" (the first)",
+                          "truncation_side")
     prompts = _render_body(tokenizer, body, max_model_len if refuse_long and keep is None else None)
-    return prompts if keep is None else [truncate_prompt(p, keep) for p in prompts]
+    return prompts if keep is None else [truncate_prompt(p, keep, side) for p in prompts]
 
 
 def _kept_tokens(body: Mapping[str, Any], max_model_len: int | None) -> int | None:

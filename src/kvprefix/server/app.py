@@ -17,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 
 from kvprefix.engine import LoraNotFoundError
 from kvprefix.engine.client import EngineClient
+from kvprefix.engine.sampling_params import MAX_LOGPROBS
 from kvprefix.http.bodies import read_body
 from kvprefix.http.browsers import BrowserGuard
 from kvprefix.http.errors import APIError, bad_request, from_validation_error, install_error_handlers
@@ -58,6 +59,8 @@ class ServerConfig:
     replica_id: str = "replica-0"  # names this replica in KV events and the request log
     allowed_hosts: frozenset[str] | None = None  # Host names served (browsers.py); None: any, same-origin only
     metrics_names: str = "kvprefix"  # "vllm": vLLM's metric names (docs/metrics.md)
+    max_logprobs: int = MAX_LOGPROBS  # vLLM's --max-logprobs
+    return_tokens_as_token_ids: bool = False  # vLLM's --return-tokens-as-token-ids
 
 
 _PARSE_INLINE_BYTES = 256 * 1024
@@ -87,6 +90,15 @@ async def _validate(text: str, model: type[BaseModel]) -> Any:
         return await asyncio.to_thread(model.model_validate_json, text)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
+
+
+def _body_keys(text: str) -> set[str]:
+    """The top-level keys of a JSON object body, to pick its model (empty when it is not one: validation says how)."""
+    try:
+        body = json.loads(text)
+    except (ValueError, RecursionError):
+        return set()
+    return set(body) if isinstance(body, dict) else set()
 
 
 def _log_startup(engine: EngineClient, info: ModelInfo, config: ServerConfig) -> None:
@@ -179,7 +191,7 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
 
 def _parts(engine: EngineClient, config: ServerConfig) -> _Parts:
     name = config.served_model_name or engine.model_name
-    info = ModelInfo.of(engine, name, config.replica_id)
+    info = ModelInfo.of(engine, name, config.replica_id, config.max_logprobs, config.return_tokens_as_token_ids)
     cache_config = {"block_size": str(info.block_size), "enable_prefix_caching": str(info.enable_prefix_caching),
                     "num_gpu_blocks": str(engine.num_kv_blocks), "prefix_caching_hash_algo": info.hash_algo}
     metrics = ServerMetrics(name, engine.get_metrics, config.metrics_names, cache_config, info.max_model_len,
@@ -222,11 +234,24 @@ def _add_info_routes(app: FastAPI, parts: _Parts) -> None:
     async def tokenize(raw: Request) -> dict:
         tenant(raw)
         text = await _body_text(raw)
-        try:
-            chat = "messages" in json.loads(text)
-        except (ValueError, TypeError, RecursionError):  # malformed, not an object, too deep: the validation says how
-            chat = False
+        chat = _body_keys(text) & {"messages"}
         return await serving.tokenize(await _validate(text, TokenizeChatRequest if chat else TokenizeCompletionRequest))
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(raw: Request) -> dict:
+        """vLLM's: what a client needs to tokenize as the server does (its class, template and special tokens)."""
+        tenant(raw)
+        tok = engine.tokenizer
+        return {"tokenizer_class": type(tok.hf if tok.hf is not None else tok).__name__,
+                "chat_template": tok.chat_template, "model_max_length": parts.info.max_model_len,
+                "vocab_size": parts.info.vocab_size, "bos_token_id": tok.bos_token_id,
+                "eos_token_ids": sorted(tok.eos_token_ids), "added_tokens": tok.added_tokens}
+
+    @app.get("/load")
+    async def load(raw: Request) -> dict:
+        """vLLM's server load: the engine requests admitted and not finished (queued or running)."""
+        tenant(raw)
+        return {"server_load": parts.admission.pending}
 
     @app.post("/detokenize")
     async def detokenize(raw: Request) -> dict:
@@ -263,19 +288,31 @@ def _add_generation_routes(app: FastAPI, parts: _Parts) -> None:
         if req.cache_detail and not parts.config.cache_detail:
             raise bad_request("'cache_detail' is disabled on this server", param="cache_detail")
 
+    async def generate(raw: Request, who: str | None, text: str, chat: bool):
+        req = await _validate(text, ChatCompletionRequest if chat else CompletionRequest)
+        check_detail(req)
+        return await (serving.chat if chat else serving.completions)(req, Caller(who, req.cache_salt), raw)
+
     @app.post("/v1/completions")
     async def completions(raw: Request):
         who = tenant(raw)  # authentication first: an unknown caller learns nothing from validation errors
-        req = await _parse(raw, CompletionRequest)
-        check_detail(req)
-        return await serving.completions(req, Caller(who, req.cache_salt), raw)
+        return await generate(raw, who, await _body_text(raw), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request):
         who = tenant(raw)
-        req = await _parse(raw, ChatCompletionRequest)
-        check_detail(req)
-        return await serving.chat(req, Caller(who, req.cache_salt), raw)
+        return await generate(raw, who, await _body_text(raw), chat=True)
+
+    @app.post("/invocations")
+    async def invocations(raw: Request):
+        """SageMaker's (and vLLM's) one path: a chat body (``messages``) or a completions body (``prompt``)."""
+        who = tenant(raw)
+        text = await _body_text(raw)
+        keys = _body_keys(text)
+        if not keys & {"messages", "prompt"}:
+            raise bad_request("an /invocations body needs 'messages' (chat completions) or 'prompt' (completions)",
+                              param="messages")
+        return await generate(raw, who, text, chat="messages" in keys)
 
 
 def _add_admin_routes(app: FastAPI, parts: _Parts) -> None:

@@ -1,5 +1,6 @@
-"""Stream chunks: each engine delta output becomes at most one SSE chunk, as it comes (no re-diffing: the engine's
-outputs already hold only what is new)."""
+"""Stream chunks: each engine delta output becomes at most one SSE chunk per choice, as it comes (no re-diffing: the
+engine's outputs already hold only what is new). One choice per chunk, as OpenAI and vLLM send them: clients read
+``choices[0]``."""
 
 from __future__ import annotations
 
@@ -23,25 +24,32 @@ class Chunks:
         self.shape = shape
         self.req = shape.req
         self.parsers: dict[int, ToolCallParser] = {}  # per choice whose calls are parsed
+        self.echo_chars: dict[int, int] = {}  # per job echoed (completions): characters of its prompt's text
         options = self.req.stream_options
         self.include_usage = bool(options and options.include_usage)
         # vLLM's continuous_usage_stats: every chunk carries the usage so far (guidellm and aiperf ask for it).
         self.continuous_usage = self.include_usage and options.continuous_usage_stats
 
     def first(self) -> str | None:
-        """Chat's opening chunk: each choice's role."""
+        """Chat's opening chunks: each choice's role (and the echoed last message, with ``echo``)."""
         if not self.shape.chat:
             return None
-        first = self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None} for i in range(self.req.n)])
-        if self.req.return_token_ids:
-            first["prompt_token_ids"] = self.shape.jobs[0].prompt.token_ids
-        return sse(first)
+        chunks = []
+        for i in range(self.req.n):
+            first = self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None}])
+            if self.req.return_token_ids:
+                first["prompt_token_ids"] = self.shape.jobs[0].prompt.token_ids
+            chunks.append(sse(first))
+        if self.shape.chat_echo:
+            chunks += [sse(self._chunk([{"index": i, "delta": {"content": self.shape.chat_echo}, "logprobs": None,
+                                         "finish_reason": None}])) for i in range(self.req.n)]
+        return "".join(chunks)
 
     def of(self, job: Job, out: RequestOutput) -> str | None:
-        """The chunk of one delta output (None when it holds nothing to tell yet)."""
-        choices = [c for o in out.outputs if (c := self._choice(job, o)) is not None]
-        return sse(self._chunk(choices)) if choices else None
+        """The chunks of one delta output, one per choice (None when it holds nothing to tell yet)."""
+        chunks = [sse(self._chunk([c])) for o in out.outputs if (c := self._choice(job, o)) is not None]
+        return "".join(chunks) or None
 
     def last(self) -> list[str]:
         return [sse(self._chunk([], self.shape.usage())), DONE] if self.include_usage else [DONE]
@@ -57,7 +65,8 @@ class Chunks:
     def _choice(self, job: Job, o: CompletionOutput) -> dict | None:
         shape, req, chat, text = self.shape, self.req, self.shape.chat, o.text
         index, reason = shape.choice_index(job, o.index), o.finish_reason
-        wants_tokens = shape.num_logprobs is not None or req.return_token_ids
+        # With a completions echo the first tokens always make a chunk: it carries the prompt.
+        wants_tokens = shape.num_logprobs is not None or req.return_token_ids or (req.echo and not chat)
         if chat:
             message = {"content": text} if text else {}
             if shape.tools is not None:
@@ -66,14 +75,20 @@ class Chunks:
             return None
         # job counts this output already: where its text and tokens start in the choice's whole output
         text_start, token_start = job.chars[o.index] - len(text), job.tokens[o.index] - len(o.token_ids)
-        c = {"index": index, "logprobs": shape.logprobs(o, text_start) if o.token_ids else None,
-             "finish_reason": reason}
+        echoed = shape.echo_of(job) if token_start == 0 else None  # the prompt goes before the first tokens
+        if shape.echo_only and not echoed:
+            return None
+        if not chat and req.echo:
+            text_start += self.echo_chars.setdefault(job.index, len(echoed[0]) if echoed else 0)
+        c = {"index": index, "logprobs": shape.logprobs(o, 0 if echoed else text_start, echoed) if o.token_ids
+             else None, "finish_reason": reason}
         if chat:
             c["delta"] = message
         else:
-            c["text"] = text
+            shown = "" if shape.echo_only else text
+            c["text"] = shown if echoed is None else echoed[0] + shown
         if req.return_token_ids:
-            c["token_ids"] = o.token_ids
+            c["token_ids"] = [] if shape.echo_only else o.token_ids
             if not chat and token_start == 0:
                 c["prompt_token_ids"] = job.prompt.token_ids
         return c

@@ -6,6 +6,7 @@ import argparse
 
 from kvprefix.cache import COLLISION_SAFE_ALGOS, HASH_ALGOS
 from kvprefix.engine.args import DEFAULT_KV_DISK_SIZE, QUANTIZATION_METHODS
+from kvprefix.engine.sampling_params import MAX_LOGPROBS
 from kvprefix.paths import ReadableFile, WritableDir, WritableFile
 from kvprefix.tiers.redis_store import DEFAULT_KEY_PREFIX, DEFAULT_TIMEOUT
 from kvprefix.tiers.retention import RETENTIONS
@@ -120,6 +121,11 @@ def _server_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--metrics-names", default="kvprefix", choices=["kvprefix", "vllm"],
                      help="vllm: expose vLLM's metric names (vllm:*), so its dashboards and the Gateway API Inference "
                      "Extension read them (docs/metrics.md)")
+    net.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS, metavar="K",
+                     help="most alternatives per token a request may ask for in logprobs, top_logprobs or "
+                          "prompt_logprobs (vLLM's option; -1: no limit, and prompt_logprobs -1 is allowed)")
+    net.add_argument("--return-tokens-as-token-ids", action="store_true",
+                     help="logprob tokens as 'token_id:N' unless a request says otherwise (vLLM's option)")
     net.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     net.add_argument("--replica-id", default=None,
                      help="this replica's name in KV events and the request log (default: HOSTNAME:PORT)")
@@ -216,11 +222,17 @@ def prepare(args: argparse.Namespace):
             raise SystemExit(f"kvprefix serve: --lora-modules names an adapter twice: {', '.join(names)}")
         args.lora_modules = dict(args.lora_modules)
     from kvprefix.engine import EngineArgs
-    from kvprefix.server.app import ServerConfig
     # Every engine option we expose has EngineArgs' field name; a field without an option keeps its default.
     engine_args = EngineArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)
                                 if hasattr(args, f.name)})
-    config = ServerConfig(
+    return engine_args, server_config(args, auth, hosts, args.replica_id or f"{socket.gethostname()}:{args.port}")
+
+
+def server_config(args: argparse.Namespace, auth, hosts: frozenset[str] | None, replica_id: str):
+    """The ``ServerConfig`` of parsed options (the one mapping from options to it: ``prepare`` and the tests' apps)."""
+    from kvprefix.server.app import ServerConfig
+
+    return ServerConfig(
         served_model_name=args.served_model_name,
         auth=auth,
         max_pending=args.max_pending,
@@ -228,11 +240,12 @@ def prepare(args: argparse.Namespace):
         request_log=args.request_log,
         request_log_prompts=args.request_log_prompts,
         cache_detail=args.cache_detail,
-        replica_id=args.replica_id or f"{socket.gethostname()}:{args.port}",
+        replica_id=replica_id,
         allowed_hosts=hosts,
         metrics_names=args.metrics_names,
+        max_logprobs=args.max_logprobs,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
     )
-    return engine_args, config
 
 
 def _check_shared(args: argparse.Namespace, tenants: bool) -> None:

@@ -10,17 +10,18 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from kvprefix.engine import SamplingParams
+from kvprefix.engine.sampling_params import MAX_SEED
 from kvprefix.engine.structured import grammar_for
 from kvprefix.http.errors import bad_request
 from kvprefix.http.request_ids import MAX_REQUEST_ID_LEN, request_id_of, valid_request_id
 from kvprefix.http.tenancy import Caller, validate_client_salt
 from kvprefix.prompts import RenderedPrompt
 from kvprefix.server.model_info import ModelInfo
-from kvprefix.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvprefix.server.protocol import MAX_LOGIT_BIAS, ChatCompletionRequest, CompletionRequest
 from kvprefix.server.tools import ToolPlan
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                    "repetition_penalty", "seed")
+                    "repetition_penalty")
 
 
 @dataclass
@@ -40,6 +41,11 @@ async def engine_call(req: CompletionRequest | ChatCompletionRequest, caller: Ca
     if not all(p.token_ids for p in prompts):
         raise bad_request(f"'{param}' is empty after tokenization", param=param)
     requested = req.max_new_tokens() if isinstance(req, ChatCompletionRequest) else req.max_tokens
+    if requested == 0:
+        if not req.echo:
+            raise bad_request("'max_tokens' must be at least 1 (0 only with 'echo': the prompt alone)",
+                              param="max_tokens")
+        requested = 1  # vLLM's echo without generation: one token is run, and not shown
     max_tokens = min(_max_tokens(info.max_model_len, len(p.token_ids), requested, param) for p in prompts)
     if req.min_tokens > max_tokens:
         raise bad_request(f"'min_tokens' ({req.min_tokens}) is more than the {max_tokens} tokens this request may "
@@ -55,7 +61,7 @@ async def engine_call(req: CompletionRequest | ChatCompletionRequest, caller: Ca
             await asyncio.to_thread(grammar_for, structured)
         except ValueError as exc:
             raise bad_request(f"invalid '{field_name}': {exc}", param=field_name) from None
-    params = _sampling(req, max_tokens)
+    params = _sampling(req, max_tokens, _prompt_logprobs(req, info), _logit_bias(req.logit_bias, info.vocab_size))
     params.structured_outputs = structured
     rid, engine_rid = _response_id(req, raw, "chatcmpl" if isinstance(req, ChatCompletionRequest) else "cmpl")
     return EngineCall(prompts, params, rid, engine_rid)
@@ -75,14 +81,63 @@ def _max_tokens(limit: int, prompt_len: int, requested: int | None, param: str) 
     return requested
 
 
-def _sampling(req: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
+def _prompt_logprobs(req: CompletionRequest | ChatCompletionRequest, info: ModelInfo) -> int | None:
+    """The prompt logprobs the engine computes: the request's (-1: the whole vocabulary), and for a completions
+    echo with logprobs as many as the completion's (vLLM's), each within --max-logprobs as vLLM checks it."""
+    sample = req.num_logprobs()
+    _check_logprobs("sample", sample, "top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs", info)
+    _check_logprobs("prompt", req.prompt_logprobs, "prompt_logprobs", info)
+    wanted = [k for k in (req.prompt_logprobs, sample if isinstance(req, CompletionRequest) and req.echo else None)
+              if k is not None]
+    if not wanted:
+        return None
+    return info.vocab_size if -1 in wanted else max(wanted)
+
+
+def _check_logprobs(kind: str, k: int | None, param: str, info: ModelInfo) -> None:
+    if k is None or info.max_logprobs == -1 or 0 <= k <= info.max_logprobs:
+        return
+    if k == -1:
+        raise bad_request(f"'{param}': -1 (the whole vocabulary) needs a server started with --max-logprobs -1",
+                          param=param)
+    raise bad_request(f"Requested {kind} logprobs of {k}, which is greater than max allowed: {info.max_logprobs}",
+                      param=param)
+
+
+def _logit_bias(bias: dict | None, vocab_size: int) -> dict[int, float] | None:
+    """OpenAI's logit_bias, {token id as text: bias}, checked with vLLM's messages (and OpenAI's value range)."""
+    if not bias:
+        return None
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad_request(f"Found token_id `{key}` in logit_bias but token_id must be an integer or string "
+                              "representing an integer", param="logit_bias") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or abs(value) > MAX_LOGIT_BIAS:
+            raise bad_request(f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {key}",
+                              param="logit_bias")
+        out[token] = float(value)
+    invalid = [t for t in out if not 0 <= t < vocab_size]
+    if invalid:
+        raise bad_request(f"token_id(s) {invalid} in logit_bias contain out-of-vocab token ids. Vocabulary size: "
+                          f"{vocab_size}", param="logit_bias")
+    return out
+
+
+def _sampling(req: CompletionRequest | ChatCompletionRequest, max_tokens: int, prompt_logprobs: int | None,
+              logit_bias: dict[int, float] | None) -> SamplingParams:
     kwargs = {name: getattr(req, name) for name in _SAMPLING_FIELDS if getattr(req, name) is not None}
+    # vLLM takes any int64 seed: a negative one is folded into the engine's range (still reproducible).
+    seed = None if req.seed is None else req.seed & MAX_SEED
     try:
         return SamplingParams(n=req.n, max_tokens=max_tokens, stop=req.stop_list() or None,
                               stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
                               logprobs=req.num_logprobs(), min_tokens=req.min_tokens,
                               include_stop_str_in_output=req.include_stop_str_in_output,
-                              skip_special_tokens=req.skip_special_tokens, prompt_logprobs=req.prompt_logprobs,
+                              skip_special_tokens=req.skip_special_tokens, prompt_logprobs=prompt_logprobs,
+                              logit_bias=logit_bias, logprob_token_ids=req.logprob_token_ids, seed=seed,
                               kv_retention=req.kv_retention(), **kwargs)
     except ValueError as exc:  # the engine's own range checks, should ours ever be looser
         raise bad_request(str(exc)) from None

@@ -25,6 +25,7 @@ _FRACTION_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0
 _REQUEST_TIME_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                          240.0, 480.0, 960.0, 1920.0, 7680.0)  # vLLM's, for queue/prefill/decode/inference time
 _N_BUCKETS = (1, 2, 5, 10, 20)
+_PREEMPTION_BUCKETS = (0, 1, 2, 5, 10, 20, 50)
 
 # Engine metric key -> (exposed name without prefix, help, whether vLLM has it). Counters get a _total suffix.
 ENGINE_COUNTERS = {
@@ -86,8 +87,15 @@ class _EngineCollector:
             g = GaugeMetricFamily(metric_name(ns, name, in_vllm), doc, labels=labels)
             g.add_metric(self._labels, float(values.get("kv_cache_usage" if key == "gpu_cache_usage" else key, 0)))
             yield g
-        h = HistogramMetricFamily(metric_name(ns, "iteration_tokens_total"), "Tokens computed per engine step",
-                                  labels=labels)
+        waiting = GaugeMetricFamily(metric_name(ns, "num_requests_waiting_by_reason"), "Sequences waiting in the "
+                                    "engine, by reason: for room (capacity) or behind a running request's in-flight "
+                                    "prompt blocks (deferred)", labels=[*labels, "reason"])
+        deferred = float(values.get("num_requests_waiting_deferred", 0))
+        waiting.add_metric([*self._labels, "capacity"], float(values.get("num_requests_waiting", 0)) - deferred)
+        waiting.add_metric([*self._labels, "deferred"], deferred)
+        yield waiting
+        h = HistogramMetricFamily(metric_name(ns, "iteration_tokens_total"), "Tokens per engine step: computed, "
+                                  "plus the token sampled at the end of a prefill", labels=labels)
         buckets = [(k.removeprefix("iteration_tokens_le_"), float(v)) for k, v in values.items()
                    if k.startswith("iteration_tokens_le_")]
         h.add_metric(self._labels, [*buckets, ("+Inf", float(values.get("iteration_tokens_count", 0)))],
@@ -127,6 +135,7 @@ class FinishedSequence:
     inference_s: float | None = None
     token_gaps_s: list[float] = field(default_factory=list)  # seconds between a choice's consecutive tokens
     lora_name: str | None = None  # the LoRA adapter it ran on (None: the base model)
+    num_preemptions: int = 0  # times its choices lost their blocks and were queued again
 
 
 class ServerMetrics:
@@ -206,6 +215,8 @@ class ServerMetrics:
                                            "(after defaults)", tokens)
         self.prefill_computed = histogram("request_prefill_kv_computed_tokens", "Prompt tokens computed, not "
                                           "served from the prefix cache, per request", tokens)
+        self.preemptions = histogram("request_num_preemptions", "Times a request was preempted (its blocks taken "
+                                     "back, its tokens recomputed later)", _PREEMPTION_BUCKETS)
         self.cached_fraction = histogram("request_prefix_cache_hit_fraction", "Per request: cached prompt tokens / "
                                          "prompt tokens", _FRACTION_BUCKETS, in_vllm=False)
 
@@ -228,6 +239,7 @@ class ServerMetrics:
         self.params_n.labels(*m).observe(len(seq.output_tokens))
         self.params_max_tokens.labels(*m).observe(seq.max_tokens)
         self.prefill_computed.labels(*m).observe(seq.prompt_tokens - seq.cached_tokens)
+        self.preemptions.labels(*m).observe(seq.num_preemptions)
         for hist, value in ((self.queue_time, seq.queue_s), (self.prefill_time, seq.prefill_s),
                             (self.decode_time, seq.decode_s), (self.inference_time, seq.inference_s)):
             if value is not None:

@@ -41,5 +41,5 @@ class Prompter:
     def check_vocabulary(self, token_ids: list[int], param: str) -> None:
         bad = next((t for t in token_ids if t >= self.vocab_size), None)
         if bad is not None:
-            raise bad_request(f"token id {bad} in '{param}' is out of range: the vocabulary has {self.vocab_size} "
-                              "tokens", param=param)
+            raise bad_request(f"token id {bad} in '{param}' is out of vocabulary (the vocabulary has "
+                              f"{self.vocab_size} tokens)", param=param)

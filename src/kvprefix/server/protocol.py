@@ -20,7 +20,9 @@ MAX_PROMPTS = 256  # prompts in one completions batch (each is an engine request
 MAX_MESSAGES = 4096  # messages in one chat request
 MAX_CONTENT_PARTS = 256  # content parts in one message
 MAX_TOKEN_ID = 2**31 - 1  # token ids in a prompt or in stop_token_ids; real vocabularies are far smaller
-MAX_PROMPT_LOGPROBS = 20  # vLLM's default max_logprobs
+MIN_SEED = -(2**63)  # vLLM takes any int64 seed; a negative one is folded into the engine's range
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
+MAX_LOGPROB_TOKEN_IDS = 1024  # tokens named in logprob_token_ids (each step's entry holds them all)
 MAX_DETOKENIZE = 2**20  # token ids in one /detokenize body (a long context's worth, and then some)
 MAX_TOOLS = 128  # functions in one request, as in the OpenAI API
 MAX_TOOL_CALLS = 128  # past calls in one assistant message
@@ -96,7 +98,7 @@ class _SamplingFields(_Body):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
     stop: Annotated[str, Field(min_length=1)] | Annotated[
         list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP)
     ] | None = None
@@ -108,10 +110,16 @@ class _SamplingFields(_Body):
     min_tokens: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_PROMPT_LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=-1)  # -1: the whole vocabulary; capped by --max-logprobs
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the last k prompt tokens; -1: max_model_len
+    truncation_side: Literal["left", "right"] | None = None  # "right": keep the first k instead
+    # With logprobs: these tokens' logprobs at each step (after the sampled one's) instead of the top k.
+    logprob_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]],
+                                 Field(min_length=1, max_length=MAX_LOGPROB_TOKEN_IDS)] | None = None
+    # vLLM's: token offsets on its /render endpoints only; generation endpoints ignore it, as vLLM's do.
+    return_token_offsets: bool | None = None
     return_token_ids: bool = False
-    return_tokens_as_token_ids: bool = False
+    return_tokens_as_token_ids: bool | None = None  # None: the server's --return-tokens-as-token-ids
     # vLLM's fields that this server accepts only at their neutral value; supported.py says why.
     priority: Any = None
     kv_transfer_params: Any = None
@@ -132,6 +140,9 @@ class _SamplingFields(_Body):
     guided_whitespace_pattern: Any = None
     vllm_xargs: Any = None
     mm_processor_kwargs: Any = None
+    ec_transfer_params: Any = None
+    repetition_detection: Any = None
+    thinking_token_budget: Any = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=MAX_ID_LEN)
@@ -145,8 +156,9 @@ class _SamplingFields(_Body):
     request_id: str | None = None
     # kvprefix extension (docs/server.md): per-prompt cache diagnosis in usage.cache_detail.
     cache_detail: bool = False
-    # Accepted at OpenAI defaults; other values are refused in check_supported().
+    # {token id as text: bias in [-100, 100]} added to the logits before sampling; checked in engine_call.
     logit_bias: dict[str, Any] | None = None
+    # Accepted and ignored: they change nothing in the response.
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
@@ -199,9 +211,9 @@ class CompletionRequest(_SamplingFields):
         | TokenIds
         | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
     )
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=5)  # top alternatives per token, as in OpenAI's legacy API
-    echo: bool = False
+    max_tokens: int | None = Field(16, ge=0)  # 0 only with echo: the prompt alone, scored (vLLM's)
+    logprobs: int | None = Field(None, ge=0)  # top alternatives per token (legacy API); capped by --max-logprobs
+    echo: bool = False  # the prompt's text (and its logprobs) before the completion's
     suffix: str | None = None
     best_of: int | None = None
     add_special_tokens: bool = True
@@ -253,7 +265,9 @@ class ToolCall(_Body):
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # vLLM's leniency: any role the chat template renders, and keys beyond these ignored (not rendered).
+    model_config = ConfigDict(extra="ignore")
+    role: str = Field(min_length=1, max_length=MAX_ID_LEN)
     content: str | Annotated[list[TextPart], Field(min_length=1, max_length=MAX_CONTENT_PARTS)] | None = None
     name: str | None = None
     # What the openai client's message.model_dump() carries into the next turn: tool calls render, audio is refused in
@@ -306,6 +320,8 @@ class _ChatTemplateFields(_Body):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    add_special_tokens: bool = False  # the tokenizer's own special tokens (BOS) before the rendered text
+    documents: Annotated[list[dict[str, str]], Field(max_length=MAX_MESSAGES)] | None = None  # for RAG templates
     chat_template_kwargs: dict[str, Any] | None = None
     tools: Annotated[list[ToolDefinition], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
 
@@ -313,15 +329,15 @@ class _ChatTemplateFields(_Body):
 class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: bool = Field(False, strict=False)  # vLLM's leniency: "true" too
+    top_logprobs: int | None = Field(None, ge=0)  # capped by --max-logprobs
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     functions: list[Any] | None = None
     function_call: Any = None
-    add_special_tokens: Any = None
-    documents: Any = None
-    echo: Any = None
+    echo: bool = False  # the last message's content before the reply, when it is the reply's role (vLLM's)
+    include_reasoning: bool = True  # vLLM's: no reasoning is parsed out here, so there is nothing to leave out
+    reasoning_effort: Any = None
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

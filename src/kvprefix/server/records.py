@@ -61,7 +61,8 @@ class Books:
         self.metrics.observe(FinishedSequence(
             len(job.prompt.token_ids), cached, job.tokens, reasons, ttft, e2e, self.max_tokens,
             *_phases(m), token_gaps_s=m.token_gaps if m is not None else [],
-            lora_name=None if self.target.lora is None else self.target.name))
+            lora_name=None if self.target.lora is None else self.target.name,
+            num_preemptions=m.num_preemptions if m is not None else 0))
         if self.request_log is not None:
             self.request_log.write(self._record(job, cached, reasons, ttft, e2e, aborted))
 

@@ -52,18 +52,23 @@ class Serving:
 
     async def completions(self, req: CompletionRequest, caller: Caller, raw: Request):
         target = self.models.resolve(req.model)
-        check_supported(req)
+        self._check(req)
         prompts = await self.prompter.prompts(req)
         return await self._serve(req, caller, raw, prompts, "prompt", None, target)
 
     async def chat(self, req: ChatCompletionRequest, caller: Caller, raw: Request):
         target = self.models.resolve(req.model)
-        check_supported(req)
+        self._check(req)
         # Compiles a required/named grammar: off the loop; a request without tools needs no thread hop.
         tools = None if req.tools is None and req.tool_choice in (None, "none") else await asyncio.to_thread(
             plan_tools, req)
         prompts = await self.prompter.prompts(req)
         return await self._serve(req, caller, raw, prompts, "messages", tools, target)
+
+    def _check(self, req: CompletionRequest | ChatCompletionRequest) -> None:
+        check_supported(req)
+        self.prompter.check_vocabulary(req.stop_token_ids or [], "stop_token_ids")
+        self.prompter.check_vocabulary(req.logprob_token_ids or [], "logprob_token_ids")
 
     async def tokenize(self, req: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:
         """vLLM's /tokenize: the token ids a completions or chat request with these fields would run."""
@@ -71,10 +76,8 @@ class Serving:
         # A completions text of any length is tokenized; messages too long for the context are refused.
         (prompt,) = await self.prompter.prompts(req, refuse_long=isinstance(req, TokenizeChatRequest))
         ids = prompt.token_ids
-        out = {"count": len(ids), "max_model_len": self.info.max_model_len, "tokens": ids}
-        if req.return_token_strs:
-            out["token_strs"] = self.engine.tokenizer.token_strings(ids)
-        return out
+        strs = self.engine.tokenizer.token_strings(ids) if req.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self.info.max_model_len, "tokens": ids, "token_strs": strs}
 
     async def detokenize(self, req: DetokenizeRequest) -> dict:
         self.models.resolve(req.model)
@@ -82,6 +85,9 @@ class Serving:
         # Special tokens kept, as vLLM's /detokenize does: the caller wants the text these ids stand for.
         text = await asyncio.to_thread(self.engine.tokenizer.decode, req.tokens, False)
         return {"prompt": text}
+
+    def _decode_one(self, token_id: int) -> str:
+        return self.engine.tokenizer.decode([token_id], False)
 
     async def _serve(self, req: CompletionRequest | ChatCompletionRequest, caller: Caller, raw: Request,
                      prompts: list[RenderedPrompt], param: str, tools: ToolPlan | None, target: Target):
@@ -91,7 +97,7 @@ class Serving:
                       call.params.max_tokens or 0, target)
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
         run = Run(self.engine, call.prompts, call.engine_rid, call.params, caller, kind, books, target)
-        shape = Shape(req, call.rid, chat, target.name, run.jobs, tools)
+        shape = Shape(req, call.rid, chat, target.name, run.jobs, tools, self._decode_one, self.info.tokens_as_ids)
         # Admission happens before the response starts, so overload is a plain 503 even for streams.
         ticket = await self.admission.acquire(len(run.jobs), caller.tenant)
         if req.stream:

@@ -22,14 +22,15 @@ _REFUSED: dict[str, tuple[tuple, str]] = {
     "guided_whitespace_pattern": ((), "JSON is generated compact: no whitespace pattern applies"),
     "vllm_xargs": (({},), "this server takes no extension arguments"),
     "mm_processor_kwargs": (({},), "the model takes text only"),
+    "ec_transfer_params": ((), "encoder-cache disaggregation is not supported: the model takes text only"),
+    "repetition_detection": ((), "detecting repeated n-grams is not implemented; use 'stop' or 'max_tokens'"),
+    "thinking_token_budget": ((-1,), "no reasoning is parsed out here, so no thinking budget applies"),
+}
+_REFUSED_CHAT = {
+    "reasoning_effort": ((), "the served model has no reasoning mode to set"),
 }
 _REFUSED_COMPLETIONS = {
     "prompt_embeds": ((), "prompt embeddings are not supported; send text or token ids"),
-}
-_REFUSED_CHAT = {
-    "add_special_tokens": ((False,), "the chat template writes its own special tokens"),
-    "documents": (([],), "documents for the chat template are not supported"),
-    "echo": ((False,), "echoing the last message is not supported in chat"),
 }
 
 
@@ -47,16 +48,17 @@ def check_supported(req: CompletionRequest | ChatCompletionRequest) -> None:
     if req.prompt_logprobs is not None and req.stream:
         raise APIError(400, "'prompt_logprobs' cannot be streamed (as in vLLM); send it without 'stream'",
                        param="prompt_logprobs")
+    if req.logprob_token_ids is not None and req.num_logprobs() is None:
+        raise APIError(400, "'logprob_token_ids' requires 'logprobs' (as in vLLM): they name the tokens whose "
+                       "logprobs it returns", param="logprob_token_ids")
     if req.truncate_prompt_tokens == 0:
         raise APIError(400, "'truncate_prompt_tokens' must be -1 (the context length) or at least 1",
                        param="truncate_prompt_tokens")
     unsupported: dict[str, bool] = {
-        "logit_bias": bool(req.logit_bias),
         "stream_options": req.stream_options is not None and not req.stream,
     }
     if isinstance(req, CompletionRequest):
         unsupported |= {
-            "echo": req.echo,
             "suffix": bool(req.suffix),
             "best_of": req.best_of not in (None, req.n),
         }

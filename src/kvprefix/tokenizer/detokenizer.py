@@ -35,5 +35,15 @@ class IncrementalDetokenizer:
         self.text += delta
         return delta
 
+    def flush(self) -> str:
+        """At the end of the output: the text held back, an incomplete UTF-8 sequence shown as U+FFFD (as vLLM
+        shows a character cut by max_tokens), instead of vanishing."""
+        prefix_text = self._decode(self._tokens[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self._tokens[self._prefix_offset :])
+        delta = full_text[len(prefix_text) :] if len(full_text) > len(prefix_text) else ""
+        self._prefix_offset = self._read_offset = len(self._tokens)
+        self.text += delta
+        return delta
+
     def _decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special)
