@@ -202,6 +202,19 @@ def test_openai_bodies_are_rendered_tokenized_and_hashed(tmp_path, tokenizer_dir
     assert s.cached_blocks == 2 * 10
 
 
+def test_openai_bodies_of_an_adapter_share_blocks_only_with_that_adapter(tmp_path, tokenizer_dir, run):
+    """A ``model`` other than the first names a LoRA adapter: its blocks are apart from the base model's, as the
+    engine keeps them; two requests of one adapter share."""
+    system = " ".join(f"w{i % 64}" for i in range(40))
+    body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": "w1"}]}
+    rows = [{**body, "model": "base"}, {**body, "model": "sql-lora"}, {**body, "model": "sql-lora"}, body]
+    trace = load_trace(write_jsonl(tmp_path / "bodies.jsonl", rows), tokenizer=tokenizer_dir, block_size=4)
+    base, adapter, adapter_again, unnamed = (r.block_hashes for r in trace.requests)
+    assert not set(base) & set(adapter)
+    assert adapter == adapter_again and unnamed == base  # a body naming no model runs on the base model
+    assert run(trace, mode="order").cached_blocks == 2 * (len(base) - 1)  # the last token is always computed
+
+
 def test_openai_bodies_errors(tmp_path, tokenizer_dir):
     path = write_jsonl(tmp_path / "bodies.jsonl", [{"prompt": "w1 w2"}, {"model": "m", "input": "w1"}])
     with pytest.raises(ValueError, match="--tokenizer"):

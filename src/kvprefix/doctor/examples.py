@@ -52,7 +52,7 @@ def _namespace_difference(obs: Observation, i: int, other: int) -> str:
     (salt, adapter), (other_salt, other_adapter) = names[req.space_of[i]], names[req.space_of[other]]
     whats = [] if salt == other_salt else ["another tenant or cache salt"]
     if adapter != other_adapter:
-        whats.append(f"model {adapter or req.base_model!r} vs {other_adapter or req.base_model!r}")
+        whats.append(f"model {adapter or req.adapters.base_model!r} vs {other_adapter or req.adapters.base_model!r}")
     return ", ".join(whats) or "tenant, cache salt or adapter"
 
 

@@ -99,7 +99,7 @@ def _jobs(plan: _Plan, e: LogEntry, jobs: list[LogEntry]) -> tuple[int | None, l
 def _add(log: Log, obs: Observation, plan: _Plan, i: int, e: LogEntry, rendered: list[Rendered],
          short_job: int | None, fixed_jobs: list[int | None]) -> None:
     """Adds request ``i`` to each variant the pass makes."""
-    space = space_of(e, obs.requests.base_model)
+    space = space_of(e, obs.requests.adapters)
     if short_job is not None:
         r = rendered[short_job]
         plan.short.add(log.hashing(r, space, plan.short_hasher), len(r.token_ids))

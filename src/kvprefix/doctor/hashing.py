@@ -5,30 +5,27 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvprefix.cache import BlockExtras, BlockHasher, LoraKey
+from kvprefix.cache import BlockHasher
 from kvprefix.doctor.divergence import Rendered
-from kvprefix.logs import LogEntry
+from kvprefix.logs import AdapterNames, LogEntry, adapter_extras
 
 Space = tuple[str, str]  # where a request's blocks live: (namespace, adapter; "" = the base model)
 
 
-def space_of(entry: LogEntry, base_model: str) -> Space:
-    """The entry's namespace and adapter: any model but the base model (the first request's) is an adapter."""
-    return entry.namespace, "" if entry.model == base_model else entry.model
+def space_of(entry: LogEntry, adapters: AdapterNames) -> Space:
+    """The entry's namespace and adapter."""
+    return entry.namespace, adapters.adapter(entry.model)
 
 
 class Hashing:
-    """Hashes renderings at one block size (or with another hasher), one ``BlockExtras`` per adapter.
+    """Hashes renderings at one block size (or with another hasher), an adapter's by its name (``logs.adapters``).
     ``hasher_of(block_size)`` is asked only when a rendering is hashed: a hashes-only log loads no tokenizer."""
 
     def __init__(self, block_size: int, hasher_of: Callable[[int], BlockHasher]):
         self.block_size = block_size
         self._hasher_of = hasher_of
-        self._extras: dict[str, BlockExtras] = {}
 
     def __call__(self, rendered: Rendered, space: Space, hasher: BlockHasher | None = None) -> list[bytes]:
         salt, adapter = space
-        extras = None
-        if adapter:
-            extras = self._extras.get(adapter) or self._extras.setdefault(adapter, BlockExtras(LoraKey(adapter, "")))
-        return (hasher or self._hasher_of(self.block_size)).with_salt(salt).hash_blocks(rendered.token_ids, extras=extras)
+        return (hasher or self._hasher_of(self.block_size)).with_salt(salt).hash_blocks(
+            rendered.token_ids, extras=adapter_extras(adapter))

@@ -13,7 +13,7 @@ from kvprefix.doctor.divergence import Rendered
 from kvprefix.doctor.findings import Comparer, Findings
 from kvprefix.doctor.hashing import Space, space_of
 from kvprefix.doctor.source import Log
-from kvprefix.logs import LogEntry, LogError
+from kvprefix.logs import AdapterNames, LogEntry, LogError
 from kvprefix.sim.trace import coarsen, coarsening_factor
 
 
@@ -29,13 +29,11 @@ class Requests:
     space_names: dict[Space, int] = field(default_factory=dict)
     namespaces: Counter[Space] = field(default_factory=Counter)  # requests per space
     miss_reasons: Counter[str] = field(default_factory=Counter)
-    base_model: str | None = None  # the first request's model; another model names an adapter of it
+    adapters: AdapterNames = field(default_factory=AdapterNames)  # the first request's model is the base model
 
     def add(self, e: LogEntry) -> Space:
         """Adds the request; its space."""
-        if self.base_model is None:
-            self.base_model = e.model
-        space = space_of(e, self.base_model)
+        space = space_of(e, self.adapters)
         self.lines.append(e.line)
         self.arrival.append(e.timestamp)
         self.prefill.append(e.prefill_s)

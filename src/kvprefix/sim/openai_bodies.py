@@ -4,7 +4,8 @@ its ``/v1/models`` entry) or the checkpoint's own.
 
 Optional per-line fields beside the body: ``timestamp`` (ms since trace start, as in Mooncake rows; default 0),
 ``tenant`` (the authenticated tenant the request was sent as: the server salts the namespace by it, never by a body
-field, and refuses a body with one), ``cache_salt`` and ``user`` (the routing session). Output length is
+field, and refuses a body with one), ``cache_salt`` and ``user`` (the routing session). A ``model`` other than the
+first request's names a LoRA adapter, hashed apart from the base model (``logs.adapters``). Output length is
 ``max_completion_tokens`` or ``max_tokens``, else ``default_output_tokens``.
 """
 
@@ -16,7 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvprefix.cache import BlockIdentity, block_identity, cdiv
-from kvprefix.logs import SharedTools, iter_bodies
+from kvprefix.logs import AdapterNames, SharedTools, adapter_extras, iter_bodies
 from kvprefix.prompts import PromptError, render_body
 from kvprefix.sim.trace import TimestampCheck, Trace, TraceError, TraceRequest, require
 from kvprefix.tokenizer import Tokenizer
@@ -88,6 +89,7 @@ def read_openai_bodies(path: str | Path, tokenizer_path: str, block_size: int | 
     replica = replica_model_for(os.fspath(tokenizer_path), tokenizer, block_size, replica=replica)
     base = replica.identity.hasher()
     check_time = TimestampCheck(path)
+    adapters = AdapterNames()
     requests = []
     for entry in iter_bodies(path, SharedTools()):  # the one reader of body logs: one entry per prompt
         body, line = entry.body, entry.line
@@ -108,7 +110,8 @@ def read_openai_bodies(path: str | Path, tokenizer_path: str, block_size: int | 
                 timestamp=ts / 1000.0,
                 input_length=len(prompt.token_ids),
                 output_length=out,
-                block_hashes=base.with_salt(entry.namespace).hash_blocks(prompt.token_ids),
+                block_hashes=base.with_salt(entry.namespace).hash_blocks(
+                    prompt.token_ids, extras=adapter_extras(adapters.adapter(entry.model))),
                 num_blocks=cdiv(len(prompt.token_ids), block_size),
                 session=body.get("user"),
                 extra={k: body[k] for k in ("model", "user") if k in body},
