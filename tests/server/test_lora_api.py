@@ -167,3 +167,48 @@ def test_load_and_unload_under_traffic(lora_server: AppServer, adapters, default
     assert _complete(lora_server, "live", prompt + [3], 1).usage.prompt_tokens_details.cached_tokens == 0
     assert lora_server.post("/v1/unload_lora_adapter", {"lora_name": "live"}, headers=ADMIN).status_code == 200
     lora_server.wait_idle(ADMIN)
+
+
+def test_load_inplace_replaces_an_adapter_under_its_name(lora_server: AppServer, adapters) -> None:
+    """vLLM's ``load_inplace``: the name stays, its weights change, and so does its cache namespace."""
+    def fingerprint() -> str:
+        card = lora_server.get("/v1/models/swap", headers={"authorization": "Bearer key-bob"}).json()
+        return card["kvprefix"]["lora_fingerprint"]
+
+    assert lora_server.post("/v1/load_lora_adapter", {"lora_name": "swap", "lora_path": adapters["r8"]},
+                            headers=ADMIN).status_code == 200
+    before, prompt = fingerprint(), _ids(9, 48)
+    _complete(lora_server, "swap", prompt)
+    again = lora_server.post("/v1/load_lora_adapter", {"lora_name": "swap", "lora_path": adapters["r16"]},
+                             headers=ADMIN)
+    assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
+    assert lora_server.post("/v1/load_lora_adapter", {"lora_name": "swap", "lora_path": adapters["r16"],
+                                                      "load_inplace": True}, headers=ADMIN).status_code == 200
+    assert fingerprint() != before
+    assert _complete(lora_server, "swap", prompt).usage.prompt_tokens_details.cached_tokens == 0
+    assert lora_server.post("/v1/unload_lora_adapter", {"lora_name": "swap"}, headers=ADMIN).status_code == 200
+    lora_server.wait_idle(ADMIN)
+
+
+@pytest.mark.parametrize("spec, error", [
+    ('{"name": "sql", "path": "/a"}', None),
+    ('{"name": "sql", "path": "/a", "base_model_name": "SmolLM2-135M-Instruct"}', None),
+    ('{"name": "sql", "path": "/a", "base_model_name": "other"}', "names base_model_name 'other'"),
+    ('{"name": "sql"}', "base_model_name optional"),
+    ('{"name": "sql", "path": "/a", "rank": 8}', "base_model_name optional"),
+    ('{"name": "sql", ', "not valid JSON"),
+])
+def test_lora_modules_take_vllms_json_form(spec: str, error: str | None, capsys) -> None:
+    from kvprefix.cli import build_parser
+    from kvprefix.server.cli import prepare
+
+    def parse():
+        return prepare(build_parser().parse_args(["serve", "--enable-lora", "--lora-modules", "a=/b", spec]))
+
+    if error is None:
+        assert parse()[0].lora_modules == {"a": "/b", "sql": "/a"}
+        return
+    with pytest.raises(SystemExit) as exc:
+        parse()
+    said = str(exc.value) if exc.value.code != 2 else capsys.readouterr().err.strip().splitlines()[-1]
+    assert error in said

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextvars
-import dataclasses
 import json
 import logging
 import threading
@@ -281,22 +280,14 @@ class AppServer(Endpoint):
 
 def build_app(argv: list[str]):
     """The app and its drain timeout from `kvprefix serve` arguments, built as `kvprefix.server.cli.run` builds
-    them (options -> Auth, allowed hosts, EngineArgs, ServerConfig -> AsyncLLM -> create_app)."""
+    them (``prepare``: options -> EngineArgs, ServerConfig; then AsyncLLM -> create_app)."""
     from kvprefix.cli import build_parser
-    from kvprefix.engine import AsyncLLM, EngineArgs
-    from kvprefix.http.browsers import allowed_hosts
-    from kvprefix.http.tenancy import Auth
+    from kvprefix.engine import AsyncLLM
     from kvprefix.server.app import create_app
-    from kvprefix.server.cli import DEFAULT_TENANT_KV_RESERVE, server_config
+    from kvprefix.server.cli import prepare
 
     args = build_parser().parse_args(["serve", *argv])
-    auth = Auth.from_options(args.api_key, args.api_keys_file, args.admin_key)
-    if args.tenant_kv_reserve is None:
-        args.tenant_kv_reserve = DEFAULT_TENANT_KV_RESERVE if auth.enabled else 0.0
-    engine_args = EngineArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)
-                                if hasattr(args, f.name)})
-    config = server_config(args, auth, allowed_hosts(args.allowed_hosts, args.host),
-                           args.replica_id or f"in-process:{args.port}")
+    engine_args, config = prepare(args)
     return create_app(AsyncLLM(engine_args), config), args.shutdown_timeout
 
 

@@ -155,13 +155,14 @@ class AsyncLLM:
         "abort". Unknown or finished ids are ignored."""
         await self._call(lambda: self._abort_and_deliver(request_id))
 
-    async def load_lora_adapter(self, name: str, path: str) -> LoraInfo:
-        """Loads the PEFT adapter at ``path`` as ``name`` (ValueError, one line, for a bad one or a name in use)."""
+    async def load_lora_adapter(self, name: str, path: str, inplace: bool = False) -> LoraInfo:
+        """Loads the PEFT adapter at ``path`` as ``name`` (ValueError, one line, for a bad one or a name in use unless
+        ``inplace``, which replaces that name's adapter)."""
 
         def load() -> LoraInfo:
             if self.engine.loras is None:
                 raise ValueError("LoRA is off: start the engine with enable_lora (kvprefix serve --enable-lora)")
-            self.engine.loras.load(name, path)
+            self.engine.loras.load(name, path, inplace)
             self.lora_adapters = self.engine.loras.infos()
             return self.lora_adapters[name]
 

@@ -53,8 +53,8 @@ class EngineClient(Protocol):
         ``lora_request`` (a loaded adapter's name, no path) it runs with that adapter, in its cache namespace."""
         ...
 
-    async def load_lora_adapter(self, name: str, path: str) -> LoraInfo:
-        """ValueError (one line) for a bad adapter or a name already loaded."""
+    async def load_lora_adapter(self, name: str, path: str, inplace: bool = False) -> LoraInfo:
+        """ValueError (one line) for a bad adapter or a name already loaded (unless ``inplace``: replaced)."""
         ...
 
     async def unload_lora_adapter(self, name: str) -> None:

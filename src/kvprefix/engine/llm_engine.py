@@ -87,7 +87,7 @@ class LLMEngine:
         if args.deterministic:
             model = make_batch_invariant(model)
         self.loras = LoraAdapters(model, args.max_loras, args.max_lora_rank) if args.enable_lora else None
-        for name, adapter_path in dict(args.lora_modules or {}).items():  # (a list of pairs from the CLI too)
+        for name, adapter_path in (args.lora_modules or {}).items():
             if self.loras is None:
                 raise ValueError("lora_modules need enable_lora=True")
             self.loras.load(name, adapter_path)

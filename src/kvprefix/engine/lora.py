@@ -26,11 +26,12 @@ class LoraAdapters:
         self.max_lora_rank = max_lora_rank
         self._by_name: dict[str, LoraAdapter] = {}
 
-    def load(self, name: str, path: str) -> LoraAdapter:
-        """Loads the adapter at ``path`` as ``name`` (ValueError for a bad adapter or a name already loaded)."""
+    def load(self, name: str, path: str, inplace: bool = False) -> LoraAdapter:
+        """Loads the adapter at ``path`` as ``name`` (ValueError for a bad adapter or a name already loaded, unless
+        ``inplace``: vLLM's ``load_inplace`` replaces it; running requests keep the adapter they started with)."""
         if not name:
             raise ValueError("a LoRA adapter needs a non-empty name")
-        if name in self._by_name:
+        if name in self._by_name and not inplace:
             raise ValueError(f"The lora adapter '{name}' has already been loaded.")
         real = os.path.realpath(os.path.expanduser(path))
         same = next((a for a in self._by_name.values() if a.path == real), None)

@@ -344,20 +344,20 @@ def _add_lora_routes(app: FastAPI, parts: _Parts) -> None:
     """vLLM's run-time adapter loading (``--enable-lora``), admin only: they change what every tenant is served."""
     auth, engine = parts.auth, parts.engine
 
-    async def lora_body(raw: Request, need_path: bool) -> tuple[str, str]:
+    async def lora_body(raw: Request, need_path: bool) -> Any:
         auth.check_admin(raw.headers.get("authorization"))
         if not engine.enable_lora:
             raise bad_request("LoRA is off: start the server with --enable-lora to load adapters")
-        body = await _parse(raw, LoadLoRAAdapterRequest if need_path else UnloadLoRAAdapterRequest)
-        return body.lora_name, getattr(body, "lora_path", "")
+        return await _parse(raw, LoadLoRAAdapterRequest if need_path else UnloadLoRAAdapterRequest)
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(raw: Request) -> Response:
-        name, path = await lora_body(raw, need_path=True)
+        body = await lora_body(raw, need_path=True)
+        name, path = body.lora_name, body.lora_path
         if name == parts.info.name:
             raise bad_request(f"'{name}' is the base model's name; choose another lora_name", param="lora_name")
         try:
-            await engine.load_lora_adapter(name, path)
+            await engine.load_lora_adapter(name, path, body.load_inplace)
         except ValueError as exc:
             raise bad_request(str(exc), param="lora_path") from None
         log.info("loaded LoRA adapter %s from %s", name, path)
@@ -365,7 +365,7 @@ def _add_lora_routes(app: FastAPI, parts: _Parts) -> None:
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(raw: Request) -> Response:
-        name, _ = await lora_body(raw, need_path=False)
+        name = (await lora_body(raw, need_path=False)).lora_name
         try:
             await engine.unload_lora_adapter(name)
         except LoraNotFoundError as exc:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 from kvprefix.cache import COLLISION_SAFE_ALGOS, HASH_ALGOS
+from kvprefix.cache.default_model import DEFAULT_MODEL_NAME
 from kvprefix.engine.args import DEFAULT_KV_DISK_SIZE, QUANTIZATION_METHODS
 from kvprefix.engine.sampling_params import MAX_LOGPROBS
 from kvprefix.paths import ReadableFile, WritableDir, WritableFile
@@ -66,11 +68,23 @@ def _add_tier_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"with --kv-shared: the prefix of every key written (default {DEFAULT_KEY_PREFIX!r})")
 
 
-def _lora_module(text: str) -> tuple[str, str]:
+def _lora_module(text: str) -> tuple[str, str, str | None]:
+    """vLLM's two forms: NAME=PATH, or JSON {"name": ..., "path": ..., "base_model_name": ...} (the base optional)."""
+    if text.lstrip().startswith("{"):
+        try:
+            spec = json.loads(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {text!r}") from None
+        name, path, base = spec.get("name"), spec.get("path"), spec.get("base_model_name")
+        if not (isinstance(name, str) and name and isinstance(path, str) and path) or \
+                not (base is None or isinstance(base, str)) or set(spec) - {"name", "path", "base_model_name"}:
+            raise argparse.ArgumentTypeError(f'expected {{"name": NAME, "path": PATH, "base_model_name": BASE}} '
+                                             f"(base_model_name optional), got {text!r}")
+        return name, path, base
     name, sep, path = text.partition("=")
     if not sep or not name or not path:
         raise argparse.ArgumentTypeError(f"expected NAME=PATH (an adapter name and its PEFT directory), got {text!r}")
-    return name, path
+    return name, path, None
 
 
 def _add_lora_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,7 +93,8 @@ def _add_lora_arguments(parser: argparse.ArgumentParser) -> None:
                       help="serve PEFT LoRA adapters on the base model; a request's \"model\" picks one, and each "
                            "adapter's prefix cache is its own")
     lora.add_argument("--lora-modules", nargs="+", type=_lora_module, default=None, metavar="NAME=PATH",
-                      help="adapters to load at start (more load at run time: POST /v1/load_lora_adapter)")
+                      help="adapters to load at start, as NAME=PATH or vLLM's JSON {\"name\": ..., \"path\": ..., "
+                           "\"base_model_name\": ...} (more load at run time: POST /v1/load_lora_adapter)")
     lora.add_argument("--max-loras", type=_positive_int, default=1,
                       help="most adapters in one engine step (requests of another adapter wait; default 1)")
     lora.add_argument("--max-lora-rank", type=_positive_int, default=16,
@@ -215,17 +230,27 @@ def prepare(args: argparse.Namespace):
     if args.kv_shared:
         _check_shared(args, auth.enabled)
     if args.lora_modules is not None:
-        names = [name for name, _ in args.lora_modules]
-        if not args.enable_lora:
-            raise SystemExit("kvprefix serve: --lora-modules needs --enable-lora")
-        if len(set(names)) < len(names):
-            raise SystemExit(f"kvprefix serve: --lora-modules names an adapter twice: {', '.join(names)}")
-        args.lora_modules = dict(args.lora_modules)
+        _check_lora_modules(args)
     from kvprefix.engine import EngineArgs
     # Every engine option we expose has EngineArgs' field name; a field without an option keeps its default.
     engine_args = EngineArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)
                                 if hasattr(args, f.name)})
     return engine_args, server_config(args, auth, hosts, args.replica_id or f"{socket.gethostname()}:{args.port}")
+
+
+def _check_lora_modules(args: argparse.Namespace) -> None:
+    """--lora-modules as EngineArgs takes them (name -> path), after the checks only the whole list allows."""
+    names = [name for name, _, _ in args.lora_modules]
+    if not args.enable_lora:
+        raise SystemExit("kvprefix serve: --lora-modules needs --enable-lora")
+    if len(set(names)) < len(names):
+        raise SystemExit(f"kvprefix serve: --lora-modules names an adapter twice: {', '.join(names)}")
+    served = args.served_model_name or args.model or DEFAULT_MODEL_NAME
+    for name, _, base in args.lora_modules:
+        if base is not None and base != served:
+            raise SystemExit(f"kvprefix serve: --lora-modules: adapter {name!r} names base_model_name {base!r}, "
+                             f"but this server serves {served!r}")
+    args.lora_modules = {name: path for name, path, _ in args.lora_modules}
 
 
 def server_config(args: argparse.Namespace, auth, hosts: frozenset[str] | None, replica_id: str):

@@ -374,10 +374,12 @@ class DetokenizeRequest(_Body):
 
 
 class LoadLoRAAdapterRequest(_Body):
-    """vLLM's /v1/load_lora_adapter body: the adapter's name (what requests put in ``model``) and its directory."""
+    """vLLM's /v1/load_lora_adapter body: the adapter's name (what requests put in ``model``) and its directory;
+    ``load_inplace`` replaces an adapter loaded under that name (its new weights are a new cache namespace)."""
 
     lora_name: Annotated[str, Field(min_length=1, max_length=256)]
     lora_path: Annotated[str, Field(min_length=1, max_length=4096)]
+    load_inplace: bool = False
 
 
 class UnloadLoRAAdapterRequest(_Body):
