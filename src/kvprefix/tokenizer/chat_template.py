@@ -86,6 +86,13 @@ def add_arguments(parser) -> None:
                              "a message's content, else string (vLLM's option; default auto)")
 
 
+def from_arguments(args: argparse.Namespace) -> ChatTemplate | None:
+    """The template the parsed options give (``add_arguments``); None where they leave the checkpoint's as it is."""
+    if args.chat_template is None and args.chat_template_content_format == "auto":
+        return None
+    return ChatTemplate(args.chat_template, args.chat_template_content_format)
+
+
 class _TemplateAction(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         try:
