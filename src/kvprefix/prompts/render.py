@@ -6,6 +6,7 @@ same block hashes) wherever it is rendered.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import re
 from collections.abc import Mapping, Sequence
@@ -252,8 +253,7 @@ def _chat_prompt(tokenizer: Tokenizer, text: str, prepared: PreparedMessages, no
     rendered, where = prepared.rendered, prepared.where
     spans = _message_spans(text, [m["content"] for m in rendered])
     if _needs_literal_spans(tokenizer, prepared.texts):
-        literal = spans if prepared.messages is rendered else _message_spans(text, prepared.texts)
-        token_ids = _encode_with_literal_spans(tokenizer, text, literal)
+        token_ids = _encode_with_literal_spans(tokenizer, text, _literal_spans(tokenizer, text, prepared.texts))
     elif token_ids is None:  # the usual case: nothing in the content looks special, so the text tokenizes as one
         token_ids = tokenizer.encode(text, add_special_tokens=False)
     if where is not None:  # the span of each request message's own content within what the template got
@@ -281,6 +281,31 @@ def _template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
             raise PromptError(f"'chat_template_kwargs.{key}' must be a string (at most {MAX_TEMPLATE_KWARG_CHARS} "
                               "characters), a number, a boolean or null", "chat_template_kwargs")
     return dict(kwargs)
+
+
+def _literal_spans(tokenizer: Tokenizer, text: str, texts: list[str]) -> list[tuple[int, int] | None]:
+    """Where each of ``texts`` (the messages' texts, in order) is in ``text``, never a match that cuts through a
+    special token the template wrote (a short text such as "a" is also in "<|im_start|>"); None where not found."""
+    pattern = _any_of(tokenizer.special_tokens)[0]
+    marks = [(m.start(), m.end()) for m in pattern.finditer(text)]
+    starts = [a for a, _ in marks]
+
+    def cuts(position: int) -> bool:
+        k = bisect.bisect_left(starts, position) - 1  # the last special token that starts before ``position``
+        return k >= 0 and marks[k][1] > position
+
+    spans: list[tuple[int, int] | None] = []
+    cursor = 0
+    for piece in texts:
+        start = text.find(piece, cursor) if piece else -1
+        while start >= 0 and (cuts(start) or cuts(start + len(piece))):
+            start = text.find(piece, start + 1)
+        if start < 0:
+            spans.append(None)
+            continue
+        cursor = start + len(piece)
+        spans.append((start, cursor))
+    return spans
 
 
 def _encode_with_literal_spans(tokenizer: Tokenizer, text: str, spans) -> list[int]:
