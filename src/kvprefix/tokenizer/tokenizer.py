@@ -60,6 +60,7 @@ class Tokenizer:
         several named ones picks by request) and content format (vLLM's ``--chat-template`` and
         ``--chat-template-content-format``)."""
         out = copy.copy(self)
+        out.__dict__.pop("_plain_content_format", None)  # resolved for this tokenizer's template, not the new one
         if template.text is not None:
             out._template_override = template.text
         out._content_format_option = template.content_format
@@ -70,6 +71,13 @@ class Tokenizer:
         "openai" (a list of text parts); "auto" resolves by the template (``detect_content_format``)."""
         if self._content_format_option != "auto":
             return self._content_format_option
+        return self._plain_content_format if tools is None else self._detected_format(tools)
+
+    @functools.cached_property
+    def _plain_content_format(self) -> str:  # every request without tools asks: resolved once
+        return self._detected_format(None)
+
+    def _detected_format(self, tools: Any) -> str:
         try:
             return detect_content_format(self._template_for(tools))
         except ValueError:  # no template at all: nothing renders messages
