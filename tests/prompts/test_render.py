@@ -14,14 +14,17 @@ def tokenizer(tiny_llama_path: str) -> Tokenizer:
     return Tokenizer(tiny_llama_path)
 
 
-def test_developer_is_system_and_text_parts_are_joined(tokenizer: Tokenizer) -> None:
-    plain = render_chat(tokenizer, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+def test_developer_is_system_and_text_parts_are_joined_by_newlines(tokenizer: Tokenizer) -> None:
+    """vLLM's "string" content format: a message's text parts joined by newlines."""
+    plain = render_chat(tokenizer, [{"role": "system", "content": "Be brief.\nNo lists."},
+                                    {"role": "user", "content": "Hi"}])
     openai_style = render_chat(tokenizer, [
-        {"role": "developer", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
+        {"role": "developer", "content": [{"type": "text", "text": "Be brief."}, {"type": "text", "text": "No lists."}]},
         {"role": "user", "content": "Hi", "name": "ann"},
     ])
     assert openai_style == plain
-    assert plain.text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert plain.text == ("<|im_start|>system\nBe brief.\nNo lists.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+                          "<|im_start|>assistant\n")
     # The template writes the special tokens itself: no BOS is added on top.
     assert plain.token_ids == tokenizer.encode(plain.text, add_special_tokens=False)
 

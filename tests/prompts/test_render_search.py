@@ -45,4 +45,4 @@ def test_a_content_with_a_special_spelling_is_always_found():
             if rng.random() < 0.3:
                 messages[-1]["content"] += rng.choice(spellings)
             expected = any(s in m["content"] for s in spellings for m in messages)
-            assert render._needs_literal_spans(tokenizer, messages) == expected, (spellings, messages)
+            assert render._needs_literal_spans(tokenizer, [m["content"] for m in messages]) == expected, (spellings, messages)

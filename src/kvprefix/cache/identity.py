@@ -153,9 +153,10 @@ class BlockIdentity:
         return [f"{k} {_short(v)} vs {_short(getattr(self.context, k))}" for k, v in local.items()
                 if v != getattr(self.context, k)]
 
-    def template_difference(self, chat_template: str | None) -> list[str]:
-        """``["chat_template ..."]`` when ``chat_template`` is not the one this identity was computed with."""
-        mine = chat_template_hash(chat_template)
+    def template_difference(self, chat_template: str | None, content_format: str = "string") -> list[str]:
+        """``["chat_template ..."]`` when ``chat_template`` (rendered in ``content_format``) is not the one this
+        identity was computed with."""
+        mine = chat_template_hash(chat_template, content_format)
         return [] if mine == self.context.chat_template else [
             f"chat_template {_short(mine)} vs {_short(self.context.chat_template)}"]
 
@@ -172,19 +173,27 @@ def _short(value: Any) -> str:
 
 
 def block_identity(checkpoint: str, dtype: str, quantization: str | None, chat_template: str | None, *,
-                   block_size: int = 16, hash_algo: str = "sha256", numerics: str = "") -> BlockIdentity:
+                   content_format: str = "string", block_size: int = 16, hash_algo: str = "sha256",
+                   numerics: str = "") -> BlockIdentity:
     """The one constructor: the identity of ``checkpoint``'s blocks computed in ``dtype`` (e.g. "bfloat16") with
-    ``quantization`` (None, or a method of ``QUANTIZATION_METHODS``), under the tokenizer's ``chat_template``;
-    ``numerics``: deterministic mode's fingerprint ("" otherwise)."""
-    context = context_for_checkpoint(checkpoint, kv_label(dtype, quantization, numerics), chat_template)
+    ``quantization`` (None, or a method of ``QUANTIZATION_METHODS``), under the tokenizer's ``chat_template``
+    rendered in ``content_format``; ``numerics``: deterministic mode's fingerprint ("" otherwise)."""
+    context = context_for_checkpoint(checkpoint, kv_label(dtype, quantization, numerics), chat_template,
+                                     content_format)
     return BlockIdentity(block_size, hash_algo, context, os.path.realpath(os.path.expanduser(checkpoint)))
 
 
-def chat_template_hash(template: str | None) -> str:
-    return hashlib.sha256(template.encode()).hexdigest()[:16] if template else ""
+def chat_template_hash(template: str | None, content_format: str = "string") -> str:
+    """The template's fingerprint in the execution context: SHA-256 of its text, and of the content format too
+    where that is not "string" (the one every template was rendered in before the option: their hashes stay)."""
+    if not template:
+        return ""
+    text = template if content_format == "string" else f"{template}\0content_format={content_format}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def context_for_checkpoint(path: str, kv_dtype: str, chat_template: str | None = None) -> ExecutionContext:
+def context_for_checkpoint(path: str, kv_dtype: str, chat_template: str | None = None,
+                           content_format: str = "string") -> ExecutionContext:
     """The execution context of a checkpoint (a directory, or a single .gguf file), from its own bytes.
 
     The model and tokenizer fields are content fingerprints, so two replicas of one checkpoint produce identical
@@ -196,7 +205,7 @@ def context_for_checkpoint(path: str, kv_dtype: str, chat_template: str | None =
         model=checkpoint_fingerprint(path),
         revision=match.group(1) if match else "",
         tokenizer=tokenizer_fingerprint(path),
-        chat_template=chat_template_hash(chat_template),
+        chat_template=chat_template_hash(chat_template, content_format),
         kv_dtype=kv_dtype,
     )
 

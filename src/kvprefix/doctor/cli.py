@@ -10,6 +10,7 @@ import json
 import sys
 
 from kvprefix.paths import ReadableFile, WritableFile
+from kvprefix.tokenizer import chat_template
 
 
 def _positive_int(text: str) -> int:
@@ -29,6 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--identity", metavar="URL|FILE",
                         help="hash as a replica does: its base URL, or a JSON file of its /v1/models listing "
                              "(default: the --model checkpoint's own identity, float32, xxhash)")
+    chat_template.add_arguments(parser)  # render as the server that wrote the log does: give its options
     parser.add_argument("--block-size", type=_positive_int,
                         help="block size (default 16; a request log: its own, or a multiple of it)")
     parser.add_argument("--capacity", type=_positive_int,
@@ -47,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
     progress = "off" if args.no_progress else "bar" if sys.stderr.isatty() else "lines"
     options = Options(args.block_size, args.capacity, progress=progress)
     try:
-        diagnosis = diagnose(args.log, lambda: load_tokenizer(args.model, args.identity), options)
+        template = chat_template.from_arguments(args)
+        diagnosis = diagnose(args.log, lambda: load_tokenizer(args.model, args.identity, template), options)
     except (ValueError, OSError) as exc:  # kvprefix.logs.LogError is a ValueError
         print(f"kvprefix doctor: error: {exc}", file=sys.stderr)
         return 2
@@ -59,9 +62,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def load_tokenizer(model: str | None, identity: str | None = None):
-    """The tokenizer of ``model`` (default: kvprefix's default model) and the identity its blocks are hashed under:
-    the replica's of ``identity`` (checked against ``model``), else the checkpoint's own."""
+def load_tokenizer(model: str | None, identity: str | None = None, template=None):
+    """The tokenizer of ``model`` (default: kvprefix's default model), rendering with ``template``
+    (``ChatTemplate``) where given, and the identity its blocks are hashed under: the replica's of ``identity``
+    (checked against ``model`` and the template), else the checkpoint's own."""
     from kvprefix.sim.openai_bodies import load_tokenizer as load
     from kvprefix.sim.openai_bodies import read_replica_model, replica_model_for
 
@@ -69,6 +73,6 @@ def load_tokenizer(model: str | None, identity: str | None = None):
         from kvprefix.cache.default_model import default_model_path
 
         model = default_model_path()
-    tokenizer = load(model)
+    tokenizer = load(model, template)
     replica = read_replica_model(identity) if identity else None
     return tokenizer, replica_model_for(model, tokenizer, 16, "xxhash", replica)

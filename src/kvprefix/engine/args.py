@@ -27,7 +27,9 @@ class EngineArgs:
     ``deterministic``: batch-invariant numerics, so a token's KV and logits never depend on chunking, batching or
     cache hits; its settings join the block identity (docs/determinism.md). ``enable_lora``: serve PEFT LoRA adapters, at most ``max_loras`` of them in
     one step, each of rank at most ``max_lora_rank``; ``lora_modules`` (name -> adapter directory) are loaded at
-    start (docs/lora.md)."""
+    start (docs/lora.md). ``chat_template``: a Jinja file or the template text to render chat prompts with instead
+    of the checkpoint's, and ``chat_template_content_format`` ("auto", "string", "openai") how message content
+    reaches it (vLLM's options; both join the block identity: docs/server.md#chat-template)."""
 
     model: str | None = None
     dtype: str = "auto"
@@ -60,3 +62,5 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     lora_modules: dict[str, str] | None = None
+    chat_template: str | None = None
+    chat_template_content_format: str = "auto"

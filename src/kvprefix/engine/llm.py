@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from kvprefix.cache.identity import chat_template_hash
 from kvprefix.engine.args import EngineArgs
 from kvprefix.engine.llm_engine import LLMEngine, PromptType
 from kvprefix.engine.lora_request import LoRARequest
@@ -13,6 +14,7 @@ from kvprefix.engine.outputs import RequestOutput
 from kvprefix.engine.sampling_params import SamplingParams
 from kvprefix.prompts import render_chat
 from kvprefix.tokenizer import Tokenizer
+from kvprefix.tokenizer.chat_template import ChatTemplate
 
 Conversation = list[dict[str, Any]]
 
@@ -53,19 +55,28 @@ class LLM:
         add_generation_prompt: bool = True,
         cache_salt: str | None = None,
         tools: list[dict] | None = None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
     ) -> list[RequestOutput]:
         """One OpenAI-style conversation or a list of them, and ``tools``, rendered with the chat template exactly as
-        the server renders them; as in vLLM's ``LLM.chat``, the output is not parsed for tool calls."""
+        the server renders them; as in vLLM's ``LLM.chat``, the output is not parsed for tool calls.
+        ``chat_template`` (a Jinja file or the template text) and ``chat_template_content_format`` ("auto",
+        "string", "openai") render these conversations otherwise than the LLM's template; their blocks are then
+        that template's, apart from the LLM's own."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.llm_engine.tokenizer
+        template_hash = None
+        if chat_template is not None or chat_template_content_format != "auto":
+            tokenizer = tokenizer.with_chat_template(ChatTemplate.given(chat_template, chat_template_content_format))
+            template_hash = chat_template_hash(tokenizer.chat_template, tokenizer.content_format())
         prompts: list[PromptType] = []
         for conversation in conversations:
             rendered = render_chat(tokenizer, conversation, add_generation_prompt=add_generation_prompt, tools=tools)
             prompts.append({"prompt": rendered.text, "prompt_token_ids": rendered.token_ids})
-        return self._run(prompts, sampling_params, use_tqdm, cache_salt)
+        return self._run(prompts, sampling_params, use_tqdm, cache_salt, chat_template_hash=template_hash)
 
     def _run(self, prompts, sampling_params, use_tqdm: bool, cache_salt: str | None,
-             lora_request=None) -> list[RequestOutput]:
+             lora_request=None, chat_template_hash: str | None = None) -> list[RequestOutput]:
         params_list = _one_each(SamplingParams() if sampling_params is None else sampling_params, SamplingParams, prompts, "sampling_params")
         loras = _one_each(lora_request, LoRARequest, prompts, "lora_request")
         engine = self.llm_engine
@@ -74,7 +85,7 @@ class LLM:
         try:
             for request_id, prompt, params, lora in zip(ids, prompts, params_list, loras, strict=True):
                 states[request_id] = engine.add_request(request_id, prompt, params, cache_salt=cache_salt,
-                                                        lora_request=lora)
+                                                        lora_request=lora, chat_template_hash=chat_template_hash)
             finals: dict[str, RequestOutput] = {}
             bar = _progress(len(ids)) if use_tqdm else None
             while len(finals) < len(ids):

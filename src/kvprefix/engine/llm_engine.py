@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from kvprefix.cache import KVCacheManager, block_identity
+from kvprefix.cache import BlockHasher, KVCacheManager, block_identity
 from kvprefix.cache.default_model import DEFAULT_MODEL_NAME, default_model_path
 from kvprefix.engine.args import EngineArgs
 from kvprefix.engine.kv_tier import open_kv_tier
@@ -30,6 +30,7 @@ from kvprefix.model.loader import default_dtype, resolve_dtype, resolve_model_pa
 from kvprefix.model.lora import LoraAdapter, LoraLayers
 from kvprefix.model.quantized_linear import check_quantization, quantize_model
 from kvprefix.tokenizer import Tokenizer
+from kvprefix.tokenizer.chat_template import ChatTemplate
 
 # Prompt positions whose logits are computed at once for prompt logprobs (each is a vocabulary of floats).
 _SCORE_SLICE = 256
@@ -72,14 +73,19 @@ class LLMEngine:
         check_quantization(args.quantization, path, device)
         self.model_config = ModelConfig.from_path(path)
         self.tokenizer = Tokenizer(path)
+        if args.chat_template is not None or args.chat_template_content_format != "auto":
+            self.tokenizer = self.tokenizer.with_chat_template(
+                ChatTemplate.given(args.chat_template, args.chat_template_content_format))
         self.max_model_len = min(args.max_model_len or 2**62, self.model_config.max_position_embeddings)
         # What names the blocks (published to routers): the checkpoint's own bytes, dtype and quantization, and in
         # deterministic mode the numerics its bytes depend on.
         numerics = numerics_fingerprint(device) if args.deterministic else ""
         self.identity = block_identity(path, str(dtype).removeprefix("torch."), args.quantization,
-                                       self.tokenizer.chat_template, block_size=args.block_size,
+                                       self.tokenizer.chat_template, content_format=self.tokenizer.content_format(),
+                                       block_size=args.block_size,
                                        hash_algo=args.prefix_caching_hash_algo, numerics=numerics)
         self.hasher = self.identity.hasher()
+        self._template_hashers: dict[str, BlockHasher] = {}  # by template fingerprint, for LLM.chat(chat_template=)
         # First: on CUDA the KV budget is what the weights leave free.
         model = quantize_model(load_model(path, dtype, device), args.quantization, path)
         if args.deterministic and args.enable_lora:  # the invariant tiles would wrap the adapters' hooks untested
@@ -154,11 +160,13 @@ class LLMEngine:
         arrival_time: float | None = None,
         tenant: str | None = None,
         lora_request: LoRARequest | None = None,
+        chat_template_hash: str | None = None,
     ) -> OutputState:
         """Queues a request. Raises ValueError for a reused id, a bad prompt, or one that cannot fit.
 
         ``tenant``, ``cache_salt`` and the LoRA adapter pick the cache namespace: the request only hits blocks of its
-        namespace. ``lora_request`` runs it with that adapter: loaded from its path at the name's first use, or
+        namespace; ``chat_template_hash``: the fingerprint of the chat template its prompt was rendered with, where
+        that is not the engine's (``LLM.chat(chat_template=...)``): its blocks are rooted in that template's. ``lora_request`` runs it with that adapter: loaded from its path at the name's first use, or
         (no path) one loaded already, else ``LoraNotFoundError``.
         Returns the request's ``OutputState``, which the caller feeds the request's deltas (``step``,
         ``abort_request``)."""
@@ -176,7 +184,8 @@ class LLMEngine:
         lora = self._lora(lora_request)
         room = self.max_sequence_tokens - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        hasher = self.hasher.for_namespace(tenant, cache_salt, lora.fingerprint if lora else None)
+        hasher = self._template_hasher(chat_template_hash).for_namespace(tenant, cache_salt,
+                                                                          lora.fingerprint if lora else None)
         samples: list[Request] = []
         for i in range(params.n):
             sample_params = params.for_sample(i) if params.n > 1 else params
@@ -211,6 +220,17 @@ class LLMEngine:
         self._counters["prompt_tokens"] += len(ids)
         return OutputState(request_id, text, ids, [s.params for s in samples], self.tokenizer, prompt_hashes,
                            hasher.namespace_id, metrics.arrival_time)
+
+    def _template_hasher(self, chat_template_hash: str | None) -> BlockHasher:
+        """The hasher of prompts rendered with the chat template of that fingerprint (None: the engine's)."""
+        if chat_template_hash is None or chat_template_hash == self.identity.context.chat_template:
+            return self.hasher
+        hasher = self._template_hashers.get(chat_template_hash)
+        if hasher is None:
+            context = dataclasses.replace(self.identity.context, chat_template=chat_template_hash)
+            hasher = self._template_hashers[chat_template_hash] = dataclasses.replace(
+                self.identity, context=context).hasher()
+        return hasher
 
     def _lora(self, lora_request: LoRARequest | None) -> LoraAdapter | None:
         if lora_request is None:

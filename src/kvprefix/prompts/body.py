@@ -21,9 +21,9 @@ from kvprefix.prompts.render import (
     RenderedPrompt,
     _chat_prompt,
     _fallback_tools_block,
-    _for_template,
     _needs_literal_spans,
     normalize_messages,
+    prepare_messages,
     render_chat,
     render_completion,
 )
@@ -121,7 +121,7 @@ def render_bodies(tokenizer: Tokenizer, bodies: Sequence[Mapping[str, Any]],
         normalized = normalize_messages(messages)
         if not normalized:
             raise PromptError("'messages' must not be empty", "messages")
-        chats[i] = (normalized, tools)
+        chats[i] = (messages, normalized, tools)
         key = tools_keys.get(id(tools))
         if key is None:
             key = tools_keys[id(tools)] = _tools_key(tools)
@@ -131,30 +131,29 @@ def render_bodies(tokenizer: Tokenizer, bodies: Sequence[Mapping[str, Any]],
 
 
 def _render_groups(tokenizer: Tokenizer, groups: dict[tuple[str | int, bool], list[int]],
-                   chats: dict[int, tuple[list[dict[str, Any]], Any]], out: list) -> None:
+                   chats: dict[int, tuple[list[dict[str, Any]], list[dict[str, Any]], Any]], out: list) -> None:
     """Renders each group's chats with one template call, tokenizes the plain texts in one batch, into ``out``."""
     texts: dict[int, str] = {}
     prepared = {}
     for members in groups.values():  # one tools text per group: its bodies' tools are equal
-        block = _fallback_tools_block(tokenizer, chats[members[0]][1])
+        block = _fallback_tools_block(tokenizer, chats[members[0]][2])
         for i in members:
-            prepared[i] = _for_template(tokenizer, chats[i][0], chats[i][1], block)
+            prepared[i] = prepare_messages(tokenizer, *chats[i], block)
     for (_, add_generation_prompt), members in groups.items():
-        template_tools = prepared[members[0]][2]
+        template_tools = prepared[members[0]].tools
         extra = {} if template_tools is None else {"tools": template_tools}
         try:
-            batch = tokenizer.apply_chat_template([prepared[i][0] for i in members], tokenize=False,
+            batch = tokenizer.apply_chat_template([prepared[i].messages for i in members], tokenize=False,
                                                   add_generation_prompt=add_generation_prompt, **extra)
         except Exception as exc:  # as render_chat: a template can raise anything
             raise PromptError(f"cannot render 'messages' with the model's chat template: {exc}", "messages") from None
         texts.update(zip(members, batch, strict=True))
-    plain = [i for i in chats if not _needs_literal_spans(tokenizer, prepared[i][0])]
+    plain = [i for i in chats if not _needs_literal_spans(tokenizer, prepared[i].texts)]
     encode_batch = getattr(tokenizer, "encode_batch", None)
     ids = {} if encode_batch is None else dict(
         zip(plain, encode_batch([texts[i] for i in plain], add_special_tokens=False), strict=True))
-    for i, (normalized, _) in chats.items():
-        rendered, where, _ = prepared[i]
-        out[i] = [_chat_prompt(tokenizer, texts[i], rendered, where, normalized, ids.get(i))]
+    for i, (_, normalized, _) in chats.items():
+        out[i] = [_chat_prompt(tokenizer, texts[i], prepared[i], normalized, ids.get(i))]
 
 
 def _tools_key(tools: Any) -> str | int:

@@ -6,6 +6,7 @@ same block hashes) wherever it is rendered.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import re
 from collections.abc import Mapping, Sequence
@@ -47,14 +48,16 @@ class RenderedPrompt:
 
 def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Chat messages as templates expect them: role (developer -> system), content as one string (text parts
-    joined, None -> ""), and an assistant's ``tool_calls`` and a tool result's ``tool_call_id`` where given. Other
-    fields (name, refusal, annotations) carry nothing a template renders."""
+    joined by newlines, None -> "", as vLLM's "string" content format), and an assistant's ``tool_calls`` and a
+    tool result's ``tool_call_id`` where given. Other fields (name, refusal, annotations) carry nothing a template
+    renders."""
     out = []
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
             raise PromptError(f"messages[{i}] must be an object with a string 'role'", "messages")
         role = message["role"]
-        m: dict[str, Any] = {"role": _ROLE_ALIASES.get(role, role), "content": _content_text(message.get("content"), i)}
+        m: dict[str, Any] = {"role": _ROLE_ALIASES.get(role, role),
+                             "content": "\n".join(_content_parts(message.get("content"), i))}
         calls = message.get("tool_calls")
         if calls:
             if not isinstance(calls, list):
@@ -66,11 +69,12 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
     return out
 
 
-def _content_text(content: Any, index: int) -> str:
+def _content_parts(content: Any, index: int) -> list[str]:
+    """The texts of a message's content: a string is one, None none, a list its text parts'."""
     if content is None:
-        return ""
+        return []
     if isinstance(content, str):
-        return content
+        return [content]
     if isinstance(content, list):
         texts = []
         for part in content:
@@ -79,7 +83,7 @@ def _content_text(content: Any, index: int) -> str:
                 raise PromptError(f"messages[{index}].content: only text parts are supported, got {kind!r}",
                                   "messages")
             texts.append(part["text"])
-        return "".join(texts)
+        return texts
     raise PromptError(f"messages[{index}].content must be a string or a list of text parts", "messages")
 
 
@@ -126,18 +130,18 @@ def render_chat(
                           "'add_generation_prompt': false to continue the last message", "continue_final_message")
     extra = _template_kwargs(template_kwargs)
     docs = None if documents is None else _documents(documents)
-    rendered, where, template_tools = _for_template(tokenizer, normalized, tools, _fallback_tools_block(tokenizer, tools))
+    prepared = prepare_messages(tokenizer, messages, normalized, tools, _fallback_tools_block(tokenizer, tools))
     try:
-        if template_tools is not None:  # "tools" is reserved: chat_template_kwargs cannot have set it
-            extra["tools"] = template_tools
+        if prepared.tools is not None:  # "tools" is reserved: chat_template_kwargs cannot have set it
+            extra["tools"] = prepared.tools
         if documents is not None:
             extra["documents"] = docs
-        text = tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt, tokenize=False,
-                                             continue_final_message=continue_final_message, **extra)
+        text = tokenizer.apply_chat_template(prepared.messages, add_generation_prompt=add_generation_prompt,
+                                             tokenize=False, continue_final_message=continue_final_message, **extra)
     except Exception as exc:  # a template can raise anything (jinja2 errors for unexpected roles, ValueError)
         raise PromptError(f"cannot render 'messages' with the model's chat template: {exc}", "messages") from None
     _check_length(tokenizer, text, max_tokens, "messages")
-    prompt = _chat_prompt(tokenizer, text, rendered, where, normalized)
+    prompt = _chat_prompt(tokenizer, text, prepared, normalized)
     return _with_special_tokens(tokenizer, prompt) if add_special_tokens else prompt
 
 
@@ -162,19 +166,54 @@ def _with_special_tokens(tokenizer: Tokenizer, prompt: RenderedPrompt) -> Render
 _Where = list[tuple[int, int]] | None
 
 
-def _for_template(tokenizer: Tokenizer, normalized: list[dict[str, Any]], tools: Sequence[Any] | None,
-                  tools_block: str | None) -> tuple[list[dict[str, Any]], _Where, list[Any] | None]:
-    """(the messages the template gets, where each message's content is among them (None: one to one, as is),
-    the tools the template gets). A template that renders tools gets them as they are; for any other, tools,
-    past calls and tool results are written into the messages (kvprefix.prompts.tools: SmolLM2's format;
-    ``tools_block``: the tools' text there, ``_fallback_tools_block``)."""
+@dataclass(frozen=True)
+class PreparedMessages:
+    """A request's messages made ready for the template: ``messages`` what it gets (content in its format),
+    ``rendered`` the same with each content one string, ``where`` where each request message's content is among
+    them (None: one to one, as is), ``tools`` the tools it gets, ``texts`` every text of the messages it gets
+    (tokenized as text, never as special tokens)."""
+
+    messages: list[dict[str, Any]]
+    rendered: list[dict[str, Any]]
+    where: _Where
+    tools: list[Any] | None
+    texts: list[str]
+
+
+def prepare_messages(tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]], normalized: list[dict[str, Any]],
+                     tools: Sequence[Any] | None, tools_block: str | None) -> PreparedMessages:
+    """A template that renders tools gets them as they are; for any other, tools, past calls and tool results are
+    written into the messages (kvprefix.prompts.tools: SmolLM2's format; ``tools_block``: the tools' text there,
+    ``_fallback_tools_block``). Content reaches the template in the format it takes (``Tokenizer.content_format``):
+    one string, or (vLLM's "openai" format) a list of text parts: the request's own parts, a string as one part,
+    none for a null content; a message written here (tools, calls) as one part, a tool result as its string."""
+    template_tools = None
     try:
         if template_renders_tools(getattr(tokenizer, "chat_template", None)):
-            return template_messages(normalized), None, None if tools is None else list(tools)
-        rendered, where = fallback_messages(normalized, tools_block)
+            rendered, where = template_messages(normalized), None
+            template_tools = None if tools is None else list(tools)
+        else:
+            rendered, where = fallback_messages(normalized, tools_block)
     except ToolFormatError as exc:
         raise PromptError(str(exc), exc.param) from None
-    return rendered, where, None
+    if tokenizer.content_format(template_tools) != "openai":
+        return PreparedMessages(rendered, rendered, where, template_tools, [m["content"] for m in rendered])
+    source: list[int | None] = list(range(len(rendered)))  # the request message each one's content is from
+    if where is not None:
+        source = [None] * len(rendered)
+        for i, (j, _) in enumerate(where):
+            source[j] = i
+    out, texts = [], []
+    for m, i in zip(rendered, source, strict=True):
+        if m["role"] == "tool":
+            out.append(m)
+            texts.append(m["content"])
+            continue
+        own = i is not None and m["content"] == normalized[i]["content"]
+        parts = _content_parts(messages[i].get("content"), i) if own else [m["content"]]
+        out.append({**m, "content": [{"type": "text", "text": t} for t in parts]})
+        texts += parts
+    return PreparedMessages(out, rendered, where, template_tools, texts)
 
 
 def _fallback_tools_block(tokenizer: Tokenizer, tools: Sequence[Any] | None) -> str | None:
@@ -188,13 +227,12 @@ def _fallback_tools_block(tokenizer: Tokenizer, tools: Sequence[Any] | None) -> 
         raise PromptError(str(exc), exc.param) from None
 
 
-def _needs_literal_spans(tokenizer: Tokenizer, rendered: list[dict[str, Any]]) -> bool:
+def _needs_literal_spans(tokenizer: Tokenizer, texts: list[str]) -> bool:
     found = _any_of(tokenizer.special_tokens)
     if found is None:
         return False
     pattern, first = found
-    return any((first is None or any(c in m["content"] for c in first)) and pattern.search(m["content"])
-               for m in rendered)
+    return any((first is None or any(c in t for c in first)) and pattern.search(t) for t in texts)
 
 
 @functools.lru_cache(maxsize=16)
@@ -208,13 +246,14 @@ def _any_of(spellings: tuple[str, ...]) -> tuple[re.Pattern[str], frozenset[str]
     return re.compile("|".join(map(re.escape, spellings))), first if len(first) <= 4 and "" not in first else None
 
 
-def _chat_prompt(tokenizer: Tokenizer, text: str, rendered: list[dict[str, Any]], where: _Where,
-                 normalized: list[dict[str, Any]], token_ids: list[int] | None = None) -> RenderedPrompt:
+def _chat_prompt(tokenizer: Tokenizer, text: str, prepared: PreparedMessages, normalized: list[dict[str, Any]],
+                 token_ids: list[int] | None = None) -> RenderedPrompt:
     """``token_ids``: the whole text tokenized as one, already (only where no content looks special). Every
     content the template got (tool definitions and calls too) is tokenized as text."""
-    spans = _message_spans(text, rendered)
-    if _needs_literal_spans(tokenizer, rendered):
-        token_ids = _encode_with_literal_spans(tokenizer, text, spans)
+    rendered, where = prepared.rendered, prepared.where
+    spans = _message_spans(text, [m["content"] for m in rendered])
+    if _needs_literal_spans(tokenizer, prepared.texts):
+        token_ids = _encode_with_literal_spans(tokenizer, text, _literal_spans(tokenizer, text, prepared.texts))
     elif token_ids is None:  # the usual case: nothing in the content looks special, so the text tokenizes as one
         token_ids = tokenizer.encode(text, add_special_tokens=False)
     if where is not None:  # the span of each request message's own content within what the template got
@@ -244,6 +283,31 @@ def _template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
     return dict(kwargs)
 
 
+def _literal_spans(tokenizer: Tokenizer, text: str, texts: list[str]) -> list[tuple[int, int] | None]:
+    """Where each of ``texts`` (the messages' texts, in order) is in ``text``, never a match that cuts through a
+    special token the template wrote (a short text such as "a" is also in "<|im_start|>"); None where not found."""
+    pattern = _any_of(tokenizer.special_tokens)[0]
+    marks = [(m.start(), m.end()) for m in pattern.finditer(text)]
+    starts = [a for a, _ in marks]
+
+    def cuts(position: int) -> bool:
+        k = bisect.bisect_left(starts, position) - 1  # the last special token that starts before ``position``
+        return k >= 0 and marks[k][1] > position
+
+    spans: list[tuple[int, int] | None] = []
+    cursor = 0
+    for piece in texts:
+        start = text.find(piece, cursor) if piece else -1
+        while start >= 0 and (cuts(start) or cuts(start + len(piece))):
+            start = text.find(piece, start + 1)
+        if start < 0:
+            spans.append(None)
+            continue
+        cursor = start + len(piece)
+        spans.append((start, cursor))
+    return spans
+
+
 def _encode_with_literal_spans(tokenizer: Tokenizer, text: str, spans) -> list[int]:
     """The template's own text with its special tokens, each message's content as plain text."""
     parts: list[tuple[str, bool]] = []  # (text, whether special tokens in it are parsed)
@@ -265,12 +329,11 @@ def _check_length(tokenizer: Tokenizer, text: str, max_tokens: int | None, param
             f"characters, more than {max_tokens} tokens can hold", param, code="context_length_exceeded")
 
 
-def _message_spans(text: str, messages: list[dict[str, Any]]) -> tuple[tuple[int, int] | None, ...]:
-    """Finds each message's content in order; templates render messages in order, so a forward search suffices."""
+def _message_spans(text: str, contents: list[str]) -> tuple[tuple[int, int] | None, ...]:
+    """Finds each content in order; templates render messages in order, so a forward search suffices."""
     spans: list[tuple[int, int] | None] = []
     cursor = 0
-    for message in messages:
-        content = message["content"]
+    for content in contents:
         start = _find(text, content, cursor) if content else -1
         if start < 0:
             spans.append(None)

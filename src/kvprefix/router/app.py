@@ -38,6 +38,7 @@ from kvprefix.router.metrics import RouterMetrics
 from kvprefix.router.policies import make_policy
 from kvprefix.router.relay import Relay
 from kvprefix.router.upstream import Pool
+from kvprefix.tokenizer.chat_template import ChatTemplate
 
 log = logging.getLogger("kvprefix.router")
 
@@ -52,6 +53,7 @@ class RouterConfig:
     replicas: list[str]
     policy: str = "kv-events"
     model: str | None = None  # the replicas' checkpoint, where the one their identity names is not here
+    chat_template: ChatTemplate | None = None  # the replicas' --chat-template options, where they give any
     auth: Auth | None = None
     admin_key: str | None = None  # sent to replicas for KV events and admin fan-out when the caller sends none
     load_cap: float = 1.25
@@ -78,7 +80,8 @@ async def load_request_hasher(client: httpx.AsyncClient, config: RouterConfig,
                 continue
         if hellos:
             (first, hello), *others = hellos
-            hasher = await asyncio.to_thread(RequestHasher.for_replica, hello, config.model, first)
+            hasher = await asyncio.to_thread(RequestHasher.for_replica, hello, config.model, first,
+                                             config.chat_template)
             for url, other in others:
                 if other.root != hello.root:
                     differs = ("; ".join(other.identity.differences(hello.identity))

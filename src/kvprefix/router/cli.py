@@ -7,6 +7,7 @@ import argparse
 
 from kvprefix.paths import ReadableFile
 from kvprefix.router.policies import POLICIES
+from kvprefix.tokenizer import chat_template
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,6 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the replicas' checkpoint, for prefix and kv-events (they render prompts with its "
                              "tokenizer); needed only where the checkpoint the replicas announce (its path, or the "
                              "built-in default model) is not on this machine")
+    chat_template.add_arguments(parser)  # prefix and kv-events render as the replicas do: give theirs
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8100)
     parser.add_argument("--allowed-hosts", default=None, metavar="NAMES",
@@ -49,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = RouterConfig(
             replicas=args.replica, policy=args.policy, model=args.model,
+            chat_template=chat_template.from_arguments(args),
             auth=Auth.from_options(args.api_key, args.api_keys_file, args.admin_key), admin_key=args.admin_key,
             load_cap=args.load_cap, seed=args.seed, health_interval_s=args.health_interval,
             allowed_hosts=allowed_hosts(args.allowed_hosts, args.host),

@@ -21,6 +21,7 @@ from kvprefix.cache import BlockHash, BlockHasher, BlockHashMemo, BlockIdentity
 from kvprefix.cache.event_wire import Hello
 from kvprefix.prompts import PromptError, render_body
 from kvprefix.tokenizer import SegmentCachedTokenizer, Tokenizer
+from kvprefix.tokenizer.chat_template import ChatTemplate
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,19 +66,25 @@ class RequestHasher:
         self.memo = BlockHashMemo(hasher.block_size, hasher.algo)
 
     @classmethod
-    def for_replica(cls, hello: Hello, model: str | None = None, replica: str | None = None) -> RequestHasher:
+    def for_replica(cls, hello: Hello, model: str | None = None, replica: str | None = None,
+                    chat_template: ChatTemplate | None = None) -> RequestHasher:
         """The hasher of the replica that sent ``hello`` (named ``replica``, default its id), with the tokenizer of
-        ``model`` or of the checkpoint its identity names; a one-line ValueError when this router cannot
-        reproduce its identity."""
+        ``model`` or of the checkpoint its identity names, rendering with ``chat_template`` where given (the
+        replicas' ``--chat-template`` options); a one-line ValueError when this router cannot reproduce its
+        identity."""
         name = replica or hello.replica_id
         identity = hello.identity
         if identity is None:
             raise ValueError(f"replica {name} does not announce its block identity (an older kvprefix): upgrade it")
-        tokenizer = SegmentCachedTokenizer(Tokenizer(checkpoint_for(identity, model, name)), capacity=4096)
-        differs = identity.template_difference(tokenizer.chat_template)
+        plain = Tokenizer(checkpoint_for(identity, model, name))
+        if chat_template is not None:
+            plain = plain.with_chat_template(chat_template)
+        tokenizer = SegmentCachedTokenizer(plain, capacity=4096)
+        differs = identity.template_difference(tokenizer.chat_template, tokenizer.content_format())
         if differs:
-            raise ValueError(f"replica {name} renders with another chat template than {model or identity.checkpoint}: "
-                             f"{differs[0]}")
+            given = "the --chat-template options given" if chat_template else (
+                f"{model or identity.checkpoint}'s own: give the router the replicas' --chat-template options")
+            raise ValueError(f"replica {name} renders with another chat template than {given} ({differs[0]})")
         hasher = identity.hasher()
         if hasher.root != hello.root:
             raise ValueError(f"replica {name} announces the root {hello.root.hex()[:16]}..., but its identity gives "

@@ -13,6 +13,7 @@ from kvprefix.paths import ReadableFile, WritableDir, WritableFile
 from kvprefix.tiers.redis_store import DEFAULT_KEY_PREFIX, DEFAULT_TIMEOUT
 from kvprefix.tiers.retention import RETENTIONS
 from kvprefix.tiers.sizes import size_argument
+from kvprefix.tokenizer import chat_template
 
 # The KV cache fraction shared out as tenants' reserved room when there are tenants (docs/security.md): half stays
 # shared LRU room for whoever is busy; the other half is what idle tenants are owed and others cannot cache in.
@@ -196,6 +197,7 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
                      help="admission order: arrival, or most cached prompt tokens first (with --max-wait-steps)")
     eng.add_argument("--max-wait-steps", type=_positive_int, default=100,
                      help="cache_aware: a request waiting this many engine steps is admitted before cached ones")
+    chat_template.add_arguments(parser.add_argument_group("chat template (docs/server.md#chat-template)"))
 
 
 def prepare(args: argparse.Namespace):

@@ -13,6 +13,7 @@ from kvprefix.paths import ReadableFile, ReadablePath, WritableFile
 from kvprefix.sim.formats import FORMATS
 from kvprefix.sim.replay import DEFAULT_KV_BYTES_PER_TOKEN, MODES, ROUTINGS
 from kvprefix.tiers.sizes import size_argument
+from kvprefix.tokenizer import chat_template
 
 
 def _positive_int(text: str) -> int:
@@ -94,6 +95,7 @@ def _trace_arguments(t) -> None:
     t.add_argument("--identity", metavar="URL|FILE",
                    help="OpenAI request bodies: hash under a replica's block identity, from its base URL or a JSON "
                         "file of its /v1/models listing (default: the --tokenizer checkpoint's own, float32, sha256)")
+    chat_template.add_arguments(t)  # OpenAI request bodies: render as the replicas do
 
 
 def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
@@ -174,7 +176,8 @@ def _simulate(args: argparse.Namespace) -> int:
         from kvprefix.sim.openai_bodies import read_replica_model
 
         replica = read_replica_model(args.identity)
-    trace = load_trace(args.trace, args.format, args.block_size, args.trace_block_size, args.tokenizer, replica)
+    trace = load_trace(args.trace, args.format, args.block_size, args.trace_block_size, args.tokenizer, replica,
+                       chat_template.from_arguments(args))
     if not trace.requests:
         return _fail(f"{args.trace}: the trace has no requests")
     bs = trace.block_size

@@ -17,12 +17,17 @@ def load_trace(
     trace_block_size: int | None = None,
     tokenizer: str | None = None,
     replica=None,
+    chat_template=None,
 ) -> Trace:
     """Reads a trace at ``block_size`` (default: the trace's own). ``trace_block_size`` is the block size the
     trace's ids were made with (Mooncake default: from the file name, else 512; request log: each row's own).
-    ``replica`` (``openai_bodies.ReplicaModel``): the identity OpenAI bodies are hashed under."""
+    ``replica`` (``openai_bodies.ReplicaModel``): the identity OpenAI bodies are hashed under; ``chat_template``
+    (``tokenizer.chat_template.ChatTemplate``): the one they are rendered with, where not the checkpoint's."""
     if fmt == "auto":
         fmt = detect_format(path)
+    if chat_template is not None and fmt != BODIES:
+        raise ValueError(f"--chat-template and its content format render OpenAI request bodies; {path} is a {fmt} "
+                         "trace, whose blocks are hashed already")
     if fmt == MOONCAKE:
         from kvprefix.sim.mooncake import read_mooncake
 
@@ -36,5 +41,5 @@ def load_trace(
 
         if tokenizer is None:
             raise ValueError("OpenAI request bodies need --tokenizer (a local Hugging Face tokenizer directory)")
-        return read_openai_bodies(path, tokenizer, block_size, replica=replica)
+        return read_openai_bodies(path, tokenizer, block_size, replica=replica, chat_template=chat_template)
     raise ValueError(f"unknown trace format {fmt!r}; choose one of {', '.join(FORMATS)}")

@@ -21,6 +21,7 @@ from kvprefix.logs import AdapterNames, SharedTools, adapter_extras, iter_bodies
 from kvprefix.prompts import PromptError, render_body
 from kvprefix.sim.trace import TimestampCheck, Trace, TraceError, TraceRequest, require
 from kvprefix.tokenizer import Tokenizer
+from kvprefix.tokenizer.chat_template import ChatTemplate
 
 # The KV dtype only salts the root: hashes within one replay share it, whichever it is. float32 is the CPU default
 # where bfloat16 is not native, so a replay of bodies hashes like such a server (or one run with --dtype float32).
@@ -61,30 +62,39 @@ def read_replica_model(source: str) -> ReplicaModel:
 
 def replica_model_for(path: str, tokenizer: Tokenizer, block_size: int, hash_algo: str = "sha256",
                       replica: ReplicaModel | None = None) -> ReplicaModel:
-    """``replica`` at ``block_size`` after checking that ``path`` (the tokenizer's checkpoint) is its checkpoint;
-    without one, the identity of ``path`` itself in ``DEFAULT_KV_DTYPE`` with ``hash_algo``."""
+    """``replica`` at ``block_size`` after checking that ``path`` (the tokenizer's checkpoint) is its checkpoint
+    and ``tokenizer`` renders with its chat template; without one, the identity of ``path`` itself (with the
+    tokenizer's template) in ``DEFAULT_KV_DTYPE`` with ``hash_algo``."""
+    template, content_format = tokenizer.chat_template, tokenizer.content_format()
     if replica is None:
-        return ReplicaModel(block_identity(path, DEFAULT_KV_DTYPE, None, tokenizer.chat_template,
+        return ReplicaModel(block_identity(path, DEFAULT_KV_DTYPE, None, template, content_format=content_format,
                                            block_size=block_size, hash_algo=hash_algo))
     identity = replica.identity
-    differs = identity.checkpoint_differences(path) + identity.template_difference(tokenizer.chat_template)
+    differs = identity.checkpoint_differences(path)
     if differs:
         raise ValueError(f"{path} is not the checkpoint of the given identity: {'; '.join(differs)}")
+    differs = identity.template_difference(template, content_format)
+    if differs:
+        raise ValueError(f"the replica renders with another chat template than the one given here ({differs[0]}): "
+                         "give its --chat-template and --chat-template-content-format")
     return replace(replica, identity=replace(identity, block_size=block_size))
 
 
-def load_tokenizer(path: str) -> Tokenizer:
-    """The tokenizer of a local checkpoint or tokenizer directory (no download)."""
+def load_tokenizer(path: str, chat_template: ChatTemplate | None = None) -> Tokenizer:
+    """The tokenizer of a local checkpoint or tokenizer directory (no download), rendering with ``chat_template``
+    where given."""
     try:
-        return Tokenizer(path)
+        tokenizer = Tokenizer(path)
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot load tokenizer {path!r}: {e}") from None
+    return tokenizer if chat_template is None else tokenizer.with_chat_template(chat_template)
 
 
 def read_openai_bodies(path: str | Path, tokenizer_path: str, block_size: int | None,
-                       default_output_tokens: int = 256, replica: ReplicaModel | None = None) -> Trace:
-    """``block_size``: default the replica's, else 16."""
-    tokenizer = load_tokenizer(tokenizer_path)
+                       default_output_tokens: int = 256, replica: ReplicaModel | None = None,
+                       chat_template: ChatTemplate | None = None) -> Trace:
+    """``block_size``: default the replica's, else 16; ``chat_template``: render with it (the replicas')."""
+    tokenizer = load_tokenizer(tokenizer_path, chat_template)
     block_size = block_size or (replica.identity.block_size if replica else 16)
     replica = replica_model_for(os.fspath(tokenizer_path), tokenizer, block_size, replica=replica)
     base = replica.identity.hasher()

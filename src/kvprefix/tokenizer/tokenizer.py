@@ -3,16 +3,23 @@ its metadata (gguf_tokenizer), or for a SentencePiece vocabulary, llama.cpp-exac
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
 from collections.abc import Callable
 from typing import Any
 
+from kvprefix.tokenizer.chat_template import ChatTemplate, detect_content_format
 from kvprefix.tokenizer.gguf_file import is_gguf, open_gguf
 
 
 class Tokenizer:
+    # Set by ``with_chat_template`` on a copy: the template rendering uses instead of the checkpoint's, and how
+    # message content reaches it.
+    _template_override: str | None = None
+    _content_format_option: str = "auto"
+
     def __new__(cls, path: str = "") -> Tokenizer:  # the default: unpickling calls __new__ without arguments
         # A GGUF SentencePiece vocabulary is tokenized by kvprefix's own code, not by a Hugging Face tokenizer.
         if cls is Tokenizer and is_gguf(path) and open_gguf(path).get("tokenizer.ggml.model") == "llama":
@@ -43,8 +50,38 @@ class Tokenizer:
     @property
     def chat_template(self) -> str | None:
         """The template text (part of the cache identity: another template renders other tokens)."""
+        if self._template_override is not None:
+            return self._template_override
         template = self.hf.chat_template
         return None if template is None else str(template)
+
+    def with_chat_template(self, template: ChatTemplate) -> Tokenizer:
+        """This tokenizer rendering with ``template``'s text (None: the checkpoint's own, which a tokenizer with
+        several named ones picks by request) and content format (vLLM's ``--chat-template`` and
+        ``--chat-template-content-format``)."""
+        out = copy.copy(self)
+        out.__dict__.pop("_plain_content_format", None)  # resolved for this tokenizer's template, not the new one
+        if template.text is not None:
+            out._template_override = template.text
+        out._content_format_option = template.content_format
+        return out
+
+    def content_format(self, tools: Any = None) -> str:
+        """How message content reaches the template a request with ``tools`` renders with: "string" (one text) or
+        "openai" (a list of text parts); "auto" resolves by the template (``detect_content_format``)."""
+        if self._content_format_option != "auto":
+            return self._content_format_option
+        return self._plain_content_format if tools is None else self._detected_format(tools)
+
+    @functools.cached_property
+    def _plain_content_format(self) -> str:  # every request without tools asks: resolved once
+        return self._detected_format(None)
+
+    def _detected_format(self, tools: Any) -> str:
+        try:
+            return detect_content_format(self._template_for(tools))
+        except ValueError:  # no template at all: nothing renders messages
+            return "string"
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
@@ -136,7 +173,10 @@ class Tokenizer:
         return self.encode(texts[0], add_special_tokens=False) if tokenize else texts[0]
 
     def _template_for(self, tools: Any) -> str:
-        """The template transformers would pick (a tokenizer may have several by name: "tool_use" with tools)."""
+        """The template transformers would pick (a tokenizer may have several by name: "tool_use" with tools); the
+        one given in its place, whatever the request."""
+        if self._template_override is not None:
+            return self._template_override
         if not self.hf.chat_template:
             raise ValueError(f"the tokenizer of {self.hf.name_or_path!r} has no chat template; use a plain prompt")
         return self.hf.get_chat_template(None, tools)
@@ -218,6 +258,8 @@ class SpmTokenizer(Tokenizer):
 
     @property
     def chat_template(self) -> str | None:
+        if self._template_override is not None:
+            return self._template_override
         return None if self._template is None else str(self._template)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -261,6 +303,8 @@ class SpmTokenizer(Tokenizer):
         return self.spm.decode(token_ids, special=not skip_special_tokens)
 
     def _template_for(self, tools: Any) -> str:
+        if self._template_override is not None:
+            return self._template_override
         if not self._template:
             raise ValueError(f"the tokenizer of {self.name_or_path!r} has no chat template; use a plain prompt")
         return self._template

@@ -64,6 +64,13 @@ class Ingress:
             self._followers = [asyncio.create_task(follow(self._event_lines(k), rep, self._resynced(k)))
                                for k, rep in enumerate(self.followed)]
 
+    async def __del__(self):
+        """Serve stops the ingress before the engines: its event streams end here, or each engine replica would
+        count its stream as a request in flight and wait out its graceful shutdown timeout before stopping."""
+        for task in self._followers:
+            task.cancel()
+        await asyncio.gather(*self._followers, return_exceptions=True)
+
     def _replica(self, replica_id: str) -> Replica:
         with self._lock:
             rep = self.replicas.get(replica_id)

@@ -44,11 +44,11 @@ def check(args: argparse.Namespace) -> None:
 def run_on_ray(args: argparse.Namespace, make_replica: Callable[[dict[str, Any], Any], tuple[Any, Any]],
                engine_args: dict[str, Any], config: Any) -> int:
     """Deploys replicas made by ``make_replica`` (``build_app``) on the cluster at ``--ray-address`` (default: a
-    new local one) and serves until interrupted."""
-    import ray
+    new local one, stopped whole on exit) and serves until interrupted (Ctrl-C or SIGTERM)."""
     from ray import serve
 
     from kvprefix.router.ray.app import build_app
+    from kvprefix.router.ray.cluster import ray_cluster
 
     try:
         application = build_app(make_replica, engine_args, config, args.replicas, args.policy, args.seed,
@@ -56,14 +56,15 @@ def run_on_ray(args: argparse.Namespace, make_replica: Callable[[dict[str, Any],
                                 admin_key=args.admin_key)
     except ValueError as exc:
         raise SystemExit(f"kvprefix serve --ray: {exc}") from None
-    ray.init(address=args.ray_address, include_dashboard=False)
-    serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(application, name="kvprefix", route_prefix="/")
-    log.info("serving %d replicas on http://%s:%d (policy %s)", args.replicas, args.host, args.port, args.policy)
-    try:
-        asyncio.run(asyncio.Event().wait())
-    except KeyboardInterrupt:
-        pass
-    finally:
-        serve.shutdown()
+    with ray_cluster(args.ray_address):
+        try:
+            serve.start(http_options={"host": args.host, "port": args.port})
+            serve.run(application, name="kvprefix", route_prefix="/")
+            log.info("serving %d replicas on http://%s:%d (policy %s)", args.replicas, args.host, args.port,
+                     args.policy)
+            asyncio.run(asyncio.Event().wait())
+        except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (ray_cluster)
+            pass
+        finally:
+            serve.shutdown()
     return 0
