@@ -9,18 +9,8 @@ import argparse
 import json
 import sys
 
-from kvprefix.paths import ReadableFile, WritableFile
+from kvprefix.paths import ReadableFile, WritableFile, positive_int
 from kvprefix.tokenizer import chat_template
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(float(text))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,9 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="hash as a replica does: its base URL, or a JSON file of its /v1/models listing "
                              "(default: the --model checkpoint's own identity, float32, xxhash)")
     chat_template.add_arguments(parser)  # render as the server that wrote the log does: give its options
-    parser.add_argument("--block-size", type=_positive_int,
+    parser.add_argument("--block-size", type=positive_int,
                         help="block size (default 16; a request log: its own, or a multiple of it)")
-    parser.add_argument("--capacity", type=_positive_int,
+    parser.add_argument("--capacity", type=positive_int,
                         help="KV capacity per replica in tokens, e.g. 1e6 (default: unbounded)")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     parser.add_argument("--html", metavar="OUT", action=WritableFile, help="also write the report as an HTML page")

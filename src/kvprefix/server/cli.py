@@ -9,7 +9,7 @@ from kvprefix.cache import COLLISION_SAFE_ALGOS, HASH_ALGOS
 from kvprefix.cache.default_model import DEFAULT_MODEL_NAME
 from kvprefix.engine.args import DEFAULT_KV_DISK_SIZE, QUANTIZATION_METHODS
 from kvprefix.engine.sampling_params import MAX_LOGPROBS
-from kvprefix.paths import ReadableFile, WritableDir, WritableFile
+from kvprefix.paths import ReadableFile, WritableDir, WritableFile, fraction, positive_float, positive_int
 from kvprefix.tiers.redis_store import DEFAULT_KEY_PREFIX, DEFAULT_TIMEOUT
 from kvprefix.tiers.retention import RETENTIONS
 from kvprefix.tiers.sizes import size_argument
@@ -20,27 +20,6 @@ from kvprefix.tokenizer import chat_template
 DEFAULT_TENANT_KV_RESERVE = 0.5
 
 
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1], got {text}")
-    return value
-
-
-def _positive(text: str) -> float:
-    value = float(text)
-    if not value > 0:  # also refuses NaN
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return value
-
-
 def _add_tier_arguments(parser: argparse.ArgumentParser) -> None:
     tier = parser.add_argument_group("persistent KV tier (docs/tiers.md)")
     tier.add_argument("--kv-disk", default=None, metavar="DIR", action=WritableDir,
@@ -48,7 +27,7 @@ def _add_tier_arguments(parser: argparse.ArgumentParser) -> None:
     tier.add_argument("--kv-disk-size", type=size_argument, default=DEFAULT_KV_DISK_SIZE, metavar="SIZE",
                       help=f"with --kv-disk: its byte budget, least recently used blocks deleted past it "
                            f"(e.g. 20GiB, 500MB; default {DEFAULT_KV_DISK_SIZE})")
-    tier.add_argument("--kv-disk-queue", type=_positive_int, default=256, metavar="BLOCKS",
+    tier.add_argument("--kv-disk-queue", type=positive_int, default=256, metavar="BLOCKS",
                       help="with --kv-disk: blocks waiting to be written; past it writes are dropped (counted)")
     tier.add_argument("--kv-retention", default=None, choices=RETENTIONS,
                       help="with --kv-disk: what a request that asks for no retention gets (prompt_cache_retention, "
@@ -62,7 +41,7 @@ def _add_tier_arguments(parser: argparse.ArgumentParser) -> None:
                         help="redis://[:password@]HOST:PORT/DB (rediss:// for TLS): blocks every replica on that "
                              "Redis reads and writes, so a prefix is computed once per fleet; Redis down or slow is "
                              "a miss, never an error. Set maxmemory and maxmemory-policy allkeys-lru on it")
-    shared.add_argument("--kv-shared-timeout", type=_positive, default=DEFAULT_TIMEOUT, metavar="SECONDS",
+    shared.add_argument("--kv-shared-timeout", type=positive_float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
                         help=f"with --kv-shared: the longest one call to Redis may take before it is a miss "
                              f"(default {DEFAULT_TIMEOUT})")
     shared.add_argument("--kv-shared-prefix", default=DEFAULT_KEY_PREFIX, metavar="PREFIX",
@@ -96,9 +75,9 @@ def _add_lora_arguments(parser: argparse.ArgumentParser) -> None:
     lora.add_argument("--lora-modules", nargs="+", type=_lora_module, default=None, metavar="NAME=PATH",
                       help="adapters to load at start, as NAME=PATH or vLLM's JSON {\"name\": ..., \"path\": ..., "
                            "\"base_model_name\": ...} (more load at run time: POST /v1/load_lora_adapter)")
-    lora.add_argument("--max-loras", type=_positive_int, default=1,
+    lora.add_argument("--max-loras", type=positive_int, default=1,
                       help="most adapters in one engine step (requests of another adapter wait; default 1)")
-    lora.add_argument("--max-lora-rank", type=_positive_int, default=16,
+    lora.add_argument("--max-lora-rank", type=positive_int, default=16,
                       help="largest adapter rank accepted (default 16)")
 
 
@@ -125,14 +104,14 @@ def _server_arguments(parser: argparse.ArgumentParser) -> None:
                      help="engine requests one tenant may have pending; more get 429 (default: no per-tenant limit)")
     net.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds to let in-flight requests finish on SIGTERM/SIGINT before aborting them")
-    net.add_argument("--timeout-keep-alive", type=_positive, default=5.0,
+    net.add_argument("--timeout-keep-alive", type=positive_float, default=5.0,
                      help="seconds a connection may stay idle after a response before it is closed (default 5)")
-    net.add_argument("--timeout-headers", type=_positive, default=20.0,
+    net.add_argument("--timeout-headers", type=positive_float, default=20.0,
                      help="seconds a client has to send a request's headers, from connecting or from the previous "
                           "response; then the connection is closed (default 20)")
-    net.add_argument("--timeout-body", type=_positive, default=60.0,
+    net.add_argument("--timeout-body", type=positive_float, default=60.0,
                      help="seconds a client has to send a request's body once its headers are in (default 60)")
-    net.add_argument("--limit-concurrency", type=_positive_int, default=512,
+    net.add_argument("--limit-concurrency", type=positive_int, default=512,
                      help="open connections at most; a request on one more gets 503 at once (default 512)")
     net.add_argument("--metrics-names", default="kvprefix", choices=["kvprefix", "vllm"],
                      help="vllm: expose vLLM's metric names (vllm:*), so its dashboards and the Gateway API Inference "
@@ -157,7 +136,7 @@ def _tenancy_and_log_arguments(parser: argparse.ArgumentParser) -> None:
                      help="key for POST /reset_prefix_cache, /flush_cache and GET /metrics")
     sec.add_argument("--no-cache-detail", dest="cache_detail", action="store_false",
                      help="refuse the per-request cache_detail extension")
-    sec.add_argument("--tenant-kv-reserve", type=_fraction, default=None, metavar="FRACTION",
+    sec.add_argument("--tenant-kv-reserve", type=fraction, default=None, metavar="FRACTION",
                      help="KV cache fraction shared out as tenants' reserved room, so that one tenant cannot see "
                           f"another's traffic in its own evictions; 0 = one LRU for all (default: "
                           f"{DEFAULT_TENANT_KV_RESERVE} with keys, else 0)")
@@ -195,7 +174,7 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
                      help="a request whose prompt blocks a running request is computing waits for them and hits")
     eng.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "cache_aware"],
                      help="admission order: arrival, or most cached prompt tokens first (with --max-wait-steps)")
-    eng.add_argument("--max-wait-steps", type=_positive_int, default=100,
+    eng.add_argument("--max-wait-steps", type=positive_int, default=100,
                      help="cache_aware: a request waiting this many engine steps is admitted before cached ones")
     chat_template.add_arguments(parser.add_argument_group("chat template (docs/server.md#chat-template)"))
 

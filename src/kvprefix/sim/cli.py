@@ -9,31 +9,11 @@ import argparse
 import math
 import sys
 
-from kvprefix.paths import ReadableFile, ReadablePath, WritableFile
+from kvprefix.paths import ReadableFile, ReadablePath, WritableFile, positive_float, positive_int
 from kvprefix.sim.formats import FORMATS
 from kvprefix.sim.replay import DEFAULT_KV_BYTES_PER_TOKEN, MODES, ROUTINGS
 from kvprefix.tiers.sizes import size_argument
 from kvprefix.tokenizer import chat_template
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0 or math.isinf(value):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
 
 
 def _sizes(text: str) -> list[float]:
@@ -55,7 +35,7 @@ def _sizes(text: str) -> list[float]:
 
 
 def _int_list(text: str) -> list[int]:
-    return [_positive_int(p.strip()) for p in text.split(",")]
+    return [positive_int(p.strip()) for p in text.split(",")]
 
 
 def _routing_list(text: str) -> list[str]:
@@ -80,13 +60,13 @@ def _trace_arguments(t) -> None:
     t.add_argument("--format", choices=FORMATS, default="auto", help="trace format (default: from the first row)")
     t.add_argument(
         "--trace-block-size",
-        type=_positive_int,
+        type=positive_int,
         help="block size the trace's ids were made with "
         "(Mooncake: from a '_bs16' file name, else 512; request log: each row's block_size)",
     )
     t.add_argument(
         "--block-size",
-        type=_positive_int,
+        type=positive_int,
         help="block size to replay at, a multiple of the trace's (default: the trace's own; for OpenAI bodies "
         "the --identity's, else 16)",
     )
@@ -122,7 +102,7 @@ def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--disk-capacity", type=size_argument, default=None, metavar="BYTES",
                    help="a disk tier of this many bytes below each replica's pool (e.g. 20GiB; as kvprefix serve "
                         "--kv-disk-size), reporting the hit rate per tier: pool, disk, miss (default: none)")
-    c.add_argument("--kv-bytes-per-token", type=_positive_int, default=DEFAULT_KV_BYTES_PER_TOKEN, metavar="BYTES",
+    c.add_argument("--kv-bytes-per-token", type=positive_int, default=DEFAULT_KV_BYTES_PER_TOKEN, metavar="BYTES",
                    help="a block's size on the disk tier per token (default "
                         f"{DEFAULT_KV_BYTES_PER_TOKEN:,}: the default model's KV in bfloat16)")
 
@@ -138,12 +118,12 @@ def _timing_and_output_arguments(parser: argparse.ArgumentParser) -> None:
     )
     m.add_argument(
         "--prefill-tps",
-        type=_positive_float,
+        type=positive_float,
         default=10_000.0,
         help="prefill throughput per replica, tokens/s, for durations and the TTFT estimate (default 10000)",
     )
     m.add_argument(
-        "--decode-tps", type=_positive_float, default=50.0, help="decode speed per request, tokens/s (default 50)"
+        "--decode-tps", type=positive_float, default=50.0, help="decode speed per request, tokens/s (default 50)"
     )
     o = parser.add_argument_group("output")
     o.add_argument("--json", action=WritableFile, help="write the summaries as JSON to this path")

@@ -9,22 +9,16 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from kvprefix.paths import positive_int
 from kvprefix.router.policies import POLICIES
 
 log = logging.getLogger("kvprefix.router.ray")
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     ray = parser.add_argument_group("Ray Serve: replicas on a Ray cluster, routed by a policy (docs/router.md)")
     ray.add_argument("--ray", action="store_true", help="serve --replicas engine replicas as a Ray Serve deployment")
-    ray.add_argument("--replicas", type=_positive_int, default=2, help="with --ray: engine replicas (default 2)")
+    ray.add_argument("--replicas", type=positive_int, default=2, help="with --ray: engine replicas (default 2)")
     ray.add_argument("--ray-address", default=None,
                      help="with --ray: a running cluster (auto, or HEAD_IP:6379); default: start a local one")
     ray.add_argument("--policy", default="kv-events", choices=list(POLICIES),
