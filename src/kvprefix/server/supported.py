@@ -90,7 +90,7 @@ _NOT_WITH_BEAMS: dict[str, tuple] = {
     "stop": (None, [], ""), "stop_token_ids": (None, []), "top_p": (None, 1.0), "top_k": (None, 0, -1),
     "min_p": (None, 0.0), "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0),
     "repetition_penalty": (None, 1.0), "logit_bias": (None, {}), "min_tokens": (0,), "prompt_logprobs": (None,),
-    "logprob_token_ids": (None,),
+    "logprob_token_ids": (None,), "seed": (None,),
 }
 
 
