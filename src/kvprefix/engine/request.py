@@ -74,6 +74,7 @@ class Request(CacheRequest):
         child.block_hashes = list(self.block_hashes)
         child.inflight_wait = None
         child.num_preemptions = 0
+        child.tier_tokens, child.tier_probe = {}, None
         return child
 
     def cached_tokens_by_tier(self) -> dict[str, int]:
