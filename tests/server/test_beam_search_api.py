@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
 from support.servers import LONG_PREFIX, Server
 
@@ -123,3 +124,13 @@ def test_width_limits_and_length_penalty_without_beams(server: Server) -> None:
         "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"})
     assert named.status_code == 400 and named.json()["error"]["param"] == "tool_choice"
     server.wait_idle()
+
+
+def test_a_client_that_gives_up_aborts_the_search_and_frees_its_beams(server: Server) -> None:
+    before = server.wait_idle()
+    with pytest.raises(httpx.TimeoutException):
+        server.post("/v1/completions", {"prompt": "never read", "n": 4, "max_tokens": 4000, "ignore_eos": True,
+                                        **BEAM}, timeout=0.5)
+    after = server.wait_idle(timeout=5)
+    # One finished sequence per choice, each ended by the abort.
+    assert after["kvprefix:request_success_total{abort}"] == before["kvprefix:request_success_total{abort}"] + 4
