@@ -12,7 +12,8 @@ of --prompt-tokens fresh tokens, width --width, --max-tokens steps, searched tog
 times, interleaved (fork, per step, fork, ...), on one engine with its cache reset between runs; the median wall
 time is reported with the tokens the model ran (prompt and beams) and the forward steps.
 
-    python benchmarks/bench_beam.py [--layers 8] [--width 4] [--max-tokens 32] [--rounds 3] [--out results/bench_beam.json]
+    python benchmarks/bench_beam.py [--layers 8] [--prompts 4] [--prompt-tokens 500] [--width 4] [--max-tokens 32]
+                                    [--rounds 3] [--out results/bench_beam.json]
 """
 
 from __future__ import annotations
@@ -115,15 +116,16 @@ def main() -> None:
     same = all(r == results[next(iter(ways))][0] for rs in results.values() for r in rs)
     rows = []
     for name, rs in runs.items():
-        rows.append({"way": name, "seconds (median)": statistics.median(r[0] for r in rs), "model tokens": rs[0][1],
-                     "forward steps": rs[0][2]})
+        seconds = [r[0] for r in rs]
+        rows.append({"way": name, "seconds (median)": statistics.median(seconds), "min": min(seconds),
+                     "max": max(seconds), "model tokens": rs[0][1], "forward steps": rs[0][2]})
     base = rows[0]["seconds (median)"]
     for row in rows:
         row["time / fork"] = row["seconds (median)"] / base
     print(f"same beams both ways: {same}")
     write_results(args.out, {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                              "args": vars(args), "same_beams": same, "rows": rows}, rows,
-                  formats={"seconds (median)": ".2f", "time / fork": ".2f"})
+                  formats={"seconds (median)": ".2f", "min": ".2f", "max": ".2f", "time / fork": ".2f"})
     if not same:
         raise SystemExit("the two ways returned different beams")
 
