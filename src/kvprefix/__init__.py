@@ -12,8 +12,8 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {"LLM": "kvprefix.engine", "SamplingParams": "kvprefix.engine", "AsyncLLM": "kvprefix.engine",
-         "LoRARequest": "kvprefix.engine"}
-__all__ = ["AsyncLLM", "LLM", "LoRARequest", "SamplingParams", "__version__"]
+         "LoRARequest": "kvprefix.engine", "BeamSearchParams": "kvprefix.engine"}
+__all__ = ["AsyncLLM", "BeamSearchParams", "LLM", "LoRARequest", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

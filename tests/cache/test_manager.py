@@ -320,3 +320,39 @@ def test_a_preempted_request_is_counted_once():
     assert (s.requests, s.queries, s.hits) == (1, 10, 0)
     assert (s.preempted_requests, s.preempted_queries, s.preempted_hits) == (1, 10, 8)
     assert a.num_cached_tokens == 0
+
+
+def test_fork_shares_full_blocks_and_copies_the_partial_one():
+    manager, hasher = make(manager_blocks=8)
+    parent = CacheRequest("p", list(range(10)), hasher)  # 2 full blocks and 2 tokens of a third
+    admit_and_run(manager, parent)
+    full, partial = manager.req_to_blocks["p"][:2], manager.req_to_blocks["p"][2]
+    child = CacheRequest("c", list(range(10)), hasher)
+    child.num_computed_tokens = 10
+    copies = manager.fork(parent, child)
+    child_blocks = manager.req_to_blocks["c"]
+    assert child_blocks[:2] == full and [b.ref_cnt for b in full] == [2, 2]
+    assert copies == [(partial.block_id, child_blocks[2].block_id)] and child_blocks[2] is not partial
+    assert partial.ref_cnt == 1 and child_blocks[2].ref_cnt == 1 and child_blocks[2].block_hash is None
+    # The child registers its blocks from where the parent had: the third one once it is full.
+    child.append_token_ids([10, 11])
+    child.num_computed_tokens = 12
+    manager.cache_blocks(child, 12)
+    assert child_blocks[2].block_hash == child.block_hashes[2] and partial.block_hash is None
+    manager.free(parent)
+    manager.free(child)
+    assert manager.pool.num_free_blocks == 8 and all(b.ref_cnt == 0 for b in manager.pool.blocks)
+
+
+def test_fork_of_full_blocks_copies_nothing_and_a_full_pool_changes_nothing():
+    manager, hasher = make(manager_blocks=3)
+    parent = CacheRequest("p", list(range(8)), hasher)  # exactly 2 blocks
+    admit_and_run(manager, parent)
+    child = CacheRequest("c", list(range(8)), hasher)
+    assert manager.fork(parent, child) == [] and [b.ref_cnt for b in manager.req_to_blocks["c"]] == [2, 2]
+    other = CacheRequest("o", list(range(50, 59)), hasher)  # 2 full blocks and a partial one
+    manager.allocate_slots(other, 1)  # takes the last free block
+    other.num_computed_tokens = 1
+    tail = CacheRequest("t", [50], hasher)
+    before = state(manager)
+    assert manager.fork(other, tail) is None and state(manager) == before  # no block for the copy

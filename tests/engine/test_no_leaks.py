@@ -1,10 +1,10 @@
-"""Whatever mix of requests, aborts, preemptions and n > 1 ran, an idle engine holds no block."""
+"""Whatever mix of requests, aborts, preemptions, n > 1 and beam searches ran, an idle engine holds no block."""
 
 import random
 
 import pytest
 
-from kvprefix import SamplingParams
+from kvprefix import BeamSearchParams, SamplingParams
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -16,12 +16,16 @@ def test_random_aborts_and_preemptions_leave_every_block_free(make_llm, assert_n
     live: list[str] = []
     for i in range(40):
         prompt = shared[: rng.randint(1, 40)] + [rng.randrange(3, 500) for _ in range(rng.randint(1, 30))]
-        params = SamplingParams(
-            n=rng.choice([1, 1, 2, 3]),
-            temperature=rng.choice([0.0, 1.0]),
-            max_tokens=rng.randint(1, 40),
-            ignore_eos=True,
-        )
+        if rng.random() < 0.25:  # a beam search: beams forked, parked, queued and freed among the rest
+            params = BeamSearchParams(beam_width=rng.choice([2, 3]), max_tokens=rng.randint(1, 30),
+                                      temperature=rng.choice([0.0, 1.0]))
+        else:
+            params = SamplingParams(
+                n=rng.choice([1, 1, 2, 3]),
+                temperature=rng.choice([0.0, 1.0]),
+                max_tokens=rng.randint(1, 40),
+                ignore_eos=True,
+            )
         engine.add_request(f"r{i}", prompt, params)
         live.append(f"r{i}")
         for _ in range(rng.randint(0, 4)):

@@ -221,7 +221,7 @@ NEUTRAL = {"priority": 0, "kv_transfer_params": None, "use_beam_search": False, 
            "bad_words": [], "spaces_between_special_tokens": True, "structured_outputs": None, "vllm_xargs": {},
            "guided_decoding_backend": "auto"}
 REFUSED = [("priority", 1, "priority scheduling"), ("kv_transfer_params", {}, "disaggregated prefill"),
-           ("use_beam_search", True, "beam search"), ("length_penalty", 0.5, "beam search"),
+           ("length_penalty", 0.5, "beam search"),
            ("bad_words", ["x"], "banning words"), ("allowed_token_ids", [1, 2], "restricting sampling"),
            ("logits_processors", ["m.P"], "logits processors"), ("guided_decoding_backend", "xgrammar", "llguidance"),
            ("guided_whitespace_pattern", " ", "compact"), ("vllm_xargs", {"a": 1}, "extension"),

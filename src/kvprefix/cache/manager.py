@@ -143,6 +143,31 @@ class KVCacheManager:
             self._num_cached_blocks[rid] = end
             self.pool.events.flush()
 
+    def fork(self, parent: CacheRequest, child: CacheRequest) -> list[tuple[int, int]] | None:
+        """Gives ``child`` (a copy of ``parent``'s tokens and progress: a new beam) the parent's blocks: each full block
+        shared (one more reference), and the partial last block, which the child writes next, as a fresh block
+        (copy-on-write). Returns the (source, destination) block ids whose KV the caller must copy before the next
+        step (none when the parent's blocks are all full), or None, with nothing changed, when no block is free."""
+        blocks = self.req_to_blocks[parent.request_id]
+        num_full = parent.num_computed_tokens // self.block_size
+        partial = blocks[num_full:]
+        if len(partial) > 1 or len(blocks) != cdiv(parent.num_computed_tokens, self.block_size):
+            raise ValueError(f"request {parent.request_id!r} holds {len(blocks)} blocks for "
+                             f"{parent.num_computed_tokens} computed tokens: only a beam at rest can be forked")
+        if partial and self.pool.num_free_blocks < 1:
+            return None
+        shared = blocks[:num_full]
+        self.pool.touch(shared)
+        copies = []
+        if partial:
+            (fresh,) = self.pool.get_new_blocks(1, child.eviction_group)
+            copies.append((partial[0].block_id, fresh.block_id))
+            shared = [*shared, fresh]
+        self.req_to_blocks[child.request_id] = shared
+        self._num_cached_blocks[child.request_id] = min(self._num_cached_blocks[parent.request_id], num_full)
+        self.pool.events.flush()
+        return copies
+
     def claim_for_load(self, request: CacheRequest, hits: Sequence[KVCacheBlock], num_blocks: int
                        ) -> list[KVCacheBlock]:
         """Up to ``num_blocks`` fresh blocks to load the request's blocks after ``hits`` into from a lower tier

@@ -9,6 +9,7 @@ import importlib
 from typing import Any
 
 from kvprefix.engine.args import EngineArgs
+from kvprefix.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from kvprefix.engine.lora_request import LoraNotFoundError, LoRARequest
 from kvprefix.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, RequestOutputKind
 from kvprefix.engine.sampling_params import SamplingParams, StructuredOutputsParams
@@ -24,6 +25,9 @@ _LAZY = {
 
 __all__ = [
     "AsyncLLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
     "CompletionOutput",
     "EngineArgs",
     "EngineClient",

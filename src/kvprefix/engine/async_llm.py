@@ -17,6 +17,7 @@ from typing import Any
 
 from kvprefix.cache import KVCacheEvent
 from kvprefix.engine.args import EngineArgs
+from kvprefix.engine.beam_search import BeamSearchParams
 from kvprefix.engine.llm_engine import LLMEngine, PromptType
 from kvprefix.engine.lora_request import LoraActivity, LoraInfo, LoRARequest
 from kvprefix.engine.output_state import OutputState
@@ -81,7 +82,7 @@ class AsyncLLM:
     async def generate(
         self,
         prompt: PromptType,
-        sampling_params: SamplingParams | None,
+        sampling_params: SamplingParams | BeamSearchParams | None,
         request_id: str,
         cache_salt: str | None = None,
         tenant: str | None = None,

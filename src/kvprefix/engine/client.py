@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 from kvprefix.cache import BlockHasher, BlockIdentity, KVCacheEvent
+from kvprefix.engine.beam_search import BeamSearchParams
 from kvprefix.engine.lora_request import LoraActivity, LoraInfo, LoRARequest
 from kvprefix.engine.outputs import RequestOutput, RequestOutputKind
 from kvprefix.engine.sampling_params import SamplingParams
@@ -41,7 +42,7 @@ class EngineClient(Protocol):
     def generate(
         self,
         prompt: list[int],
-        sampling_params: SamplingParams,
+        sampling_params: SamplingParams | BeamSearchParams,
         request_id: str,
         cache_salt: str | None = None,
         tenant: str | None = None,
@@ -50,7 +51,8 @@ class EngineClient(Protocol):
         lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """The request's outputs until one has ``finished``; closing the stream early aborts the request. With
-        ``lora_request`` (a loaded adapter's name, no path) it runs with that adapter, in its cache namespace."""
+        ``lora_request`` (a loaded adapter's name, no path) it runs with that adapter, in its cache namespace. With
+        ``BeamSearchParams`` one output, once the search is done, holds its best beams (vLLM's ``beam_search``)."""
         ...
 
     async def load_lora_adapter(self, name: str, path: str, inplace: bool = False) -> LoraInfo:

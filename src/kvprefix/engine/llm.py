@@ -8,6 +8,7 @@ from typing import Any
 
 from kvprefix.cache.identity import chat_template_hash
 from kvprefix.engine.args import EngineArgs
+from kvprefix.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from kvprefix.engine.llm_engine import LLMEngine, PromptType
 from kvprefix.engine.lora_request import LoRARequest
 from kvprefix.engine.outputs import RequestOutput
@@ -77,7 +78,8 @@ class LLM:
 
     def _run(self, prompts, sampling_params, use_tqdm: bool, cache_salt: str | None,
              lora_request=None, chat_template_hash: str | None = None) -> list[RequestOutput]:
-        params_list = _one_each(SamplingParams() if sampling_params is None else sampling_params, SamplingParams, prompts, "sampling_params")
+        params_list = _one_each(SamplingParams() if sampling_params is None else sampling_params,
+                                (SamplingParams, BeamSearchParams), prompts, "sampling_params")
         loras = _one_each(lora_request, LoRARequest, prompts, "lora_request")
         engine = self.llm_engine
         ids = [str(next(self._ids)) for _ in prompts]
@@ -107,6 +109,37 @@ class LLM:
             raise
         return [finals[i] for i in ids]
 
+    def beam_search(
+        self,
+        prompts: Sequence[PromptType],
+        params: BeamSearchParams,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+        cache_salt: str | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search: per prompt, the ``beam_width`` best sequences, best first (each with the prompt's
+        tokens, the whole text, ``cum_logprob``). The prompts' searches run batched, at most ``concurrency_limit`` at
+        a time (None: all); their beams share blocks on the pool (docs/engine.md#beam-search)."""
+        prompts = _as_prompt_list(prompts)
+        if concurrency_limit is not None and concurrency_limit < 1:
+            raise ValueError(f"concurrency_limit must be >= 1 or None, got {concurrency_limit}")
+        loras = _one_each(lora_request, LoRARequest, prompts, "lora_request")
+        size = concurrency_limit or max(1, len(prompts))
+        outputs: list[BeamSearchOutput] = []
+        decode = self.llm_engine.tokenizer.decode
+        for start in range(0, len(prompts), size):
+            part = prompts[start : start + size]
+            for out, lora in zip(self._run(part, params, use_tqdm, cache_salt, loras[start : start + size]),
+                                 loras[start : start + size], strict=True):
+                sequences = []
+                for o in out.outputs:
+                    tokens = [*out.prompt_token_ids, *o.token_ids]
+                    sequences.append(BeamSearchSequence(tokens, o.logprobs, lora, o.cumulative_logprob,
+                                                        decode(tokens, False), o.finish_reason, o.stop_reason))
+                outputs.append(BeamSearchOutput(sequences))
+        return outputs
+
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
 
@@ -114,7 +147,7 @@ class LLM:
         return self.llm_engine.get_metrics()
 
 
-def _one_each(value, kind: type, prompts: list, name: str) -> list:
+def _one_each(value, kind: type | tuple[type, ...], prompts: list, name: str) -> list:
     """``value`` for every prompt when it is one ``kind`` (or None), else the sequence given, one per prompt."""
     if value is None or isinstance(value, kind):
         return [value] * len(prompts)

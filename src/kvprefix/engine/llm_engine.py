@@ -13,6 +13,7 @@ import torch
 from kvprefix.cache import BlockHasher, KVCacheManager, block_identity
 from kvprefix.cache.default_model import DEFAULT_MODEL_NAME, default_model_path
 from kvprefix.engine.args import EngineArgs
+from kvprefix.engine.beam_search import BeamSearch, BeamSearchParams
 from kvprefix.engine.kv_tier import open_kv_tier
 from kvprefix.engine.lora import LoraAdapters
 from kvprefix.engine.lora_request import LoraActivity, LoRARequest
@@ -20,7 +21,7 @@ from kvprefix.engine.metrics import ITERATION_TOKEN_BUCKETS, engine_metrics
 from kvprefix.engine.model_runner import ModelRunner, num_kv_blocks
 from kvprefix.engine.output_state import OutputState
 from kvprefix.engine.outputs import RequestDelta, RequestMetrics, SampleDelta
-from kvprefix.engine.request import Request
+from kvprefix.engine.request import Request, RequestStatus
 from kvprefix.engine.sampler import Sampler
 from kvprefix.engine.sampling_params import SamplingParams
 from kvprefix.engine.scheduler import Scheduler
@@ -44,19 +45,34 @@ class RequestFailedError(RuntimeError):
 
 @dataclasses.dataclass
 class _UserRequest:
-    """A request as the caller sees it: one prompt, ``n`` samples."""
+    """A request as the caller sees it: one prompt, ``n`` samples; under beam search (``search``), its live beams."""
 
     request_id: str
     samples: list[Request]
     metrics: RequestMetrics
+    search: BeamSearch | None = None
+    candidates: dict[str, dict] = dataclasses.field(default_factory=dict)  # beam id -> its next token's candidates
+    num_forks: int = 0  # beams forked so far (their ids are f"{request_id}-beam{k}")
+    num_preemptions_gone: int = 0  # of beams that ended
+    first: Request = dataclasses.field(init=False)  # sample 0, or beam 0: whose admission counted the prompt
+
+    def __post_init__(self) -> None:
+        self.first = self.samples[0]
+
+    @property
+    def finished(self) -> bool:
+        return self.search.done if self.search is not None else all(s.finished for s in self.samples)
+
+    def num_preemptions(self) -> int:
+        return self.num_preemptions_gone + sum(s.num_preemptions for s in self.samples)
 
     def delta(self, samples: list[SampleDelta], prompt_logprobs: list | None = None) -> RequestDelta:
         return RequestDelta(
             request_id=self.request_id,
             samples=samples,
-            finished=all(s.finished for s in self.samples),
-            num_cached_tokens=max(0, self.samples[0].num_cached_tokens),
-            cached_tokens_by_tier=self.samples[0].cached_tokens_by_tier(),
+            finished=self.finished,
+            num_cached_tokens=max(0, self.first.num_cached_tokens),
+            cached_tokens_by_tier=self.first.cached_tokens_by_tier(),
             metrics=dataclasses.replace(self.metrics),
             prompt_logprobs=prompt_logprobs,
         )
@@ -155,7 +171,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams | None = None,
+        params: SamplingParams | BeamSearchParams | None = None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         tenant: str | None = None,
@@ -163,6 +179,9 @@ class LLMEngine:
         chat_template_hash: str | None = None,
     ) -> OutputState:
         """Queues a request. Raises ValueError for a reused id, a bad prompt, or one that cannot fit.
+
+        With ``BeamSearchParams`` it is a beam search: its one output carries the ``beam_width`` best sequences, best
+        first, once the search is done (``_advance_search``).
 
         ``tenant``, ``cache_salt`` and the LoRA adapter pick the cache namespace: the request only hits blocks of its
         namespace; ``chat_template_hash``: the fingerprint of the chat template its prompt was rendered with, where
@@ -173,22 +192,30 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
+        beam = isinstance(params, BeamSearchParams)
+        num_samples = 1 if beam else params.n
         # Sample ids f"{i}_{request_id}" may equal another request's id; scheduler and cache key by sample id.
-        sample_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
+        sample_ids = [request_id] if num_samples == 1 else [f"{i}_{request_id}" for i in range(num_samples)]
         for sample_id in sample_ids:
             if sample_id in self._user_request_of:
                 raise ValueError(f"request {request_id!r}: sample id {sample_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
         self._check_prompt(request_id, ids)
-        grammar = self._grammar(params)
+        if beam and params.num_candidates > self.model_config.vocab_size:
+            raise ValueError(f"request {request_id!r}: beam_width {params.beam_width} needs "
+                             f"{params.num_candidates} candidate tokens; the vocabulary has {self.model_config.vocab_size}")
+        grammar = None if beam else self._grammar(params)
         lora = self._lora(lora_request)
         room = self.max_sequence_tokens - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         hasher = self._template_hasher(chat_template_hash).for_namespace(tenant, cache_salt,
                                                                           lora.fingerprint if lora else None)
         samples: list[Request] = []
-        for i in range(params.n):
-            sample_params = params.for_sample(i) if params.n > 1 else params
+        for i in range(num_samples):
+            if beam:
+                sample_params = params.step_params(max_tokens)
+            else:
+                sample_params = params.for_sample(i) if params.n > 1 else params
             samples.append(
                 Request(
                     sample_ids[i],
@@ -212,13 +239,15 @@ class LLMEngine:
         if self.kv_tier is not None:  # a retention past the tenant's budget: ValueError, nothing queued yet
             self.kv_tier.admit(params.kv_retention or self.args.kv_retention, tenant or "", hasher.namespace_id,
                                prompt_hashes)
-        user_request = _UserRequest(request_id, samples, metrics)
+        search = BeamSearch(params, len(ids), self.eos_token_ids, max_tokens) if beam else None
+        user_request = _UserRequest(request_id, samples, metrics, search)
         self._requests[request_id] = user_request
         for s in samples:
             self._user_request_of[s.request_id] = user_request
             self.scheduler.add(s)
         self._counters["prompt_tokens"] += len(ids)
-        return OutputState(request_id, text, ids, [s.params for s in samples], self.tokenizer, prompt_hashes,
+        output_params = [params.output_params()] * params.beam_width if beam else [s.params for s in samples]
+        return OutputState(request_id, text, ids, output_params, self.tokenizer, prompt_hashes,
                            hasher.namespace_id, metrics.arrival_time)
 
     def _template_hasher(self, chat_template_hash: str | None) -> BlockHasher:
@@ -275,7 +304,7 @@ class LLMEngine:
         if user_request is None:
             return None
         # An abort before the prompt was computed sends the prompt logprobs so far (None where not scored yet).
-        prompt_logprobs = user_request.samples[0].take_prompt_logprobs()
+        prompt_logprobs = user_request.first.take_prompt_logprobs()
         return user_request.delta(self._end(user_request, "requests_aborted"), prompt_logprobs)
 
     def _end(self, user_request: _UserRequest, counter: str) -> list[SampleDelta]:
@@ -286,10 +315,13 @@ class LLMEngine:
         for s in user_request.samples:
             if not s.finished:
                 s.abort()
-                self.scheduler.finish(s)
+                self.scheduler.finish(s)  # a parked beam is in no queue and holds nothing: a no-op
                 aborted.append(SampleDelta(s.index, [], finish_reason="abort"))
+        if user_request.search is not None:  # every result of the search ends
+            aborted = [SampleDelta(i, [], finish_reason="abort") for i in range(user_request.search.params.beam_width)]
+            user_request.search.live = []
         user_request.metrics.finished_time = time.monotonic()
-        user_request.metrics.num_preemptions = sum(s.num_preemptions for s in user_request.samples)
+        user_request.metrics.num_preemptions = user_request.num_preemptions()
         self._forget(user_request)
         self._counters[counter] += 1
         return aborted
@@ -354,6 +386,7 @@ class LLMEngine:
         changed user requests with their sample deltas, and the prompt logprobs completed in this step."""
         changed: dict[str, tuple[_UserRequest, list[SampleDelta]]] = {}
         prompt_logprobs: dict[str, list] = {}  # per user request, in the step its prompt was computed
+        searches: dict[str, _UserRequest] = {}  # beam searches with beams computed in this step
         for req, (token, lp) in zip(requests, samples, strict=True):
             user_request = self._user_request_of.get(req.request_id)
             if user_request is None:  # failed in this step with a sibling sample
@@ -361,12 +394,18 @@ class LLMEngine:
             try:
                 if isinstance(token, BaseException):
                     raise token
-                req.append_output(token)
+                if user_request.search is None:
+                    req.append_output(token)
             except Exception as exc:  # this request's fault (its params or text): it alone fails
                 self._fail(user_request, exc)
                 changed.pop(user_request.request_id, None)
+                searches.pop(user_request.request_id, None)
                 continue
             self._counters["generation_tokens"] += 1
+            if user_request.search is not None:  # a beam: its candidates wait for its siblings'
+                user_request.candidates[req.request_id] = lp
+                searches[user_request.request_id] = user_request
+                continue
             if req.finished:
                 self.scheduler.finish(req)
                 if req.text is not None:
@@ -377,7 +416,75 @@ class LLMEngine:
                                 None if req.text is None else req.text.text, req.finish_reason, req.stop_reason,
                                 req.ended_by_token)
             changed.setdefault(user_request.request_id, (user_request, []))[1].append(delta)
+        for user_request in searches.values():
+            results = self._advance_search(user_request)
+            if results is not None:
+                changed[user_request.request_id] = (user_request, results)
         return changed, prompt_logprobs
+
+    def _advance_search(self, user_request: _UserRequest) -> list[SampleDelta] | None:
+        """A step computed some of a beam search's beams. Until every live beam has its candidates, those that have
+        them wait parked (holding no seat and no block). Then the search takes its step: a beam with no child ends
+        (its blocks freed), a beam with k children goes on as the first and forks the others, which share its full
+        blocks and get a copy of its partial last block (``Scheduler.fork``; queued to recompute from the cache when
+        it has no blocks, or no seat or block is free). Returns the results once the search is done."""
+        beams, candidates, scheduler = user_request.samples, user_request.candidates, self.scheduler
+        if any(b.request_id not in candidates for b in beams):
+            for b in beams:
+                if b.request_id in candidates and b.status is RequestStatus.RUNNING:
+                    scheduler.park(b)
+            return None
+        search = user_request.search
+        chosen = search.step([candidates.pop(b.request_id) for b in beams])
+        if user_request.metrics.first_token_time is None:
+            user_request.metrics.first_token_time = time.monotonic()
+        if search.done:
+            for b in beams:
+                scheduler.finish(b)
+            return [SampleDelta(k, f.beam.token_ids(), f.beam.logprobs(), None, f.finish_reason, f.stop_reason,
+                                ended_by_token=f.stop_reason is not None)
+                    for k, f in enumerate(search.results())]
+        tokens_of: dict[int, list[tuple[int, int]]] = {}  # beam index -> (rank, token) of its children
+        for rank, (i, token) in enumerate(chosen):
+            tokens_of.setdefault(i, []).append((rank, token))
+        for i, beam in enumerate(beams):
+            if i not in tokens_of:  # first, so that its seat and blocks are free for the forks
+                scheduler.finish(beam)
+                self._user_request_of.pop(beam.request_id)
+                user_request.num_preemptions_gone += beam.num_preemptions
+        live: list[Request] = [beams[0]] * len(chosen)
+        queued: list[Request] = []  # beams without blocks: they go to the front of the queue, best first
+        copies: list[tuple[int, int]] = []
+        for i, kids in tokens_of.items():
+            beam = beams[i]
+            for rank, token in kids[1:]:
+                child = beam.fork(self._fork_id(user_request))
+                forked = scheduler.fork(beam, child)
+                if forked is None:
+                    queued.append(child)
+                else:
+                    copies += forked
+                child.append_token_ids([token])
+                self._user_request_of[child.request_id] = user_request
+                live[rank] = child
+            rank, token = kids[0]
+            if beam.status is not RequestStatus.RUNNING:  # parked: it gave its blocks back
+                queued.append(beam)
+            beam.append_token_ids([token])
+            live[rank] = beam
+        self.runner.copy_blocks(copies)
+        for beam in sorted(queued, key=live.index, reverse=True):
+            scheduler.resume(beam)
+        user_request.samples = live
+        return None
+
+    def _fork_id(self, user_request: _UserRequest) -> str:
+        """A new beam's id, unique among the engine's requests (a request id refuses to be one in use)."""
+        while True:
+            user_request.num_forks += 1
+            beam_id = f"{user_request.request_id}-beam{user_request.num_forks}"
+            if beam_id not in self._user_request_of:
+                return beam_id
 
     def _outputs(self, changed: dict, prompt_logprobs: dict[str, list]) -> list[RequestDelta]:
         """One delta per changed user request; finished ones are forgotten and counted."""
@@ -387,9 +494,9 @@ class LLMEngine:
             metrics = user_request.metrics
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
-            if all(s.finished for s in user_request.samples):
+            if user_request.finished:
                 metrics.finished_time = now
-                metrics.num_preemptions = sum(s.num_preemptions for s in user_request.samples)
+                metrics.num_preemptions = user_request.num_preemptions()
                 del self._requests[user_request.request_id]
                 self._forget(user_request)
                 self._counters["requests_finished"] += 1

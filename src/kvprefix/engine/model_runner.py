@@ -124,5 +124,15 @@ class ModelRunner:
         return sorted(indices, key=lambda i: rank.get(id(sched.scheduled[i].request.lora), 0))
 
     @torch.inference_mode()
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write for forked beams: each (source, destination) block pair's K and V, in every layer."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.device)
+        dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=self.device)
+        for layer in self.kv_caches:
+            layer.kv.index_copy_(0, dst, layer.kv.index_select(0, src))
+
+    @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden).float()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import enum
 from collections.abc import Sequence
 from typing import Any
@@ -62,6 +63,19 @@ class Request(CacheRequest):
         self.matcher: Any = None  # an llguidance matcher under structured outputs (engine.structured)
         self.tier_tokens: dict[str, int] = {}  # prompt tokens loaded from each lower tier before first admission
         self.tier_probe: tuple[int, int] | None = None  # the block range last asked of the tiers (asked once)
+
+    def fork(self, request_id: str) -> Request:
+        """Another beam of the same search (engine beam search): its tokens and their block hashes so far (copied,
+        not rehashed), its progress and its sampling (a seeded search's beams draw from one generator); nothing the
+        scheduler keeps. The caller gives it blocks (``Scheduler.fork``) or queues it to recompute from hits."""
+        child = copy.copy(self)
+        child.request_id = request_id
+        child.token_ids = list(self.token_ids)
+        child.block_hashes = list(self.block_hashes)
+        child.inflight_wait = None
+        child.num_preemptions = 0
+        child.tier_tokens, child.tier_probe = {}, None
+        return child
 
     def cached_tokens_by_tier(self) -> dict[str, int]:
         """Of the cached tokens at first admission, those loaded from each lower tier (the rest came from the pool);

@@ -191,6 +191,34 @@ class Scheduler:
             self.num_prompt_tokens_computed += max(0, min(req.num_computed_tokens, req.num_prompt_tokens) - start)
             manager.cache_blocks(req, req.num_computed_tokens)
 
+    # ---- beams (engine beam search: LLMEngine forks and parks the beams of a search between its steps)
+
+    def fork(self, parent: Request, child: Request) -> list[tuple[int, int]] | None:
+        """Starts ``child``, a new beam of the running ``parent``, in the running set on the parent's blocks
+        (``KVCacheManager.fork``); returns the block copies the runner must make first. None when there is no seat
+        or no block for it: the caller queues it (``resume``) to recompute from the parent's cached blocks."""
+        if parent.status is not RequestStatus.RUNNING or len(self.running) >= self.max_num_seqs:
+            return None
+        copies = self.manager.fork(parent, child)
+        if copies is not None:
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+        return copies
+
+    def park(self, req: Request) -> None:
+        """A beam whose next token waits for its siblings' (they were not all computed in one step) leaves with its
+        seat and blocks (its full blocks stay cached): a waiting beam never holds what another request needs."""
+        self.finish(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+
+    def resume(self, req: Request) -> None:
+        """A beam that holds no blocks goes to the front of the queue; its admission hits its cached blocks."""
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.queued_step = self.num_steps
+        self.waiting.appendleft(req)
+
     def finish(self, req: Request) -> None:
         """Removes a finished or aborted request from the queues and releases its blocks."""
         if req in self.running:

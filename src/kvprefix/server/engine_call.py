@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from kvprefix.engine import SamplingParams
+from kvprefix.engine import BeamSearchParams, SamplingParams
 from kvprefix.engine.sampling_params import MAX_SEED
 from kvprefix.engine.structured import grammar_for
 from kvprefix.http.errors import bad_request
@@ -26,12 +26,14 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty"
 
 @dataclass
 class EngineCall:
-    """One engine request per prompt (ids ``f"{engine_rid}-{i}"``), each with ``params`` (n samples)."""
+    """One engine request per prompt (ids ``f"{engine_rid}-{i}"``), each with ``params``: n samples, or a beam search
+    whose ``n`` best beams are the choices."""
 
     prompts: list[RenderedPrompt]
-    params: SamplingParams
+    params: SamplingParams | BeamSearchParams
     rid: str  # the response's id
     engine_rid: str
+    n: int  # choices per prompt
 
 
 async def engine_call(req: CompletionRequest | ChatCompletionRequest, caller: Caller, raw: Request, info: ModelInfo,
@@ -61,10 +63,13 @@ async def engine_call(req: CompletionRequest | ChatCompletionRequest, caller: Ca
             await asyncio.to_thread(grammar_for, structured)
         except ValueError as exc:
             raise bad_request(f"invalid '{field_name}': {exc}", param=field_name) from None
-    params = _sampling(req, max_tokens, _prompt_logprobs(req, info), _logit_bias(req.logit_bias, info.vocab_size))
-    params.structured_outputs = structured
+    if req.use_beam_search:  # supported.py refused what it does not take; a tool grammar was not planned
+        params = _beam_search(req, max_tokens, info)
+    else:
+        params = _sampling(req, max_tokens, _prompt_logprobs(req, info), _logit_bias(req.logit_bias, info.vocab_size))
+        params.structured_outputs = structured
     rid, engine_rid = _response_id(req, raw, "chatcmpl" if isinstance(req, ChatCompletionRequest) else "cmpl")
-    return EngineCall(prompts, params, rid, engine_rid)
+    return EngineCall(prompts, params, rid, engine_rid, req.n)
 
 
 def _max_tokens(limit: int, prompt_len: int, requested: int | None, param: str) -> int:
@@ -140,6 +145,23 @@ def _sampling(req: CompletionRequest | ChatCompletionRequest, max_tokens: int, p
                               logit_bias=logit_bias, logprob_token_ids=req.logprob_token_ids, seed=seed,
                               kv_retention=req.kv_retention(), **kwargs)
     except ValueError as exc:  # the engine's own range checks, should ours ever be looser
+        raise bad_request(str(exc)) from None
+
+
+def _beam_search(req: CompletionRequest | ChatCompletionRequest, max_tokens: int, info: ModelInfo
+                 ) -> BeamSearchParams:
+    """vLLM's: the beam width is n (completions: best_of when given, n of them returned), the temperature 1 unless
+    the request names one."""
+    _check_logprobs("sample", req.num_logprobs(), "top_logprobs" if isinstance(req, ChatCompletionRequest)
+                    else "logprobs", info)
+    width = getattr(req, "best_of", None) or req.n
+    try:
+        return BeamSearchParams(beam_width=width, max_tokens=max_tokens, ignore_eos=req.ignore_eos,
+                                temperature=1.0 if req.temperature is None else req.temperature,
+                                length_penalty=req.length_penalty,
+                                include_stop_str_in_output=req.include_stop_str_in_output,
+                                skip_special_tokens=req.skip_special_tokens, kv_retention=req.kv_retention())
+    except ValueError as exc:
         raise bad_request(str(exc)) from None
 
 

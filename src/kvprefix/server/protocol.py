@@ -124,8 +124,9 @@ class _SamplingFields(_Body):
     priority: Any = None
     kv_transfer_params: Any = None
     spaces_between_special_tokens: Any = None
-    use_beam_search: Any = None
-    length_penalty: Any = None
+    # vLLM's beam search: n (or best_of) beams, ranked by cum_logprob / length ** length_penalty (engine.beam_search).
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     bad_words: Any = None
     allowed_token_ids: Any = None
     logits_processors: Any = None

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import anyio
 
 from kvprefix.engine import (
+    BeamSearchParams,
     EngineDeadError,
     LoraNotFoundError,
     RequestFailedError,
@@ -65,10 +66,12 @@ class Run:
     """Drives the engine for one HTTP request. A single prompt's stream is read directly (the engine's queue is the
     only one on the way); several prompts are merged through one more queue."""
 
-    def __init__(self, engine: EngineClient, prompts: list[RenderedPrompt], engine_rid: str, params: SamplingParams,
-                 caller: Caller, kind: RequestOutputKind, books: Books, target: Target):
+    def __init__(self, engine: EngineClient, prompts: list[RenderedPrompt], engine_rid: str,
+                 params: SamplingParams | BeamSearchParams, n: int, caller: Caller, kind: RequestOutputKind,
+                 books: Books, target: Target):
+        """``n`` choices per prompt: the samples, or the best ``n`` of a beam search's results."""
         now, wall = time.monotonic(), time.time()  # the request's arrival: before it waits for admission
-        self.jobs = [Job(i, f"{engine_rid}-{i}", p, params.n, now, wall) for i, p in enumerate(prompts)]
+        self.jobs = [Job(i, f"{engine_rid}-{i}", p, n, now, wall) for i, p in enumerate(prompts)]
         self.engine = engine
         self.params = params
         self.caller = caller
@@ -87,6 +90,8 @@ class Run:
         items = _one(self.jobs[0], streams[0]) if len(streams) == 1 else _merged(self.jobs, streams)
         try:
             async for job, out in items:
+                if len(out.outputs) > job.n:  # a beam search wider than the choices (best_of): its best n
+                    out.outputs = [o for o in out.outputs if o.index < job.n]
                 job.take(out, self.kind)
                 if job.detail is None and any(o.token_ids for o in out.outputs):
                     job.detail = self.books.diagnose(job)

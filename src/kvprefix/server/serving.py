@@ -95,12 +95,15 @@ class Serving:
         chat = isinstance(req, ChatCompletionRequest)
         books = Books(self.info, self.metrics, self.tracker, self.request_log, self.engine.hasher, req, caller, chat,
                       call.params.max_tokens or 0, target)
-        kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
-        run = Run(self.engine, call.prompts, call.engine_rid, call.params, caller, kind, books, target)
+        # vLLM's: a completions beam search is answered whole even when a stream is asked for (chat streams the
+        # search's one output, each choice's whole text in one chunk).
+        stream = req.stream and (chat or not req.use_beam_search)
+        kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+        run = Run(self.engine, call.prompts, call.engine_rid, call.params, call.n, caller, kind, books, target)
         shape = Shape(req, call.rid, chat, target.name, run.jobs, tools, self._decode_one, self.info.tokens_as_ids)
         # Admission happens before the response starts, so overload is a plain 503 even for streams.
         ticket = await self.admission.acquire(len(run.jobs), caller.tenant)
-        if req.stream:
+        if stream:
             # The background task releases the slots should the stream be cancelled before it ever started.
             return StreamingResponse(_stream(run, Chunks(shape), ticket), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
