@@ -71,7 +71,7 @@ def block_identity(app_name: str):
 
     from kvprefix.router.hashing import RequestHasher
 
-    tokenizer, identity, max_model_len = (
+    tokenizer, identity, max_model_len, _ = (
         serve.get_deployment_handle("Engine", app_name).block_identity.remote().result())
     return RequestHasher(tokenizer, identity.hasher(), max_model_len)
 
