@@ -37,8 +37,9 @@ from kvprefix.tiers.write_behind import WriteBehind
 
 log = logging.getLogger(__name__)
 MAX_NOTED_BLOCKS = 1 << 16  # retentions noted for blocks not yet registered (an aborted request's are dropped oldest first)
-# Shared-tier blocks this replica keeps announced when the store's size is unknown (no maxmemory): a bound on memory.
-MAX_KNOWN_SHARED_BLOCKS = 1 << 20
+# Shared-tier blocks this replica keeps announced when the store's size is unknown (no maxmemory): a bound on memory
+# (about 50 MB of hashes at most).
+MAX_KNOWN_SHARED_BLOCKS = 1 << 18
 
 
 def kv_spec(identity: BlockIdentity, config: ModelConfig, dtype: torch.dtype) -> KVSpec:
@@ -67,7 +68,9 @@ class KVTier:
         self.block_bytes = object_bytes(spec, "0" * 16, 32)  # one object (16-hex namespace id, 32-byte hashes)
         self.presence = TierPresence(manager.block_size)
         for store in stores:
-            self.presence.track(store.medium, self.capacity_blocks(store) or MAX_KNOWN_SHARED_BLOCKS)
+            # A tier whose deletions go unseen is known at most as many blocks as it can hold: the oldest go first.
+            bound = None if store.sees_evictions else self.capacity_blocks(store) or MAX_KNOWN_SHARED_BLOCKS
+            self.presence.track(store.medium, bound)
             store.watch(self.presence)
         self.writers = [WriteBehind(store, max_queue, self.presence) for store in stores]
         self.loads = TierLoads(stores, manager, self._spans, self._stage_in, self.presence)

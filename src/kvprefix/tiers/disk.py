@@ -49,6 +49,7 @@ class DiskStore:
     name = "disk"
     medium = DISK
     store_id = ""  # a directory is this machine's: its blocks load on the replicas that open it, not fleet-wide
+    sees_evictions = True  # every deletion, this process's or (at a rescan) another's, is told to ``watch``
     local_lookup = True  # a lookup is a stat per block: cheap enough to ask on the engine's step
 
     def __init__(self, root: str, max_bytes: int, spec: KVSpec, *, progress: Callable[[int], None] | None = None,

@@ -87,6 +87,7 @@ class RedisStore:
 
     name = "shared"
     medium = SHARED
+    sees_evictions = False  # Redis tells no client what it evicts or expires (``watch``)
     local_lookup = False  # a lookup is a round trip: the engine asks on its loader thread
 
     def __init__(self, url: str, spec: KVSpec, *, timeout: float = DEFAULT_TIMEOUT,

@@ -84,6 +84,7 @@ class BlockStore(Protocol):
     name: str  # the tier's name in counters and cache_detail: "disk"
     medium: str  # its name in KV events (``cache.media``): "Disk"
     store_id: str  # names a store every replica reads ("" for the disk): replicas announcing it share its blocks
+    sees_evictions: bool  # whether ``watch`` reports every block the tier deletes on its own (the disk; not Redis)
     max_bytes: int  # its byte budget
     # True when ``lookup`` answers without a round trip (the engine then asks on its step, else on its loader
     # thread). ``contains`` is asked on the writer thread, before a write.
