@@ -56,6 +56,10 @@ def test_kv_events_spreads_a_hot_prefix_in_the_shared_tier_without_computing_it_
     assert tiered.shared_token_hit_rate > 0
     assert tiered.prefill_tokens_with_cache <= without.prefill_tokens_with_cache
     assert tiered.waited < without.waited
+    # `prefix` credits the shared tier from the moment it routes a prefix: in a burst it spreads the requests before
+    # the first replica has written the blocks, and the others compute them (docs/router.md).
+    early = run(trace, **{**config, "routing": "prefix"}, shared_capacity_bytes=10**12)
+    assert early.prefill_tokens_with_cache > tiered.prefill_tokens_with_cache
 
 
 def test_the_cli_shows_the_shared_tier_and_refuses_bad_values(traces_dir, tmp_path) -> None:
