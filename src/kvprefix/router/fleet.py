@@ -99,9 +99,11 @@ class FleetView:
 
     def held_prefix(self, replica: int, block_hashes: Sequence[Hashable]) -> Held:
         rep = self.replicas[replica]
-        media = rep.media
-        return held_below(self.cached_prefix_blocks(replica, block_hashes), block_hashes, media,
-                          rep.held_in(DISK), self.shared_held(rep, media[SHARED].store) if SHARED in media else None)
+        pool, media = self.cached_prefix_blocks(replica, block_hashes), rep.media
+        if DISK not in media and SHARED not in media:
+            return Held(pool)  # no tier: the pool's count, as before tiers (the router's hot path)
+        return held_below(pool, block_hashes, media, rep.held_in(DISK),
+                          self.shared_held(rep, media[SHARED].store) if SHARED in media else None)
 
     def shared_held(self, rep: Replica, store: str) -> Container[Hashable] | None:
         """The blocks in the shared tier ``store``, which ``rep`` reads: those any replica reading it announced (the
