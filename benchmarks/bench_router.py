@@ -96,8 +96,9 @@ def null_backend(port: int, model: str) -> None:
 
     identity = block_identity(model, "float32", None, Tokenizer(model).chat_template)
     root = identity.hasher().root
-    events = b"".join(dumps(m) for m in (Hello("null", "0" * 16, 16, "sha256", root, 0, False, identity=identity),
-                                         SnapshotStart(0, 0), SnapshotEnd(0)))
+    # Wire version 1 (a pool, no tiers): what routers of either side of the version-2 change read (--baseline-src).
+    hello = Hello("null", "0" * 16, 16, "sha256", root, 0, False, version=1, identity=identity)
+    events = b"".join(dumps(m) for m in (hello, SnapshotStart(0, 0), SnapshotEnd(0)))
     answer = json.dumps({"id": "cmpl-null", "object": "chat.completion", "model": "null", "choices": [
         {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
         "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2,

@@ -14,7 +14,7 @@ from kvprefix.cache import (
     ExecutionContext,
     KVCacheManager,
 )
-from kvprefix.cache.event_index import BlockIndex, StreamError, StreamMirror
+from kvprefix.cache.event_index import BlockIndex, MediaIndex, StreamError, StreamMirror
 from kvprefix.cache.event_wire import (
     WIRE_VERSION,
     BlockRun,
@@ -22,6 +22,7 @@ from kvprefix.cache.event_wire import (
     Goodbye,
     Heartbeat,
     Hello,
+    LoadCosts,
     SnapshotBlocks,
     SnapshotEnd,
     SnapshotStart,
@@ -29,6 +30,7 @@ from kvprefix.cache.event_wire import (
     dumps,
     loads,
 )
+from kvprefix.cache.media import DISK, POOL, SHARED, Medium
 
 BS = 4
 
@@ -106,7 +108,7 @@ def test_decode_refuses_what_it_does_not_know():
     with pytest.raises(ValueError, match="lacks the field 'hashes'"):
         decode({"type": "removed", "seq": 1, "replica_id": "r"})
     hello = json.loads(dumps(Hello("r", "e", 16, "sha256", b"\x00", 0, False)))
-    with pytest.raises(ValueError, match="version 2"):
+    with pytest.raises(ValueError, match="version 3; this reader knows 1, 2"):
         decode({**hello, "version": WIRE_VERSION + 1})
 
 
@@ -158,3 +160,69 @@ def test_mirror_refuses_gaps_repeats_and_foreign_resumes():
     assert mirror.ready
     mirror.apply(Event(7, "r", AllBlocksCleared()))
     assert len(mirror.index) == 0
+
+
+# ---- where a block is held (the medium) and what loading from there costs: wire version 2
+
+
+@pytest.mark.parametrize("msg", [
+    Event(3, "r", BlockStored([b"\x05" * 32, b"\x06" * 32], b"\x04" * 32, None, 16, None, "ns", DISK)),
+    Event(4, "r", BlockRemoved([b"\x05" * 32], SHARED)),
+    Hello("r", "e", 16, "sha256", b"\x01" * 32, 0, False, media=(
+        Medium(POOL, 364), Medium(DISK, 28_000, 0.07), Medium(SHARED, None, 0.1, "0123456789abcdef"))),
+    SnapshotBlocks([BlockRun("ns", None, [b"\x07"], DISK), BlockRun("ns", b"\x01", [b"\x08"], SHARED)]),
+    LoadCosts({DISK: 0.05, SHARED: 0.125}),
+])
+def test_media_and_load_costs_round_trip(msg):
+    assert loads(dumps(msg)) == msg
+
+
+def test_the_medium_is_on_the_wire_as_vllm_names_it():
+    stored = json.loads(dumps(Event(1, "r", BlockStored([b"\x05"], None, None, 16, None, "ns", DISK))))
+    removed = json.loads(dumps(Event(2, "r", BlockRemoved([b"\x05"]))))
+    assert (stored["medium"], removed["medium"]) == ("Disk", "GPU")  # vLLM's "Disk" and MEDIUM_GPU (the pool)
+    assert json.loads(dumps(Hello("r", "e", 16, "sha256", b"\x00", 0, False)))["version"] == 2
+
+
+def test_a_version_1_stream_is_read_as_the_pool():
+    """A replica from before tier events: no medium anywhere, no media in its hello; every block is its pool's."""
+    hello = json.loads(dumps(Hello("r", "e", 16, "sha256", b"\x00", 0, False)))
+    old = decode({**hello, "version": 1})
+    assert old.version == 1 and old.media == ()
+    stored = decode({"type": "stored", "seq": 1, "replica_id": "r", "namespace": "ns", "parent": None,
+                     "hashes": ["05"], "block_size": 16})
+    assert stored.event.medium == POOL
+    runs = decode({"type": "snapshot_blocks", "runs": [{"namespace": "ns", "parent": None, "hashes": ["05"]}]})
+    assert runs.runs[0].medium == POOL
+    mirror = StreamMirror()
+    mirror.apply(old)
+    assert mirror.media == {POOL: Medium(POOL)}
+
+
+def test_the_mirror_keeps_each_medium_apart():
+    """Stored and removed apply to their medium only; a reset clears the pool, not the tiers; the snapshot's runs
+    rebuild every medium; load costs replace the hello's."""
+    mirror = StreamMirror()
+    media = (Medium(POOL, 8), Medium(DISK, 100, 0.1), Medium(SHARED, None, 0.1, "s"))
+    for msg in (Hello("r", "e", BS, "sha256", b"\x00", 2, False, media=media), SnapshotStart(2, 3),
+                SnapshotBlocks([BlockRun("ns", b"\x00", [b"a", b"b"]), BlockRun("ns", None, [b"a"], DISK)]),
+                SnapshotEnd(2)):
+        mirror.apply(msg)
+    assert set(mirror.index.blocks()) == {b"a", b"b"} and set(mirror.blocks.of(DISK).blocks()) == {b"a"}
+    for seq, event in enumerate([BlockStored([b"c"], b"b", None, BS, None, "ns", SHARED),
+                                 BlockRemoved([b"a"], DISK), BlockStored([b"d"], None, None, BS, None, "", DISK),
+                                 AllBlocksCleared()], start=3):
+        mirror.apply(Event(seq, "r", event))
+    assert len(mirror.index) == 0  # the reset emptied the pool
+    assert set(mirror.blocks.of(DISK).blocks()) == {b"d"} and b"c" in mirror.blocks.of(SHARED)
+    mirror.apply(LoadCosts({DISK: 0.03}))
+    assert mirror.media[DISK].load_cost == 0.03 and mirror.media[SHARED].load_cost == 0.1
+    # What a publisher snapshots: every medium's runs, the pool's first, each with its medium.
+    index = MediaIndex()
+    index.add([(b"p", b"\x00", "ns", POOL), (b"d1", None, "", DISK), (b"d2", None, "", DISK),
+               (b"s1", b"p", "ns", SHARED), (b"s2", b"s1", "ns", SHARED)])
+    runs = index.runs()
+    # d1 and d2 were found by a scan (parent unknown): never chained into one run
+    assert [(r.medium, r.hashes) for r in runs] == [(POOL, [b"p"]), (DISK, [b"d1"]), (DISK, [b"d2"]),
+                                                    (SHARED, [b"s1", b"s2"])]
+    assert len(index) == 5

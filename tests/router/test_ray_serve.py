@@ -71,7 +71,7 @@ def block_identity(app_name: str):
 
     from kvprefix.router.hashing import RequestHasher
 
-    tokenizer, identity, max_model_len = (
+    tokenizer, identity, max_model_len, _ = (
         serve.get_deployment_handle("Engine", app_name).block_identity.remote().result())
     return RequestHasher(tokenizer, identity.hasher(), max_model_len)
 
@@ -115,6 +115,33 @@ def test_replicas_keep_their_positions_and_each_reset_is_forgotten_once():
     slots.place({a, c}, [("a", 2), ("b", 1)])  # b gone, c new: c takes b's position, which holds nothing of b's
     assert slots.slots == [a, c] and routed.cached_prefix_blocks(1, ["x"]) == 0
     assert set(slots.replicas) == {a, b, c}
+
+
+def test_the_ray_view_credits_the_tiers_the_ingress_hands_over():
+    """The ingress hands over, per replica, the request's blocks in its pool and in the shared tier it reads; the
+    request router's view credits them as `kvprefix route`'s does (with the replicas' tiers from their hellos)."""
+    from ray.serve._private.common import DeploymentID
+
+    from kvprefix.cache.media import POOL, SHARED, Medium
+    from kvprefix.router.fleet import Replica
+    from kvprefix.router.hashing import RouteRequest
+    from kvprefix.router.ledger import Ledger
+    from kvprefix.router.policies import Held, make_policy
+    from kvprefix.router.ray.routing import ReplicaID, ReplicaSlots
+
+    deployment = DeploymentID(name="Engine", app_name="kvprefix")
+    a, b = (ReplicaID(u, deployment) for u in "ab")
+    media = {POOL: Medium(POOL, 64), SHARED: Medium(SHARED, None, 0.125, "redis-1")}
+    slots = ReplicaSlots(Ledger(make_policy("kv-events")), lambda rid: Replica(rid, media_info=media))
+    slots.place({a, b})
+    prefix = tuple(f"h{i}" for i in range(10))
+    route = RouteRequest((*prefix, "q"), None, 12, held={"a": {POOL: frozenset(prefix), SHARED: frozenset(prefix)},
+                                                         "b": {SHARED: frozenset(prefix)}})
+    view = slots.view(route)
+    assert [view.held_prefix(r, route.block_hashes) for r in (0, 1)] == [Held(pool=10), Held(0, 0, 10, 0, 0.125)]
+    slots.replicas[a].outstanding.add([], 4)  # a is prefilling: b loads the prefix instead of computing it
+    decision = slots.ledger.choose(route, slots.view(route))
+    assert (decision.replica, decision.credited, decision.load_cost) == (1, 10, 1.25)
 
 
 def test_a_request_refused_by_a_full_replica_is_a_retry_counted_where_it_went():

@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from kvprefix.cache.event_index import BlockIndex, StreamMirror
+from kvprefix.cache.event_index import BlockIndex, MediaIndex, StreamMirror
+from kvprefix.cache.media import POOL
 from kvprefix.router.fleet import FleetView, Replica
 from kvprefix.router.hashing import RouteRequest
 from kvprefix.router.ledger import Ledger
@@ -80,7 +81,7 @@ def test_a_view_counts_a_prefix_cached_or_pending_block_by_block():
     hashes = [f"b{i}" for i in range(40)]
     for _ in range(300):
         cached = {h for h in hashes if rng.random() < 0.5}
-        rep.mirror.index = BlockIndex({h: (None, "") for h in cached})
+        rep.mirror.blocks = MediaIndex({POOL: BlockIndex({h: (None, "") for h in cached})})
         routed = [rep.outstanding.add(hashes[: rng.randrange(41)], 0) for _ in range(rng.randrange(3))]
         split = rng.randrange(41)  # a chain that shares the first blocks, then goes its own way
         routed.append(rep.outstanding.add(hashes[:split] + [f"c{split}-{j}" for j in range(rng.randrange(9))], 0))

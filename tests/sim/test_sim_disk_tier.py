@@ -11,7 +11,7 @@ import sys
 import pytest
 from support.tier_blocks import SPEC, chain, expected
 
-from kvprefix.sim.disk_tier import SimDiskTier
+from kvprefix.sim.tiers import SimTier
 from kvprefix.tiers import DiskStore
 from kvprefix.tiers.objects import encode
 
@@ -42,7 +42,7 @@ def test_the_simulated_tier_evicts_what_the_disk_store_evicts(tmp_path) -> None:
     """The same writes and loads on a real DiskStore and on the simulator's tier leave the same blocks."""
     blocks = chain(40)
     size = len(encode(blocks[0]))
-    store, sim = DiskStore(str(tmp_path), 10 * size, SPEC, rescan_seconds=1e9), SimDiskTier(10 * size, size)
+    store, sim = DiskStore(str(tmp_path), 10 * size, SPEC, rescan_seconds=1e9), SimTier(10 * size, size)
     for i, b in enumerate(blocks):
         store.store(b)
         sim.store(b.block_hash)

@@ -9,6 +9,7 @@ import pytest
 from kvprefix.router.policies import (
     POLICIES,
     Decision,
+    Held,
     LeastLoad,
     PrefixScore,
     RandomChoice,
@@ -85,13 +86,16 @@ class View:
     def healthy(self, replica):
         return replica not in self.down
 
-    def cached_prefix_blocks(self, replica, block_hashes):
+    def held_prefix(self, replica, block_hashes):
         n = 0
         for h in block_hashes:
             if h not in self.held[replica]:
                 break
             n += 1
-        return n
+        return Held(n)
+
+    def media(self, replica):
+        return {}
 
     def load(self, replica):
         return self.loads[replica]

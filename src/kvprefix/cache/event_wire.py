@@ -1,7 +1,9 @@
 """The KV event wire format: the messages of a replica's event stream, each one JSON object (docs/kv-events.md).
 
 One codec for both ends: the server encodes, routers and tests decode, so the two can never disagree. Hashes
-travel as lowercase hex; token ids and extra keys never travel (they are the prompt). Pure Python, no torch.
+travel as lowercase hex; token ids and extra keys never travel (they are the prompt). Version 2 added where a
+block is held (``medium``, ``cache.media``) and what each place costs to load from; a version-1 stream (no medium)
+is read as the pool's. Pure Python, no torch.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ from typing import Any
 from kvprefix.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvprefix.cache.hashing import BlockHash
 from kvprefix.cache.identity import BlockIdentity
+from kvprefix.cache.media import POOL, Medium
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2
+READS_VERSIONS = (1, 2)  # version 1: a replica without tier events (every block in its pool)
 
 
 @dataclass(frozen=True)
@@ -23,7 +27,8 @@ class Hello:
     are unrelated. ``seq`` is the last number assigned when the stream opened; ``resume`` True means the events
     after the subscriber's ``since`` follow, False that a snapshot follows. ``identity`` names the replica's blocks
     (a router builds its hasher from it) and ``max_model_len`` is its context length (``truncate_prompt_tokens``
-    -1 keeps that many tokens); both None from a replica that predates them."""
+    -1 keeps that many tokens); both None from a replica that predates them. ``media``: where it holds blocks, the
+    pool first, each with its capacity and load cost (empty from a replica that predates them: the pool only)."""
 
     replica_id: str
     epoch: str
@@ -35,6 +40,7 @@ class Hello:
     version: int = WIRE_VERSION
     identity: BlockIdentity | None = None
     max_model_len: int | None = None
+    media: tuple[Medium, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -49,11 +55,12 @@ class Event:
 
 @dataclass(frozen=True)
 class BlockRun:
-    """Cached blocks of one namespace, each the parent of the next; ``parent`` precedes the first."""
+    """Cached blocks of one namespace in one medium, each the parent of the next; ``parent`` precedes the first."""
 
     namespace: str
     parent: BlockHash | None
     hashes: list[BlockHash]
+    medium: str = POOL
 
 
 @dataclass(frozen=True)
@@ -84,6 +91,14 @@ class Heartbeat:
 
 
 @dataclass(frozen=True)
+class LoadCosts:
+    """What loading a block from each tier costs now, in blocks of prefill (``Medium.load_cost``), by medium: sent,
+    unnumbered, when the replica's measurement has moved since the hello or the last one."""
+
+    costs: dict[str, float]
+
+
+@dataclass(frozen=True)
 class Goodbye:
     """The server ends the stream. ``reason`` "overflow": the subscriber read too slowly; "shutdown": the
     replica is stopping. ``seq`` is the last event delivered: reconnect with ``since=seq`` and the epoch."""
@@ -93,7 +108,7 @@ class Goodbye:
     message: str = ""
 
 
-Message = Hello | Event | SnapshotStart | SnapshotBlocks | SnapshotEnd | Heartbeat | Goodbye
+Message = Hello | Event | SnapshotStart | SnapshotBlocks | SnapshotEnd | Heartbeat | LoadCosts | Goodbye
 
 
 def _hex(h: BlockHash | None) -> str | None:
@@ -109,9 +124,10 @@ def _encode_event(msg: Event) -> dict[str, Any]:
     head = {"seq": msg.seq, "replica_id": msg.replica_id}
     if isinstance(event, BlockStored):
         return {"type": "stored", **head, "namespace": event.namespace, "parent": _hex(event.parent_block_hash),
-                "hashes": [h.hex() for h in event.block_hashes], "block_size": event.block_size}
+                "hashes": [h.hex() for h in event.block_hashes], "block_size": event.block_size,
+                "medium": event.medium}
     if isinstance(event, BlockRemoved):
-        return {"type": "removed", **head, "hashes": [h.hex() for h in event.block_hashes]}
+        return {"type": "removed", **head, "hashes": [h.hex() for h in event.block_hashes], "medium": event.medium}
     if isinstance(event, AllBlocksCleared):
         return {"type": "cleared", **head}
     raise TypeError(f"not a KV cache event: {event!r}")
@@ -129,17 +145,21 @@ def encode(msg: Message) -> dict[str, Any]:
             hello["identity"] = msg.identity.to_dict()
         if msg.max_model_len is not None:
             hello["max_model_len"] = msg.max_model_len
+        if msg.media:
+            hello["media"] = [m.to_dict() for m in msg.media]
         return hello
     if isinstance(msg, SnapshotStart):
         return {"type": "snapshot", "seq": msg.seq, "num_blocks": msg.num_blocks}
     if isinstance(msg, SnapshotBlocks):
         return {"type": "snapshot_blocks", "runs": [
-            {"namespace": r.namespace, "parent": _hex(r.parent), "hashes": [h.hex() for h in r.hashes]}
-            for r in msg.runs]}
+            {"namespace": r.namespace, "parent": _hex(r.parent), "hashes": [h.hex() for h in r.hashes],
+             "medium": r.medium} for r in msg.runs]}
     if isinstance(msg, SnapshotEnd):
         return {"type": "snapshot_end", "seq": msg.seq}
     if isinstance(msg, Heartbeat):
         return {"type": "heartbeat", "seq": msg.seq}
+    if isinstance(msg, LoadCosts):
+        return {"type": "load_costs", "costs": msg.costs}
     if isinstance(msg, Goodbye):
         return {"type": "goodbye", "seq": msg.seq, "reason": msg.reason, "message": msg.message}
     raise TypeError(f"not a wire message: {msg!r}")
@@ -152,27 +172,33 @@ def decode(d: dict[str, Any]) -> Message:
     try:
         if kind == "stored":
             hashes = [bytes.fromhex(h) for h in d["hashes"]]
-            event = BlockStored(hashes, _unhex(d["parent"]), None, d["block_size"], None, d["namespace"])
+            event = BlockStored(hashes, _unhex(d["parent"]), None, d["block_size"], None, d["namespace"],
+                                d.get("medium", POOL))
             return Event(d["seq"], d["replica_id"], event)
         if kind == "removed":
-            return Event(d["seq"], d["replica_id"], BlockRemoved([bytes.fromhex(h) for h in d["hashes"]]))
+            event = BlockRemoved([bytes.fromhex(h) for h in d["hashes"]], d.get("medium", POOL))
+            return Event(d["seq"], d["replica_id"], event)
         if kind == "cleared":
             return Event(d["seq"], d["replica_id"], AllBlocksCleared())
         if kind == "hello":
-            if d["version"] != WIRE_VERSION:
-                raise ValueError(f"KV event stream version {d['version']}; this reader knows {WIRE_VERSION}")
+            if d["version"] not in READS_VERSIONS:
+                raise ValueError(f"KV event stream version {d['version']}; this reader knows "
+                                 f"{', '.join(map(str, READS_VERSIONS))}")
             identity = BlockIdentity.from_dict(d["identity"]) if d.get("identity") is not None else None
+            media = tuple(Medium.from_dict(m) for m in d.get("media") or ())
             return Hello(d["replica_id"], d["epoch"], d["block_size"], d["hash_algo"], bytes.fromhex(d["root"]),
-                         d["seq"], d["resume"], d["version"], identity, d.get("max_model_len"))
+                         d["seq"], d["resume"], d["version"], identity, d.get("max_model_len"), media)
         if kind == "snapshot":
             return SnapshotStart(d["seq"], d["num_blocks"])
         if kind == "snapshot_blocks":
-            return SnapshotBlocks([BlockRun(r["namespace"], _unhex(r["parent"]), [bytes.fromhex(h) for h in r["hashes"]])
-                                   for r in d["runs"]])
+            return SnapshotBlocks([BlockRun(r["namespace"], _unhex(r["parent"]), [bytes.fromhex(h) for h in r["hashes"]],
+                                            r.get("medium", POOL)) for r in d["runs"]])
         if kind == "snapshot_end":
             return SnapshotEnd(d["seq"])
         if kind == "heartbeat":
             return Heartbeat(d["seq"])
+        if kind == "load_costs":
+            return LoadCosts({str(k): float(v) for k, v in d["costs"].items()})
         if kind == "goodbye":
             return Goodbye(d["seq"], d["reason"], d.get("message", ""))
     except KeyError as exc:

@@ -10,12 +10,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvprefix.cache.hashing import BlockHash
+from kvprefix.cache.media import POOL
 
 
 @dataclass(frozen=True)
 class BlockStored:
     """Consecutive blocks of one request became cached; ``parent_block_hash`` precedes the first (the namespace's
-    root for a first block; None only for trace replays). ``namespace``: the public id, never the salt."""
+    root for a first block; None for trace replays and for blocks a tier found without their header). ``namespace``:
+    the public id, never the salt. ``medium``: where (``cache.media``): the pool, or a tier below it."""
 
     block_hashes: list[BlockHash]
     parent_block_hash: BlockHash | None
@@ -23,18 +25,20 @@ class BlockStored:
     block_size: int
     extra_keys: list[list[tuple]] | None
     namespace: str = ""
+    medium: str = POOL
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
-    """Blocks were evicted: their hashes no longer hit."""
+    """Blocks left ``medium`` (evicted, deleted, found missing): their hashes no longer hit there."""
 
     block_hashes: list[BlockHash]
+    medium: str = POOL
 
 
 @dataclass(frozen=True)
 class AllBlocksCleared:
-    """The prefix cache was reset: no hash hits any more."""
+    """The prefix cache (the pool) was reset: no hash hits there any more. The tiers below keep theirs."""
 
 
 KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared

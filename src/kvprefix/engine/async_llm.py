@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from kvprefix.cache import KVCacheEvent
+from kvprefix.cache.media import POOL, Medium
 from kvprefix.engine.args import EngineArgs
 from kvprefix.engine.beam_search import BeamSearchParams
 from kvprefix.engine.llm_engine import LLMEngine, PromptType
@@ -139,17 +140,31 @@ class AsyncLLM:
 
     async def subscribe_kv_events_from_snapshot(
         self,
-        on_snapshot: Callable[[list[tuple[bytes, bytes | None, str]]], None],
+        on_snapshot: Callable[[list[tuple[bytes, bytes | None, str, str]]], None],
         on_event: Callable[[KVCacheEvent], None],
     ) -> Callable[[], None]:
-        """On the engine thread, atomically: ``on_snapshot`` with every cached (hash, parent hash, namespace id), then
-        subscribes ``on_event``, so each change is seen exactly once. Returns the unsubscribe function."""
+        """Atomically per source: ``on_snapshot`` with the pool's cached (hash, parent hash, namespace id, medium),
+        then ``on_event`` subscribed to the pool's events (on the engine thread); the same with the blocks the tiers
+        hold and their events (``tiers.presence``: delivered on the tiers' threads). Each change is seen exactly
+        once. Returns the function that unsubscribes from both."""
 
         def start() -> Callable[[], None]:
-            on_snapshot(self.engine.manager.pool.snapshot())
-            return self.engine.manager.events.subscribe(on_event)
+            on_snapshot([(h, parent, namespace, POOL) for h, parent, namespace in self.engine.manager.pool.snapshot()])
+            unsubscribes = [self.engine.manager.events.subscribe(on_event)]
+            if self.engine.kv_tier is not None:
+                unsubscribes.append(self.engine.kv_tier.presence.subscribe_from_snapshot(on_snapshot, on_event))
+
+            def unsubscribe() -> None:
+                for stop in unsubscribes:
+                    stop()
+
+            return unsubscribe
 
         return await self._call(start)
+
+    def kv_media(self) -> list[Medium]:
+        """Where the engine holds blocks and what each place costs to load from now (``LLMEngine.kv_media``)."""
+        return self.engine.kv_media()
 
     async def abort(self, request_id: str) -> None:
         """Stops the request and frees its blocks (done when this returns); its stream ends with finish_reason

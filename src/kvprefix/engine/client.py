@@ -7,14 +7,16 @@ from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 from kvprefix.cache import BlockHasher, BlockIdentity, KVCacheEvent
+from kvprefix.cache.media import Medium
 from kvprefix.engine.beam_search import BeamSearchParams
 from kvprefix.engine.lora_request import LoraActivity, LoraInfo, LoRARequest
 from kvprefix.engine.outputs import RequestOutput, RequestOutputKind
 from kvprefix.engine.sampling_params import SamplingParams
 from kvprefix.tokenizer import Tokenizer
 
-# Every cached block as (hash, parent hash, namespace id): the snapshot a KV-event stream starts from.
-CacheSnapshot = list[tuple[bytes, bytes | None, str]]
+# Every block held as (hash, parent hash, namespace id, medium): the pool's and the tiers' (``cache.media``); a
+# KV-event stream starts from them.
+CacheSnapshot = list[tuple[bytes, bytes | None, str, str]]
 
 
 class EngineClient(Protocol):
@@ -73,6 +75,10 @@ class EngineClient(Protocol):
 
     def get_metrics(self) -> dict[str, int | float]: ...
 
+    def kv_media(self) -> list[Medium]:
+        """Where the engine holds blocks (the pool, then its tiers), each with its capacity and load cost now."""
+        ...
+
     def subscribe_kv_events(self, callback: Callable[[KVCacheEvent], None]) -> Callable[[], None]:
         """``callback`` runs on the engine thread; returns the unsubscribe function."""
         ...
@@ -80,7 +86,9 @@ class EngineClient(Protocol):
     async def subscribe_kv_events_from_snapshot(
         self, on_snapshot: Callable[[CacheSnapshot], None], on_event: Callable[[KVCacheEvent], None]
     ) -> Callable[[], None]:
-        """The cache now, then every change after it, each exactly once; returns the unsubscribe function."""
+        """The blocks held now, then every change after it, each exactly once (the pool's on the engine thread, the
+        tiers' on their threads: ``on_snapshot`` may be called once per source, ``on_event`` from any thread);
+        returns the unsubscribe function."""
         ...
 
     async def shutdown(self) -> None:

@@ -8,7 +8,9 @@ prefill starts at the first block found nowhere. Writes: every block the pool re
 out once and queued to each tier but the one it was just loaded from, on that tier's write-behind thread, which
 skips what its tier holds already; a full queue drops the write (counted): a step never waits for a tier.
 Retention: ``admit`` checks a request's retention against its tenant's budget and notes it for the request's
-blocks not yet in the pool, which the writes then honour (docs/tiers.md#retention).
+blocks not yet in the pool, which the writes then honour (docs/tiers.md#retention). What each tier holds is kept in
+``presence`` (``tiers.presence``), whose KV events tell routers which blocks this replica can load from where, and
+``media`` says what each tier holds at most and costs to load from (docs/kv-events.md).
 """
 
 from __future__ import annotations
@@ -24,15 +26,20 @@ import torch
 from kvprefix.cache import KVCacheManager
 from kvprefix.cache.events import BlockStored
 from kvprefix.cache.identity import BlockIdentity
+from kvprefix.cache.media import Medium, load_cost
 from kvprefix.engine.tier_loads import TierLoads
 from kvprefix.model import ModelConfig
 from kvprefix.tiers import BlockObject, BlockStore, DiskStore, KVSpec, RedisStore, parse_size
 from kvprefix.tiers.objects import object_bytes
+from kvprefix.tiers.presence import TierPresence
 from kvprefix.tiers.retention import IN_MEMORY, check_retention, retained_seconds
 from kvprefix.tiers.write_behind import WriteBehind
 
 log = logging.getLogger(__name__)
 MAX_NOTED_BLOCKS = 1 << 16  # retentions noted for blocks not yet registered (an aborted request's are dropped oldest first)
+# Shared-tier blocks this replica keeps announced when the store's size is unknown (no maxmemory): a bound on memory
+# (about 50 MB of hashes at most).
+MAX_KNOWN_SHARED_BLOCKS = 1 << 18
 
 
 def kv_spec(identity: BlockIdentity, config: ModelConfig, dtype: torch.dtype) -> KVSpec:
@@ -58,8 +65,15 @@ class KVTier:
         host = self.layers if cpu else [torch.empty_like(layer[0], device="cpu") for layer in self.layers]
         self._bytes = [t.view(torch.uint8).numpy().reshape(t.shape[0] if cpu else 1, -1) for t in host]
         self._on_cpu = cpu
-        self.writers = [WriteBehind(store, max_queue) for store in stores]
-        self.loads = TierLoads(stores, manager, self._spans, self._stage_in)
+        self.block_bytes = object_bytes(spec, "0" * 16, 32)  # one object (16-hex namespace id, 32-byte hashes)
+        self.presence = TierPresence(manager.block_size)
+        for store in stores:
+            # A tier whose deletions go unseen is known at most as many blocks as it can hold: the oldest go first.
+            bound = None if store.sees_evictions else self.capacity_blocks(store) or MAX_KNOWN_SHARED_BLOCKS
+            self.presence.track(store.medium, bound)
+            store.watch(self.presence)
+        self.writers = [WriteBehind(store, max_queue, self.presence) for store in stores]
+        self.loads = TierLoads(stores, manager, self._spans, self._stage_in, self.presence)
         self._unsubscribe = manager.events.subscribe(self._on_event)
         atexit.register(self.close)
 
@@ -67,6 +81,28 @@ class KVTier:
     def hit_tokens(self) -> dict[str, int]:
         """Prompt tokens loaded from each tier into the pool, by tier name."""
         return self.loads.hit_tokens
+
+    # ---- what routers are told
+
+    def capacity_blocks(self, store: BlockStore) -> int | None:
+        """How many blocks ``store`` holds at most (None: its size is unknown, as a Redis without maxmemory)."""
+        return store.max_bytes // self.block_bytes if store.max_bytes else None
+
+    def load_costs(self, prefill_seconds_per_block: float | None) -> dict[str, float]:
+        """Blocks of prefill one block loaded from each tier costs (``cache.media.load_cost``), by tier name: its
+        mean seconds to load and verify a block since start over ``prefill_seconds_per_block``."""
+        out = {}
+        for store in self.stores:
+            with store.stats.lock:
+                blocks, seconds = store.stats.hit_blocks, store.stats.load_seconds.total
+            out[store.name] = load_cost(seconds / blocks if blocks else None, prefill_seconds_per_block)
+        return out
+
+    def media(self, prefill_seconds_per_block: float | None) -> list[Medium]:
+        """Each tier as a KV event stream's hello announces it."""
+        costs = self.load_costs(prefill_seconds_per_block)
+        return [Medium(store.medium, self.capacity_blocks(store), costs[store.name], store.store_id)
+                for store in self.stores]
 
     # ---- retention
 

@@ -12,12 +12,13 @@ import torch
 
 from kvprefix.cache import BlockHasher, KVCacheManager, block_identity
 from kvprefix.cache.default_model import DEFAULT_MODEL_NAME, default_model_path
+from kvprefix.cache.media import POOL, Medium
 from kvprefix.engine.args import EngineArgs
 from kvprefix.engine.beam_search import BeamSearch, BeamSearchParams
 from kvprefix.engine.kv_tier import open_kv_tier
 from kvprefix.engine.lora import LoraAdapters
 from kvprefix.engine.lora_request import LoraActivity, LoRARequest
-from kvprefix.engine.metrics import ITERATION_TOKEN_BUCKETS, engine_metrics
+from kvprefix.engine.metrics import ITERATION_TOKEN_BUCKETS, engine_metrics, prefill_seconds_per_block
 from kvprefix.engine.model_runner import ModelRunner, num_kv_blocks
 from kvprefix.engine.output_state import OutputState
 from kvprefix.engine.outputs import RequestDelta, RequestMetrics, SampleDelta
@@ -150,6 +151,7 @@ class LLMEngine:
         self._failures: list[tuple[str, RequestFailedError]] = []
         self._iteration_tokens = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)  # per bucket (not cumulative), then +Inf
         self._iteration_tokens_sum = 0
+        self._prefill_seconds = 0.0  # the prompt tokens' share of the model's time in each step, summed
 
     # ---- requests
 
@@ -357,7 +359,9 @@ class LLMEngine:
         ]
         self._count_step(sched, sample_rows)
         score_rows = [i for i, s in enumerate(sched.scheduled) if s.request.prompt_logprobs is not None]
+        start = time.perf_counter()
         logits, scored = self.runner.execute(sched, sample_rows, score_rows)
+        self._count_prefill_time(sched, time.perf_counter() - start)
         for i, hidden in scored.items():  # before update_after_step: num_computed_tokens is the chunk's start
             self._score_prompt(sched.scheduled[i].request, hidden)
         self.scheduler.update_after_step(sched)
@@ -365,6 +369,24 @@ class LLMEngine:
             return []
         requests = [sched.scheduled[i].request for i in sample_rows]
         return self._outputs(*self._append_samples(requests, self._sample(logits, requests)))
+
+    def _count_prefill_time(self, sched, seconds: float) -> None:
+        """The step's time, shared out by the tokens computed: the prompt tokens' share is prefill time (what a
+        block loaded from a tier is weighed against: ``engine.metrics.prefill_seconds_per_block``)."""
+        prompt = sum(max(0, min(s.request.num_computed_tokens + s.num_new_tokens, s.request.num_prompt_tokens)
+                         - s.request.num_computed_tokens) for s in sched.scheduled)
+        if prompt and sched.num_tokens:
+            self._prefill_seconds += seconds * prompt / sched.num_tokens
+
+    def kv_media(self) -> list[Medium]:
+        """Where this engine holds blocks, as a KV event stream's hello announces them: the pool, then each tier
+        with its capacity and measured load cost (``cache.media``)."""
+        pool = [Medium(POOL, self.manager.pool.num_blocks)]
+        if self.kv_tier is None:
+            return pool
+        per_block = prefill_seconds_per_block(self._prefill_seconds, self.scheduler.num_prompt_tokens_computed,
+                                              self.manager.block_size)
+        return pool + self.kv_tier.media(per_block)
 
     def _count_step(self, sched, sample_rows: list[int]) -> None:
         """The step's tokens into the histogram, as vLLM counts them (the tokens computed, plus the token sampled at
@@ -560,7 +582,7 @@ class LLMEngine:
     def get_metrics(self) -> dict[str, int | float]:
         """Counters, gauges and the tokens-per-step histogram (``engine.metrics.engine_metrics``)."""
         return engine_metrics(self.manager, self.scheduler, self._counters, self._iteration_tokens,
-                              self._iteration_tokens_sum, self.kv_tier)
+                              self._iteration_tokens_sum, self._prefill_seconds, self.kv_tier)
 
     def close(self) -> None:
         """Finishes the tier's queued writes and stops its writer (nothing else holds outside resources)."""

@@ -9,10 +9,13 @@ ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 81
 
 
 def engine_metrics(manager, scheduler, counters: dict[str, int], iteration_tokens: list[int],
-                   iteration_tokens_sum: int, kv_tier=None) -> dict[str, int | float]:
+                   iteration_tokens_sum: int, prefill_seconds: float = 0.0, kv_tier=None) -> dict[str, int | float]:
     """Counters since start (prefix_cache_* in tokens at first admission; prefix_cache_preempted_* at
-    re-admissions; num_inflight_prefix_waits), gauges (num_requests_*, kv_cache_usage, num_free_blocks), and the
-    tokens-per-step histogram (iteration_tokens_le_B: steps of at most B tokens; _count, _sum); docs/metrics.md."""
+    re-admissions; num_inflight_prefix_waits; prefill_seconds: the prompt tokens' share of model time), gauges
+    (num_requests_*, kv_cache_usage, num_free_blocks), and the tokens-per-step histogram (iteration_tokens_le_B:
+    steps of at most B tokens; _count, _sum); docs/metrics.md."""
+    computed = scheduler.num_prompt_tokens_computed
+    prefill_per_block = prefill_seconds_per_block(prefill_seconds, computed, manager.block_size)
     stats = manager.stats
     pool = manager.pool
     return {
@@ -28,7 +31,8 @@ def engine_metrics(manager, scheduler, counters: dict[str, int], iteration_token
         "num_preemptions": scheduler.num_preemptions,
         "num_inflight_prefix_waits": scheduler.inflight.num_waits if scheduler.inflight else 0,
         "prompt_tokens": counters["prompt_tokens"],
-        "prompt_tokens_computed": scheduler.num_prompt_tokens_computed,
+        "prompt_tokens_computed": computed,
+        "prefill_seconds": prefill_seconds,
         "generation_tokens": counters["generation_tokens"],
         "requests_finished": counters["requests_finished"],
         "requests_aborted": counters["requests_aborted"],
@@ -42,14 +46,21 @@ def engine_metrics(manager, scheduler, counters: dict[str, int], iteration_token
         "num_free_blocks": pool.num_free_blocks,
         "block_size": manager.block_size,
         **_iteration_token_stats(iteration_tokens, iteration_tokens_sum),
-        **(_tier_stats(kv_tier) if kv_tier is not None else {}),
+        **(_tier_stats(kv_tier, prefill_per_block) if kv_tier is not None else {}),
     }
 
 
-def _tier_stats(kv_tier) -> dict[str, int]:
+def prefill_seconds_per_block(prefill_seconds: float, prompt_tokens_computed: int, block_size: int) -> float | None:
+    """Mean seconds of model time to prefill one block (None before any prefill)."""
+    return prefill_seconds / prompt_tokens_computed * block_size if prompt_tokens_computed else None
+
+
+def _tier_stats(kv_tier, prefill_seconds_per_block: float | None) -> dict[str, int | float]:
     """``kv_<tier>_*`` for each tier: its counters (hit_tokens: prompt tokens loaded from it), its usage gauges,
-    and verification failures, dropped writes and failed calls by reason (``..._verify_failures_<reason>``)."""
-    out: dict[str, int] = {}
+    verification failures, dropped writes and failed calls by reason (``..._verify_failures_<reason>``), and what
+    loading a block from it costs in blocks of prefill (``load_cost``: what the replica tells routers)."""
+    out: dict[str, int | float] = {}
+    costs = kv_tier.load_costs(prefill_seconds_per_block)
     for store in kv_tier.stores:
         stats, name = store.stats, f"kv_{store.name}"
         with stats.lock:
@@ -61,6 +72,7 @@ def _tier_stats(kv_tier) -> dict[str, int]:
             out[f"{name}_lookup_tokens"] = stats.lookup_blocks * kv_tier.manager.block_size
         out[f"{name}_hit_tokens"] = kv_tier.hit_tokens[store.name]
         out[f"{name}_max_bytes"] = store.max_bytes
+        out[f"{name}_load_cost"] = costs[store.name]
     return out
 
 

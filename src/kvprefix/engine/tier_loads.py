@@ -7,6 +7,8 @@ verifies each block straight into its pool block. Meanwhile the request keeps it
 engine steps the others; when the load is done the blocks are registered and the request is admitted with them
 as hits. A request whose next blocks another request is loading waits for that load instead of loading them too.
 Each request is probed once per position, so a request held back by the token budget does not ask again.
+A block a tier turned out not to hold (a lookup stopped at it, or it did not load) is told to the tiers'
+``TierPresence``: that is how a router learns what the shared tier evicted or expired.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 
 from kvprefix.cache import KVCacheManager
 from kvprefix.tiers import BlockStore, Expected
+from kvprefix.tiers.presence import TierPresence
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +50,10 @@ class _Load:
 
 class TierLoads:
     def __init__(self, stores: Sequence[BlockStore], manager: KVCacheManager,
-                 spans: Callable[[int], list[memoryview]], stage_in: Callable[[int], None]):
+                 spans: Callable[[int], list[memoryview]], stage_in: Callable[[int], None],
+                 presence: TierPresence | None = None):
         self.stores, self.manager = list(stores), manager
+        self.presence = presence
         self._spans, self._stage_in = spans, stage_in
         self._local_lookup = all(getattr(store, "local_lookup", False) for store in self.stores)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvprefix-tier-loader")
@@ -186,11 +191,19 @@ class TierLoads:
         """The tier holding each leading block of ``hashes``: each tier is asked for what the ones before lack."""
         sources: list[int] = []
         for k, store in enumerate(self.stores):
-            num = store.lookup(hashes[len(sources):], namespace)
+            rest = hashes[len(sources):]
+            num = store.lookup(rest, namespace)
             sources += [k] * num
+            if num < len(rest):
+                self._missing(store, rest[num])
             if len(sources) == len(hashes):
                 break
         return sources
+
+    def _missing(self, store: BlockStore, block_hash: bytes) -> None:
+        """``store`` does not hold the block (or not in a form that loads): if it was announced, it no longer is."""
+        if self.presence is not None:
+            self.presence.removed(store.medium, [block_hash])
 
     def _read(self, expected: list[Expected], sources: list[int], block_ids: list[int]) -> int:
         """Reads and verifies blocks in order into ``block_ids``; returns how many verified (a block that does not
@@ -204,6 +217,7 @@ class TierLoads:
                     self._stage_in(block_id)
                 spent[sources[i]] += time.perf_counter() - start
                 if not ok:
+                    self._missing(self.stores[sources[i]], expected[i].block_hash)
                     return i
             return len(block_ids)
         finally:

@@ -144,6 +144,10 @@ class Router:
             ok = False
         if ok and not rep.healthy:
             self.ledger.forget(i)  # back from the dead (a restart, perhaps): it holds nothing we remember sending
+            if self.ledger.policy.name == "prefix":  # its tiers, with their sizes and load costs, from its hello
+                with contextlib.suppress(httpx.HTTPError, ValueError):
+                    hello = await read_hello(self.client, rep.name, self.admin_headers)
+                    rep.media_info = {m.name: m for m in hello.media}
         if ok != rep.healthy:
             log.warning("replica %s is %s", rep.name, "up" if ok else "down")
         rep.healthy = ok

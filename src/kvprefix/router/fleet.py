@@ -2,18 +2,22 @@
 
 A replica's load is what was routed there and has not finished (``Outstanding``: requests in flight, their queued
 prefill, their blocks). What it caches is one count everywhere: the blocks of requests in flight there, then the
-blocks it holds (``PendingBlocks.cached_prefix_blocks``). What it holds is its exact set where the router knows
-it: a KV event stream's ``StreamMirror`` (`kvprefix route`), the pool itself (the planner), the request's own
-blocks that a replica's mirror holds (the Ray ingress hands them over with the request). Pure state.
+blocks its pool holds (``PendingBlocks.cached_prefix_blocks``), then those on its disk, then those in a shared tier
+it reads (``policies.held_below``). What it holds is its exact set per medium where the router knows it: a KV event
+stream's ``StreamMirror`` (`kvprefix route`; the shared tier's blocks are those any replica reading the same store
+announced), the pool and tiers themselves (the planner), the request's own blocks that a replica's mirror holds
+(the Ray ingress hands them over with the request). Pure state.
 """
 
 from __future__ import annotations
 
-from collections.abc import Container, Hashable, Sequence
+from collections.abc import Container, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvprefix.cache.event_index import StreamMirror
+from kvprefix.cache.media import DISK, SHARED, Medium
 from kvprefix.router.pending import Outstanding
+from kvprefix.router.policies import Held, held_below
 
 
 @dataclass
@@ -23,7 +27,9 @@ class Replica:
     mirror: StreamMirror | None = None  # only when following KV events
     outstanding: Outstanding = field(default_factory=Outstanding)
     resyncs: int = 0  # snapshots applied: the first, then one per restart or lost stream
-    cached: Container[Hashable] | None = None  # what it holds, where the router has that directly (not a mirror)
+    cached: Container[Hashable] | None = None  # what its pool holds, where the router has that directly (not a mirror)
+    tier_cached: dict[str, Container[Hashable]] = field(default_factory=dict)  # the same for its tiers, by medium
+    media_info: Mapping[str, Medium] = field(default_factory=dict)  # where it holds blocks, where no stream says
 
     @property
     def in_flight(self) -> int:
@@ -36,6 +42,30 @@ class Replica:
         if mirror is not None:
             return mirror.index if mirror.ready else None
         return self.cached
+
+    @property
+    def media(self) -> Mapping[str, Medium]:
+        """Where it holds blocks, with capacities and load costs: its stream's hello (and later load costs), else
+        ``media_info``."""
+        mirror = self.mirror
+        return mirror.media if mirror is not None and mirror.media else self.media_info
+
+    def held_in(self, medium: str) -> Container[Hashable] | None:
+        """The blocks it holds in a tier (``cache.media``), None while unknown."""
+        mirror = self.mirror
+        if mirror is not None:
+            return mirror.blocks.of(medium) if mirror.ready else None
+        return self.tier_cached.get(medium)
+
+
+class AnyOf:
+    """The union of some containers, without copying them."""
+
+    def __init__(self, parts: list[Container[Hashable]]):
+        self.parts = parts
+
+    def __contains__(self, item: object) -> bool:
+        return any(item in part for part in self.parts)
 
 
 class FleetView:
@@ -63,8 +93,29 @@ class FleetView:
         return replica not in self._excluded and self.replicas[replica].healthy
 
     def cached_prefix_blocks(self, replica: int, block_hashes: Sequence[Hashable]) -> int:
+        """The leading blocks in its pool, or being computed there for a request routed before."""
         rep = self.replicas[replica]
         return rep.outstanding.blocks.cached_prefix_blocks(block_hashes, rep.held)
+
+    def held_prefix(self, replica: int, block_hashes: Sequence[Hashable]) -> Held:
+        rep = self.replicas[replica]
+        pool, media = self.cached_prefix_blocks(replica, block_hashes), rep.media
+        if DISK not in media and SHARED not in media:
+            return Held(pool)  # no tier: the pool's count, as before tiers (the router's hot path)
+        return held_below(pool, block_hashes, media, rep.held_in(DISK),
+                          self.shared_held(rep, media[SHARED].store) if SHARED in media else None)
+
+    def shared_held(self, rep: Replica, store: str) -> Container[Hashable] | None:
+        """The blocks in the shared tier ``store``, which ``rep`` reads: those any replica reading it announced (the
+        union of their mirrors), else what the router has directly."""
+        if rep.mirror is None:
+            return rep.tier_cached.get(SHARED)
+        return AnyOf([r.mirror.blocks.of(SHARED) for r in self.replicas
+                      if r.mirror is not None and r.mirror.ready and SHARED in r.mirror.media
+                      and r.mirror.media[SHARED].store == store])
+
+    def media(self, replica: int) -> Mapping[str, Medium]:
+        return self.replicas[replica].media
 
     def load(self, replica: int) -> float:
         return self.replicas[replica].outstanding.requests

@@ -31,9 +31,10 @@ class RouteRequest:
     block_hashes: tuple[Hashable, ...]
     session: str | None
     num_blocks: int = 0  # prompt blocks, the partial tail included (0: not hashed)
-    # replica id -> the request's blocks that replica holds, where the caller follows the event streams and the
+    # replica id -> medium (``cache.media``) -> the request's blocks that replica holds there (for the shared tier:
+    # those any replica reading the same store announced), where the caller follows the event streams and the
     # router does not (the Ray ingress hands them to Ray's request router with the call)
-    held: Mapping[str, frozenset[Hashable]] | None = None
+    held: Mapping[str, Mapping[str, frozenset[Hashable]]] | None = None
 
 
 def route_request(body: bytes, headers: Mapping[str, str], tenant: str | None,

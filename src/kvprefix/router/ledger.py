@@ -32,7 +32,8 @@ class Ledger:
     def record(self, request: Routable, decision: Decision, outstanding: Outstanding) -> Routed:
         """Counts the request at its replica until the returned ``Routed`` is settled."""
         blocks = request.block_hashes if self._pending_blocks else ()
-        return outstanding.add(blocks, max(request.num_blocks - decision.credited, 0))
+        # Its queued prefill: the blocks it computes, and the tier loads of the ones credited, in blocks of prefill.
+        return outstanding.add(blocks, max(request.num_blocks - decision.credited, 0) + decision.load_cost)
 
     def route(self, request: Routable, view: FleetView, refused: tuple[str, ...] = ()) -> tuple[Decision, Routed]:
         decision = self.choose(request, view, refused)

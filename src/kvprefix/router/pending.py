@@ -76,7 +76,7 @@ class Outstanding:
         self.queued_prefill_blocks = 0
         self.blocks = PendingBlocks()
 
-    def add(self, block_hashes: Sequence[Hashable], prefill_blocks: int) -> Routed:
+    def add(self, block_hashes: Sequence[Hashable], prefill_blocks: float) -> Routed:
         """Counts one routed request: its hashes and the ``prefill_blocks`` it was not credited with."""
         self.requests += 1
         self.queued_prefill_blocks += prefill_blocks
@@ -91,7 +91,7 @@ class Routed:
 
     __slots__ = ("_of", "_block_hashes", "_prefill_blocks", "_finished")
 
-    def __init__(self, of: Outstanding, block_hashes: Sequence[Hashable], prefill_blocks: int):
+    def __init__(self, of: Outstanding, block_hashes: Sequence[Hashable], prefill_blocks: float):
         self._of = of
         self._block_hashes = block_hashes
         self._prefill_blocks = prefill_blocks

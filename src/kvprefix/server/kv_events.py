@@ -4,8 +4,10 @@ Nothing is subscribed until the first stream opens: a replica nobody listens to 
 subscribes the publisher to the engine together with a snapshot of the pool, atomically on the engine thread;
 from then on the publisher numbers every event, keeps the index of what is cached (for later snapshots) and a
 ring buffer of recent encoded events (for resumes). Each subscriber has a bounded queue filled on the engine
-thread and drained by its response; one that falls behind is dropped with a goodbye, never waited for. Wire
-format and protocol: docs/kv-events.md.
+thread and drained by its response; one that falls behind is dropped with a goodbye, never waited for. The tiers
+below the pool deliver their events (the same numbering) from their own threads. Each stream's hello says where the
+replica holds blocks and what loading from each tier costs; a ``load_costs`` message follows when that moves.
+Wire format and protocol: docs/kv-events.md.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 
@@ -20,23 +23,27 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import StreamingResponse
 
 from kvprefix.cache import KVCacheEvent
-from kvprefix.cache.event_index import BlockIndex
+from kvprefix.cache.event_index import MediaIndex
 from kvprefix.cache.event_wire import (
     Event,
     Goodbye,
     Heartbeat,
     Hello,
+    LoadCosts,
     SnapshotBlocks,
     SnapshotEnd,
     SnapshotStart,
     dumps,
 )
+from kvprefix.cache.media import POOL, Medium
 from kvprefix.http.errors import APIError
 from kvprefix.http.tenancy import Auth
 
 BUFFER_BYTES = 16 * 2**20  # recent events kept for resumes
 QUEUE_BYTES = 4 * 2**20  # per subscriber; smaller than the buffer, so a dropped subscriber can usually resume
 HEARTBEAT_S = 10.0
+COSTS_CHECK_S = 5.0  # a stream looks at the tiers' load costs at most this often
+COSTS_STEP = 0.01  # and sends them when one moved by at least this many blocks of prefill since it last did
 _RUNS_PER_LINE = 64
 
 
@@ -97,7 +104,7 @@ class KVEventPublisher:
         self._queue_limit = queue_bytes
         self._heartbeat_s = heartbeat_s
         self._lock = threading.Lock()
-        self._index = BlockIndex()
+        self._index = MediaIndex()
         self._seq = 0
         self._buffer: deque[tuple[int, bytes]] = deque()
         self._buffer_size = 0
@@ -118,9 +125,9 @@ class KVEventPublisher:
                 self._subscribed = True
 
     def _load_snapshot(self, blocks: list[tuple]) -> None:
-        """The pool's cached blocks when the subscription starts (engine thread): event 0's state."""
+        """The blocks one source (the pool, the tiers) holds when the subscription to it starts: event 0's state."""
         with self._lock:
-            self._index = BlockIndex({h: (parent, namespace) for h, parent, namespace in blocks})
+            self._index.add(blocks)
 
     def on_event(self, event: KVCacheEvent) -> None:
         with self._lock:
@@ -160,11 +167,18 @@ class KVEventPublisher:
             index = None if resume else self._index.copy()
             self._subscribers.append(sub)
         hello = Hello(self.replica_id, self.epoch, self._hasher.block_size, self._hasher.algo, self._hasher.root,
-                      last, resume, identity=self._identity, max_model_len=self._max_model_len)
+                      last, resume, identity=self._identity, max_model_len=self._max_model_len,
+                      media=tuple(self._engine.kv_media()))
         return self._lines(sub, hello, replay, index)
 
+    def _costs_moved(self, sent: dict[str, float]) -> dict[str, float] | None:
+        """The tiers' load costs now, if one moved by ``COSTS_STEP`` or more since ``sent``."""
+        costs = _costs(self._engine.kv_media())
+        return costs if any(abs(c - sent.get(name, c)) >= COSTS_STEP for name, c in costs.items()) else None
+
     async def _lines(self, sub: _Subscriber, hello: Hello, replay: list[bytes],
-                     index: BlockIndex | None) -> AsyncIterator[bytes]:
+                     index: MediaIndex | None) -> AsyncIterator[bytes]:
+        sent, checked = _costs(hello.media), time.monotonic()
         try:
             yield dumps(hello)
             delivered = hello.seq
@@ -189,6 +203,11 @@ class KVEventPublisher:
                                if ended == "overflow" else "the replica is shutting down")
                     yield dumps(Goodbye(delivered, ended, message))
                     return
+                if time.monotonic() - checked >= COSTS_CHECK_S:
+                    checked, moved = time.monotonic(), self._costs_moved(sent)
+                    if moved is not None:
+                        sent = moved
+                        yield dumps(LoadCosts(moved))
                 if not lines:
                     try:
                         await asyncio.wait_for(sub.wake.wait(), self._heartbeat_s)
@@ -198,6 +217,11 @@ class KVEventPublisher:
             with self._lock:
                 if sub in self._subscribers:
                     self._subscribers.remove(sub)
+
+
+def _costs(media: tuple[Medium, ...] | list[Medium]) -> dict[str, float]:
+    """The load cost of each tier below the pool, by medium."""
+    return {m.name: m.load_cost for m in media if m.name != POOL}
 
 
 def add_kv_event_routes(app: FastAPI, engine, auth: Auth, replica_id: str) -> KVEventPublisher:

@@ -9,7 +9,8 @@ import argparse
 import math
 import sys
 
-from kvprefix.paths import ReadableFile, ReadablePath, WritableFile, positive_float, positive_int
+from kvprefix.cache.media import DEFAULT_LOAD_COST
+from kvprefix.paths import ReadableFile, ReadablePath, WritableFile, fraction, positive_float, positive_int
 from kvprefix.sim.formats import FORMATS
 from kvprefix.sim.replay import DEFAULT_KV_BYTES_PER_TOKEN, MODES, ROUTINGS
 from kvprefix.tiers.sizes import size_argument
@@ -102,9 +103,17 @@ def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--disk-capacity", type=size_argument, default=None, metavar="BYTES",
                    help="a disk tier of this many bytes below each replica's pool (e.g. 20GiB; as kvprefix serve "
                         "--kv-disk-size), reporting the hit rate per tier: pool, disk, miss (default: none)")
+    c.add_argument("--shared-capacity", type=size_argument, default=None, metavar="BYTES",
+                   help="one shared tier of this many bytes below every replica's pool (as kvprefix serve --kv-shared "
+                        "on a Redis of that maxmemory), reporting its hit rate beside the pool's (default: none)")
     c.add_argument("--kv-bytes-per-token", type=positive_int, default=DEFAULT_KV_BYTES_PER_TOKEN, metavar="BYTES",
-                   help="a block's size on the disk tier per token (default "
+                   help="a block's size in a tier per token (default "
                         f"{DEFAULT_KV_BYTES_PER_TOKEN:,}: the default model's KV in bfloat16)")
+    for tier in ("disk", "shared"):
+        c.add_argument(f"--{tier}-load-cost", type=fraction, default=DEFAULT_LOAD_COST, metavar="BLOCKS",
+                       help=f"blocks of prefill time one block loaded from the {tier} tier costs: timed mode's prefill "
+                            f"time and the routing policies' credit (default {DEFAULT_LOAD_COST}, what a replica "
+                            "announces until it has measured it)")
 
 
 def _timing_and_output_arguments(parser: argparse.ArgumentParser) -> None:
@@ -177,7 +186,10 @@ def _simulate(args: argparse.Namespace) -> int:
         load_cap=args.load_cap,
         seed=args.seed,
         disk_capacity_bytes=args.disk_capacity,
+        shared_capacity_bytes=args.shared_capacity,
         kv_bytes_per_token=args.kv_bytes_per_token,
+        disk_load_cost=args.disk_load_cost,
+        shared_load_cost=args.shared_load_cost,
     )
     summaries = sweep(trace, capacities, args.replicas, args.routing, base, progress=not args.no_progress)
     print(format_table(summaries))

@@ -56,11 +56,15 @@ class ReplaySummary:
     block_refs: int
     replay_s: float
     block_refs_per_s: float
-    # With a disk tier below each pool (--disk-capacity): token_hit_rate is pool + disk; miss = 1 - token_hit_rate.
+    # With tiers below the pools (--disk-capacity, --shared-capacity): token_hit_rate is pool + disk + shared;
+    # miss = 1 - token_hit_rate.
     disk_capacity_bytes: int | None = None  # per replica; None = no disk tier
     pool_token_hit_rate: float = 0.0  # prompt tokens served from the pool / all prompt tokens
     disk_token_hit_rate: float = 0.0  # prompt tokens loaded from the disk tier / all prompt tokens
     disk_evictions: int = 0
+    shared_capacity_bytes: int | None = None  # the one shared tier below every pool; None = none
+    shared_token_hit_rate: float = 0.0  # prompt tokens loaded from the shared tier / all prompt tokens
+    shared_evictions: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -70,15 +74,16 @@ def summarize(trace: Trace, config: ReplayConfig, rec: ReplayRecords) -> ReplayS
     bs = trace.block_size
     n_rep = len(rec.pool_blocks)
     rep_tokens, rep_cached, rep_requests = [0] * n_rep, [0] * n_rep, [0] * n_rep
-    prompt = cached = blocks = cached_blocks = disk_tokens = 0
+    prompt = cached = blocks = cached_blocks = disk_tokens = shared_tokens = 0
     fraction_sum = 0.0
     waits = []
-    for r, rep, hit_blocks, disk_blocks, wait in zip(trace.requests, rec.replica, rec.cached_blocks,
-                                                     rec.disk_blocks, rec.wait_s, strict=True):
+    for r, rep, hit_blocks, disk_blocks, shared_blocks, wait in zip(
+            trace.requests, rec.replica, rec.cached_blocks, rec.disk_blocks, rec.shared_blocks, rec.wait_s, strict=True):
         if rep < 0:
             continue
         hit_tokens = hit_blocks * bs
         disk_tokens += disk_blocks * bs
+        shared_tokens += shared_blocks * bs
         prompt += r.input_length
         cached += hit_tokens
         blocks += r.num_blocks
@@ -124,9 +129,12 @@ def summarize(trace: Trace, config: ReplayConfig, rec: ReplayRecords) -> ReplayS
         replay_s=rec.elapsed_s,
         block_refs_per_s=_ratio(refs, rec.elapsed_s),
         disk_capacity_bytes=config.disk_capacity_bytes,
-        pool_token_hit_rate=_ratio(cached - disk_tokens, prompt),
+        pool_token_hit_rate=_ratio(cached - disk_tokens - shared_tokens, prompt),
         disk_token_hit_rate=_ratio(disk_tokens, prompt),
         disk_evictions=sum(rec.disk_evictions),
+        shared_capacity_bytes=config.shared_capacity_bytes,
+        shared_token_hit_rate=_ratio(shared_tokens, prompt),
+        shared_evictions=rec.shared_evictions,
     )
 
 

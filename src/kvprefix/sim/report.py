@@ -23,19 +23,26 @@ _COLUMNS = (
     ("mean_wait_s", "wait(s)", "{:.2f}"),
     ("rejected", "rejected", "{:,}"),
 )
-# With a disk tier (--disk-capacity), after the capacity: hit rate per tier (pool + disk = hit(tok)).
+# With tiers (--disk-capacity, --shared-capacity), after the capacity: hit rate per tier (their sum = hit(tok)).
+_POOL_COLUMN = (("pool_token_hit_rate", "hit(pool)", "{:.4f}"),)
 _DISK_COLUMNS = (
     ("disk_capacity_bytes", "disk/replica", "{:,}"),
-    ("pool_token_hit_rate", "hit(pool)", "{:.4f}"),
     ("disk_token_hit_rate", "hit(disk)", "{:.4f}"),
     ("disk_evictions", "disk evictions", "{:,}"),
+)
+_SHARED_COLUMNS = (
+    ("shared_capacity_bytes", "shared", "{:,}"),
+    ("shared_token_hit_rate", "hit(shared)", "{:.4f}"),
+    ("shared_evictions", "shared evictions", "{:,}"),
 )
 
 
 def format_table(summaries: list[ReplaySummary]) -> str:
-    columns = _COLUMNS
-    if any(s.disk_capacity_bytes is not None for s in summaries):
-        columns = (*_COLUMNS[:4], *_DISK_COLUMNS, *_COLUMNS[4:])
+    disk = any(s.disk_capacity_bytes is not None for s in summaries)
+    shared = any(s.shared_capacity_bytes is not None for s in summaries)
+    tiers = (*(_POOL_COLUMN if disk or shared else ()), *(_DISK_COLUMNS if disk else ()),
+             *(_SHARED_COLUMNS if shared else ()))
+    columns = (*_COLUMNS[:4], *tiers, *_COLUMNS[4:])
     rows = [[head for _, head, _ in columns]]
     for s in summaries:
         row = []
@@ -81,7 +88,8 @@ def plot_hit_rate(summaries: list[ReplaySummary], path: str | Path, title: str |
         bounded = sorted((s for s in runs if s.capacity_tokens is not None), key=lambda s: s.capacity_tokens)
         if bounded:
             ax.plot([s.capacity_tokens for s in bounded], [s.token_hit_rate for s in bounded], marker="o", label=label)
-            if any(s.disk_capacity_bytes is not None for s in bounded):  # the pool's share: the rest is the disk's
+            if any(s.disk_capacity_bytes is not None or s.shared_capacity_bytes is not None for s in bounded):
+                # the pool's share: the rest is the tiers'
                 ax.plot([s.capacity_tokens for s in bounded], [s.pool_token_hit_rate for s in bounded], marker=".",
                         linestyle="--", label=f"{label}, pool only")
         for s in runs:

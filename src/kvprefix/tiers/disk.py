@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 
+from kvprefix.cache.media import DISK
 from kvprefix.tiers import disk_layout as layout
 from kvprefix.tiers.lru_bytes import LRUBytes
 from kvprefix.tiers.objects import (
@@ -35,6 +36,7 @@ from kvprefix.tiers.objects import (
     encode,
     verify,
 )
+from kvprefix.tiers.presence import TierPresence
 from kvprefix.tiers.store import TierStats
 
 HEADER_GUESS = 4096  # read with the prefix: any real header (a 16-token block's is about 300 bytes)
@@ -45,6 +47,9 @@ class DiskStore:
     blocks computed under ``spec``. ``progress(n)`` is told of a long start-up scan."""
 
     name = "disk"
+    medium = DISK
+    store_id = ""  # a directory is this machine's: its blocks load on the replicas that open it, not fleet-wide
+    sees_evictions = True  # every deletion, this process's or (at a rescan) another's, is told to ``watch``
     local_lookup = True  # a lookup is a stat per block: cheap enough to ask on the engine's step
 
     def __init__(self, root: str, max_bytes: int, spec: KVSpec, *, progress: Callable[[int], None] | None = None,
@@ -61,11 +66,19 @@ class DiskStore:
         self._retained: dict[bytes, tuple[float, str]] = {}  # hash -> (kept until, epoch seconds; tenant)
         self._last_scan = 0.0
         self._scan_cost = 0.0  # seconds the last scan took
+        self._presence: TierPresence | None = None  # told of what appears and disappears (``watch``)
         self.rescan(progress)
         if self._lru.usage > max_bytes:
             self.evict(self._lru.usage - max_bytes)
 
     # ---- the LRU view
+
+    def watch(self, presence: TierPresence) -> None:
+        """Tells ``presence`` (which tracks this tier's medium) of every object now, and from now on of every object
+        written, deleted, or found or missed by a rescan."""
+        with self._lock:
+            presence.found(self.medium, list(self._lru))
+            self._presence = presence
 
     def rescan(self, progress: Callable[[int], None] | None = None) -> None:
         """Rebuilds the view from the directory: every process's objects, least recently used (by mtime) first.
@@ -81,6 +94,11 @@ class DiskStore:
             self._lru = LRUBytes((e.block_hash, e.size) for e in entries)
             self._last_scan = time.monotonic()
             self._gauges()
+            presence = self._presence
+        if presence is not None:  # what other processes on the directory wrote and deleted meanwhile
+            found = {e.block_hash for e in entries}
+            presence.removed(self.medium, [h for h in rank if h not in found])
+            presence.found(self.medium, [h for h in found if h not in rank])
 
     def _gauges(self) -> None:
         self.stats.usage_bytes, self.stats.num_objects = self._lru.usage, len(self._lru)
@@ -186,6 +204,8 @@ class DiskStore:
         with self._lock:
             self._forget(block_hash)
             self._retained.pop(block_hash, None)
+        if self._presence is not None:
+            self._presence.removed(self.medium, [block_hash])
 
     def store(self, obj: BlockObject, retain_until: float | None = None, tenant: str = "") -> bool:
         if retain_until is not None and self.contains(obj.block_hash):
@@ -272,7 +292,7 @@ class DiskStore:
     def evict(self, num_bytes: int) -> int:
         """Deletes least recently used objects (of this process's view) until ``num_bytes`` are freed, passing
         over those retained until later than now; returns the bytes freed (less when not enough could go)."""
-        freed, now = 0, time.time()
+        freed, now, gone = 0, time.time(), []
         with self._lock:
             def retained(block_hash: bytes) -> bool:
                 kept = self._retained.get(block_hash)
@@ -292,7 +312,10 @@ class DiskStore:
                     except OSError:
                         pass
                 self._forget(block_hash)
+                gone.append(block_hash)
                 freed += size
                 self.stats.evictions += 1
+        if gone and self._presence is not None:
+            self._presence.removed(self.medium, gone)
         return freed
 

@@ -15,6 +15,7 @@ the next call after it reconnects. No exception reaches the caller, and no socke
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import threading
@@ -23,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
+from kvprefix.cache.media import SHARED
 from kvprefix.tiers.objects import BlockObject, Expected, KVSpec, ObjectError, decode, decode_prefix, encode, verify
 from kvprefix.tiers.store import TierStats
 
@@ -84,6 +86,8 @@ class RedisStore:
     eviction policy decides). ``max_bytes`` is the server's ``maxmemory`` (0 when unknown or unbounded)."""
 
     name = "shared"
+    medium = SHARED
+    sees_evictions = False  # Redis tells no client what it evicts or expires (``watch``)
     local_lookup = False  # a lookup is a round trip: the engine asks on its loader thread
 
     def __init__(self, url: str, spec: KVSpec, *, timeout: float = DEFAULT_TIMEOUT,
@@ -108,6 +112,13 @@ class RedisStore:
         self.client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
                                            retry=Retry(NoBackoff(), 0), health_check_interval=0)
         self.settings = self._read_settings()
+
+    @property
+    def store_id(self) -> str:
+        """Names this store (host, port, database, key prefix; no password) in 16 hex digits: replicas announcing
+        the same id read and write the same blocks (docs/kv-events.md)."""
+        where = f"{self.url.host}:{self.url.port}/{self.url.db}/{self.key_prefix}"
+        return hashlib.sha256(where.encode()).hexdigest()[:16]
 
     # ---- keys, failures and backoff
 
@@ -298,6 +309,10 @@ class RedisStore:
     def retained_bytes(self, tenant: str, besides: Sequence[bytes] = ()) -> int:
         """Nothing counts against a tenant's retention budget here: the budget is the disk tier's."""
         return 0
+
+    def watch(self, presence) -> None:
+        """Redis tells no client what it evicts or expires: a block it dropped is known gone when a lookup here
+        misses it (``engine.tier_loads``)."""
 
     def evict(self, num_bytes: int) -> int:
         """Redis evicts by its own policy (``maxmemory-policy``): nothing to do here."""

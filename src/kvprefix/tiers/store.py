@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvprefix.tiers.objects import BlockObject, Expected
+from kvprefix.tiers.presence import TierPresence
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)  # seconds
 
@@ -81,6 +82,9 @@ class TierStats:
 
 class BlockStore(Protocol):
     name: str  # the tier's name in counters and cache_detail: "disk"
+    medium: str  # its name in KV events (``cache.media``): "Disk"
+    store_id: str  # names a store every replica reads ("" for the disk): replicas announcing it share its blocks
+    sees_evictions: bool  # whether ``watch`` reports every block the tier deletes on its own (the disk; not Redis)
     max_bytes: int  # its byte budget
     # True when ``lookup`` answers without a round trip (the engine then asks on its step, else on its loader
     # thread). ``contains`` is asked on the writer thread, before a write.
@@ -111,6 +115,10 @@ class BlockStore(Protocol):
     def retained_bytes(self, tenant: str, besides: Sequence[bytes] = ()) -> int:
         """Bytes of the blocks ``tenant`` keeps retained now, not counting those of ``besides`` (a request's own,
         retained again)."""
+
+    def watch(self, presence: TierPresence) -> None:
+        """Tells ``presence`` of the blocks the tier holds now and of those it deletes on its own from now on (the
+        engine tells it of what it writes and misses)."""
 
     def evict(self, num_bytes: int) -> int:
         """Deletes least recently used objects until ``num_bytes`` are freed; returns the bytes freed."""

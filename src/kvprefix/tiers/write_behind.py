@@ -3,6 +3,7 @@
 ``submit`` never blocks: a full queue drops the write (counted in the tier's ``dropped_writes{queue_full}``), so a
 step never waits for a disk. A block the tier already holds is skipped (refreshing nothing: it was computed
 again, not read) unless it is to be retained; ``submit_retain`` queues only a retention of a held block.
+A block written, or found there already, is told to the tier's ``TierPresence`` (its KV events).
 ``close`` drains what is queued, then stops the thread.
 """
 
@@ -15,6 +16,7 @@ import time
 from collections.abc import Sequence
 
 from kvprefix.tiers.objects import BlockObject
+from kvprefix.tiers.presence import TierPresence
 from kvprefix.tiers.store import BlockStore
 
 log = logging.getLogger(__name__)
@@ -22,8 +24,9 @@ _STOP = object()
 
 
 class WriteBehind:
-    def __init__(self, store: BlockStore, max_queue: int = 256):
+    def __init__(self, store: BlockStore, max_queue: int = 256, presence: TierPresence | None = None):
         self.store = store
+        self.presence = presence
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self._thread = threading.Thread(target=self._run, name=f"kvprefix-{store.name}-writer", daemon=True)
         self._thread.start()
@@ -69,12 +72,19 @@ class WriteBehind:
                     if self.store.store(obj, until, tenant):
                         with self.store.stats.lock:
                             self.store.stats.store_seconds.observe(time.perf_counter() - start)
+                        self._held(obj)
+                else:
+                    self._held(obj)
             except Exception:  # a failing write must not end the writer: the next block may succeed
                 log.exception("kv tier write failed")
                 with self.store.stats.lock:
                     self.store.stats.dropped_writes["error"] += 1
             finally:
                 self._queue.task_done()
+
+    def _held(self, obj: BlockObject) -> None:
+        if self.presence is not None:
+            self.presence.stored(self.store.medium, [obj.block_hash], obj.parent_hash, obj.namespace)
 
     def flush(self) -> None:
         """Waits until every queued block is written (tests and shutdown)."""

@@ -25,10 +25,11 @@ class Engine:
         self._lifespan = self.app.router.lifespan_context(self.app)
         await self._lifespan.__aenter__()
 
-    def block_identity(self) -> tuple[Any, Any, int]:
+    def block_identity(self) -> tuple[Any, Any, int, list[Any]]:
         """What the ingress needs to hash prompts as this replica does: its tokenizer, ``BlockIdentity`` and context
-        length (a hasher does not pickle)."""
-        return self.engine.tokenizer, self.engine.identity, self.engine.max_sequence_tokens
+        length (a hasher does not pickle); and where it holds blocks (``kv_media``: its tiers and their load costs,
+        for `prefix`, which follows no event stream)."""
+        return self.engine.tokenizer, self.engine.identity, self.engine.max_sequence_tokens, self.engine.kv_media()
 
     async def handle(self, method: str, path: str, query: bytes, headers: list[tuple[str, str]], body: bytes,
                      route: RouteRequest | None, exclude: tuple[str, ...] | None = None,

@@ -13,6 +13,7 @@ from fastapi.responses import StreamingResponse
 from ray import serve
 
 from kvprefix.cache.event_wire import loads
+from kvprefix.cache.media import DISK, POOL, SHARED
 from kvprefix.http.admin import fan_out_response, replica_error, replica_result
 from kvprefix.http.bodies import read_body
 from kvprefix.http.errors import install_error_handlers
@@ -51,6 +52,7 @@ class Ingress:
         # The router's metrics (docs/router.md), by Ray replica id, each replica from the first time it is placed,
         # answers or its event stream says hello. Ray's request router runs on a loop of its own: one lock.
         self.replicas: dict[str, Replica] = {}
+        self.media: dict = {}  # where the replicas hold blocks, from the first one asked (for `prefix`)
         self._lock = threading.Lock()
         self.view = FleetView([])
         self.metrics = RouterMetrics(self.view)
@@ -75,7 +77,7 @@ class Ingress:
         with self._lock:
             rep = self.replicas.get(replica_id)
             if rep is None:
-                rep = self.replicas[replica_id] = Replica(replica_id)
+                rep = self.replicas[replica_id] = Replica(replica_id, media_info=self.media)
                 self.view.replicas.append(rep)
                 self.view.num_replicas += 1
                 self.metrics.add_replica(rep)
@@ -125,22 +127,32 @@ class Ingress:
 
         return lines
 
-    def _held_by_replica(self, block_hashes: Sequence[Hashable]) -> dict[str, frozenset[Hashable]]:
-        """The request's blocks each synced replica holds, by replica id (as its hello named it)."""
+    def _held_by_replica(self, block_hashes: Sequence[Hashable]) -> dict[str, dict[str, frozenset[Hashable]]]:
+        """The request's blocks each synced replica holds, by replica id (as its hello named it) and medium: in its
+        pool, on its disk, and in the shared tier it reads (what any replica reading that store announced: the
+        same union as ``FleetView.shared_held``)."""
+        synced = [rep for rep in self.followed
+                  if rep.mirror is not None and rep.mirror.ready and rep.mirror.replica_id is not None]
+        view = FleetView(synced)
         out = {}
-        for rep in self.followed:
+        for rep in synced:
             mirror = rep.mirror
-            if mirror is None or not mirror.ready or mirror.replica_id is None:
-                continue
-            index = mirror.index
-            out[mirror.replica_id] = frozenset(h for h in block_hashes if h in index)
+            held = {POOL: mirror.index, DISK: mirror.blocks.of(DISK)}
+            if SHARED in mirror.media:
+                held[SHARED] = view.shared_held(rep, mirror.media[SHARED].store)
+            out[mirror.replica_id] = {medium: frozenset(h for h in block_hashes if h in blocks)
+                                      for medium, blocks in held.items() if medium == POOL or medium in mirror.media}
         return out
 
     async def _hasher(self) -> RequestHasher:
         if self.hasher is None:
-            tokenizer, identity, max_model_len = await self.engine.block_identity.remote()
+            tokenizer, identity, max_model_len, media = await self.engine.block_identity.remote()
             self.hasher = RequestHasher(tokenizer, identity.hasher(), max_model_len)
             self.routing.block_size = identity.block_size
+            with self._lock:  # the replicas are configured alike: one replica's tiers stand for every one's
+                self.media = {m.name: m for m in media}
+                for rep in self.replicas.values():
+                    rep.media_info = self.media
         return self.hasher
 
     async def _send(self, raw: Request, route: RouteRequest | None, body: bytes) -> StreamingResponse:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from ray import serve
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from kvprefix.cache.media import POOL
 from kvprefix.router.fleet import FleetView, Replica
 from kvprefix.router.hashing import RouteRequest
 from kvprefix.router.ledger import Ledger
@@ -57,13 +58,19 @@ class ReplicaSlots:
                 self.slots.append(rid)
 
     def view(self, route: RouteRequest) -> FleetView:
-        """The policy's view: a position is healthy while Ray offers its replica; what a replica holds is what the
-        ingress found of this request in its event stream (kv-events)."""
+        """The policy's view: a position is healthy while Ray offers its replica; what a replica holds, in its pool
+        and its tiers, is what the ingress found of this request in the event streams (kv-events); where it holds
+        blocks is what its hello said (``Replica.media`` of the ingress's replica)."""
         held = route.held or {}
-        return FleetView([Replica("", False) if rid is None else
-                          Replica(rid.unique_id, True, outstanding=self.replicas[rid].outstanding,
-                                  cached=held.get(rid.unique_id))
-                          for rid in self.slots])
+        replicas = []
+        for rid in self.slots:
+            if rid is None:
+                replicas.append(Replica("", False))
+                continue
+            rep, mine = self.replicas[rid], dict(held.get(rid.unique_id, {}))
+            replicas.append(Replica(rid.unique_id, True, outstanding=rep.outstanding, cached=mine.pop(POOL, None),
+                                    tier_cached=mine, media_info=rep.media))
+        return FleetView(replicas)
 
 
 class RayRouting:

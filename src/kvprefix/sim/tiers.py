@@ -1,10 +1,10 @@
-"""A disk tier below a replayed replica's pool, for ``kvprefix simulate --disk-capacity``: the real tier's
-eviction (``tiers.LRUBytes``) without files.
+"""The tiers below a replayed pool, for ``kvprefix simulate --disk-capacity`` and ``--shared-capacity``: the real
+tiers' eviction (``tiers.LRUBytes``) without files or a Redis.
 
-As in the engine (``engine.kv_tier``): every block the pool registers is written unless the tier holds it already,
-least recently used objects go past the byte budget; after a prompt's pool hits, the following blocks the tier
-holds are loaded (refreshing them) and count as disk hits. Loads are taken as free: the replay's prefill time
-covers only the blocks found nowhere.
+As in the engine (``engine.kv_tier``): every block a pool registers is written to each tier unless it holds it
+already, least recently used objects go past the byte budget; after a prompt's pool hits, the following blocks the
+disk holds are loaded (refreshing them), then those the shared tier holds, as disk and shared hits. Each replica
+has its own disk; one shared tier serves every replica (written by every pool), as one Redis does a fleet.
 """
 
 from __future__ import annotations
@@ -15,18 +15,18 @@ from kvprefix.cache.events import BlockStored
 from kvprefix.tiers.lru_bytes import LRUBytes
 
 
-class SimDiskTier:
-    """``SimDiskTier(capacity_bytes, block_bytes)``: at most ``capacity_bytes`` of ``block_bytes``-byte objects."""
+class SimTier:
+    """``SimTier(capacity_bytes, block_bytes)``: at most ``capacity_bytes`` of ``block_bytes``-byte objects."""
 
-    def __init__(self, capacity_bytes: int, block_bytes: int):
+    def __init__(self, capacity_bytes: int, block_bytes: int, name: str = "disk"):
         if block_bytes < 1 or capacity_bytes < block_bytes:
-            raise ValueError(f"a disk capacity of {capacity_bytes} bytes holds no {block_bytes}-byte block")
+            raise ValueError(f"a {name} capacity of {capacity_bytes} bytes holds no {block_bytes}-byte block")
         self.capacity_bytes, self.block_bytes = capacity_bytes, block_bytes
         self.index = LRUBytes()
         self.evictions = 0
 
     def on_event(self, event) -> None:
-        """The pool's events: a registered block is written (write-behind, never dropped here)."""
+        """A pool's events: a registered block is written (write-behind, never dropped here)."""
         if isinstance(event, BlockStored):
             for block_hash in event.block_hashes:
                 self.store(block_hash)
