@@ -89,8 +89,9 @@ def _causes(obs: Observation, fixed: dict[str, Variant], replay: Replay, setting
 def _cause(obs: Observation, kind: str, variant: Variant, after: array, now: array, only_unhit: bool = False,
            example: dict | None = None, detail: str = "") -> Cause | None:
     gains = [a - b for a, b in zip(after, now, strict=True)]
-    if only_unhit:
-        gains = [g if now[i] == 0 else 0 for i, g in enumerate(gains)]
+    if only_unhit:  # requests that hit nothing now, or none of their content (short-prefix)
+        short = obs.findings.short
+        gains = [g if now[i] == 0 or i in short else 0 for i, g in enumerate(gains)]
     lost = sum(gains) if not only_unhit else sum(g for g in gains if g > 0)
     affected = sum(1 for g in gains if g > 0)
     if lost < obs.variants.block_size or affected == 0:  # less than one block in the whole log is noise

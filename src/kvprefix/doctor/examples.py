@@ -21,8 +21,12 @@ _WHAT = {
 def fix_text(obs: Observation, kind: str) -> str:
     fix = KINDS[kind][1]
     if kind == "volatile-prefix" and obs.findings.sites:
-        site = obs.findings.sites.most_common(1)[0][0]
-        return f"{fix}: in {site.field}, the span after {site.before[-16:]!r}"
+        sites = obs.findings.sites
+        site = sites.most_common(1)[0][0]
+        where = f"after {site.before[-16:]!r}" if site.before else f"before {site.after[:16]!r}"
+        more = len(sites) - 1
+        return (f"{fix}: in {site.field or 'the template text'}, the span {where}"
+                + (f" (and {more} more place{'s' if more > 1 else ''})" if more else ""))
     if kind == "namespace" and any(adapter for _, adapter in obs.requests.space_names):
         return f"{fix}; adapters never share KV: send a shared prefix to one model (or adapter)"
     return fix

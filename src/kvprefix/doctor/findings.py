@@ -5,10 +5,12 @@ learn; where requests part."""
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvprefix.doctor.chains import BlockTree, Variant
-from kvprefix.doctor.divergence import Divergence, Rendered, VolatileSite, classify, common_tokens
+from kvprefix.doctor.divergence import Divergence, Rendered, classify, common_tokens
+from kvprefix.doctor.volatile import Lines, VolatileSite
 from kvprefix.logs import LogEntry, SharedTools
 
 _RING = 8  # recent requests a request is compared with when no earlier block of it is known
@@ -24,14 +26,17 @@ class Findings:
     sites: Counter[VolatileSite] = field(default_factory=Counter)
     learned: dict[str, set] = field(default_factory=lambda: {"examples": set(), "documents": set(), "system": set()})
     heads: dict[str, str] = field(default_factory=dict)  # request log: a template head -> the one first seen there
-    short_suspect: bool = False  # some pair shares less than a block
+    # Requests whose shared part ends well inside a block that holds none of their content before it (a smaller
+    # block would catch it): the requests a smaller block size is credited for.
+    short: set[int] = field(default_factory=set)
     positions: list[int] = field(default_factory=list)  # first differing token, per compared request
 
     def add(self, d: Divergence) -> None:
         self.pairs[d.kind] += 1
         self.examples.setdefault(d.kind, d)
-        if d.site is not None and (d.site in self.sites or len(self.sites) < MAX_SITES):
-            self.sites[d.site] += 1
+        for site in d.sites:
+            if site in self.sites or len(self.sites) < MAX_SITES:
+                self.sites[site] += 1
         if d.learned is not None:
             what, value = d.learned
             if what == "head":
@@ -40,6 +45,10 @@ class Findings:
                     self.heads[new] = self.heads.get(old, old)
             elif len(self.learned[what]) < _MAX_LEARNED:
                 self.learned[what].update(value if isinstance(value, frozenset) else (value,))
+
+    @property
+    def short_suspect(self) -> bool:
+        return bool(self.short)
 
 
 @dataclass
@@ -54,11 +63,14 @@ class Comparer:
     """Finds, for each request in turn, the earlier one it shares most with and why they part, into ``findings``:
     the request that first had this one's last block seen before, else the closest of the last few."""
 
-    def __init__(self, block_size: int, tree: BlockTree, tools: SharedTools, findings: Findings):
+    def __init__(self, block_size: int, tree: BlockTree, tools: SharedTools, findings: Findings,
+                 head_tokens: Callable[[Rendered], int]):
         self.block_size = block_size
         self.tree = tree
         self.tools = tools
         self.findings = findings
+        self.head_tokens = head_tokens  # tokens of the template's text before a rendering's first message
+        self.lines = Lines()
         self.ring: deque[_Seen] = deque(maxlen=_RING)
         self.recent: OrderedDict[int, _Seen] = OrderedDict()
         self.parted_at: dict[int, int] = {}  # block -> the latest request whose shared prefix ended there
@@ -70,17 +82,27 @@ class Comparer:
         self.recent[i] = me
         if len(self.recent) > _RECENT:
             self.recent.popitem(last=False)
-        if best is None or best_t >= len(rendered.token_ids):
-            return
-        self.findings.positions.append(best_t)
-        if max(2, self.block_size // 2) <= best_t < self.block_size:
-            self.findings.short_suspect = True
-        chat = e.body is not None and "messages" in e.body or e.body is None and len(rendered.fields) > 1
-        last = rendered.fields[-1][0] if chat and rendered.fields else None
-        d = classify(rendered, e.body, e.line, best.rendered, best.body, best.line, lambda name: name == last,
-                     self._tools_json(e.body), self._tools_json(best.body))
-        if d is not None:
-            self.findings.add(d)
+        text = rendered.text
+        if best is not None and best_t < len(rendered.token_ids):
+            self.findings.positions.append(best_t)
+            if self._short(rendered, best_t):
+                self.findings.short.add(i)
+            carried = self.lines.carried(text, rendered.fields) if text is not None else None
+            d = classify(rendered, e.body, e.line, best.rendered, best.body, best.line, self._tools_json(e.body),
+                         self._tools_json(best.body), carried)
+            if d is not None:
+                self.findings.add(d)
+        if text is not None:
+            self.lines.add(text, rendered.fields)
+
+    def _short(self, rendered: Rendered, shared: int) -> bool:
+        """Whether the ``shared`` tokens end well inside a block and no full block of them holds content: the
+        shared part is short, past the template's own text (completions: none)."""
+        bs = self.block_size
+        if shared % bs < max(2, bs // 2):
+            return False
+        head = self.head_tokens(rendered)
+        return head < shared and shared // bs * bs <= head
 
     def _nearest(self, i: int, rendered: Rendered, base: Variant) -> tuple[_Seen | None, int]:
         known, first, parent = base.leaves[i], self.tree.first_request, self.tree.parent
