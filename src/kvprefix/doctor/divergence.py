@@ -14,7 +14,7 @@ from typing import Any
 from kvprefix.doctor.items import document_keys, documents, example_pairs, first_difference, moved
 from kvprefix.doctor.volatile import (
     MAX_SPANS,
-    Carried,
+    Lines,
     VolatileSite,
     common_prefix,
     looks_like,
@@ -86,10 +86,10 @@ def _field_at(rendered: Rendered, char: int) -> tuple[str, int, int] | None:
 
 def classify(new: Rendered, new_body: dict | None, new_line: int, old: Rendered, old_body: dict | None,
              old_line: int, new_tools: str | None = None, old_tools: str | None = None,
-             carried: Carried | None = None) -> Divergence | None:
+             lines: Lines | None = None) -> Divergence | None:
     """Why ``new`` stops sharing with ``old`` (an earlier request), for the causes content can show; None when
-    ``new`` extends ``old`` or the difference looks like different content (no-sharing). ``carried``: whether
-    other requests carry the line that starts at a position of ``new`` (``volatile.Lines``)."""
+    ``new`` extends ``old`` or the difference looks like different content (no-sharing). ``lines``: the lines
+    earlier requests carry."""
     t = common_tokens(new, old)
     if t >= len(new.token_ids) or t >= len(old.token_ids) or new.text is None or old.text is None:
         return None
@@ -119,7 +119,7 @@ def classify(new: Rendered, new_body: dict | None, new_line: int, old: Rendered,
         d = _same_field(new, old, p, here_new, here_old, div)
         if d is not None:
             return d
-    return _volatile(new, new_body, old, old_body, p, div, carried)
+    return _volatile(new, new_body, old, old_body, p, div, lines)
 
 
 def _same_field(new: Rendered, old: Rendered, p: int, here_new, here_old, div) -> Divergence | None:
@@ -141,11 +141,12 @@ def _same_field(new: Rendered, old: Rendered, p: int, here_new, here_old, div) -
 
 
 def _volatile(new: Rendered, new_body: dict | None, old: Rendered, old_body: dict | None, p: int, div,
-              carried) -> Divergence | None:
+              lines: Lines | None) -> Divergence | None:
     """The volatile spans where the renderings part (``volatile.parts``), each inside one field of both: a
     message's content (bodies: its site in that content; a request log's text: in the whole text, where its fix
     cuts), or (bodies) a string of the tools, found by comparing the two tools lists string by string."""
     stop = new.fields[-1][2] if new.fields else len(new.text)  # the template's closing is no shared content
+    carried = lines.carried(new.text, new.fields) if lines is not None else None
     sites: list[VolatileSite] = []
     shown: tuple[str | None, int, int, int, int] | None = None
     tools_done = False
@@ -161,7 +162,11 @@ def _volatile(new: Rendered, new_body: dict | None, old: Rendered, old_body: dic
                 sites.append(site(name, new.text, s, e))
         elif here is None and new_body is not None and old_body is not None and not tools_done:
             tools_done = True
-            found = _tool_sites(new_body.get("tools"), old_body.get("tools"))
+            new_tools, old_tools = new_body.get("tools"), old_body.get("tools")
+            if not (isinstance(new_tools, list) and isinstance(old_tools, list)) or _tools_order(
+                    new_tools, old_tools) is not None:  # no tools, or the same tools in another order
+                continue
+            found = _tool_sites(new_tools, old_tools)
             if not found:
                 continue
             sites += found
@@ -193,7 +198,7 @@ def _tool_sites(new: Any, old: Any) -> list[VolatileSite]:
     leaves: list[tuple[str, str, str]] = []
     if not _differing_strings(new, old, "tools", leaves) or len(leaves) > MAX_SPANS:
         return []
-    out = []
+    out = []  # a part of a string, never the whole: a name or a value that differs is another tool, not volatile
     for path, a, b in leaves:
         q = common_prefix(a, b)
         r = min(common_prefix(a[::-1], b[::-1]), len(a) - q, len(b) - q)
@@ -202,7 +207,8 @@ def _tool_sites(new: Any, old: Any) -> list[VolatileSite]:
             e += 1
         while e < len(a) and a[e].isspace():
             e += 1
-        out.append(site(path, a, s, e))
+        if 0 < s or e < len(a):
+            out.append(site(path, a, s, e))
     return out
 
 

@@ -20,8 +20,8 @@ _WHAT = {
 
 def fix_text(obs: Observation, kind: str) -> str:
     fix = KINDS[kind][1]
-    if kind == "volatile-prefix" and obs.findings.sites:
-        sites = obs.findings.sites
+    sites = obs.findings.volatile_sites() if kind == "volatile-prefix" else None
+    if sites:
         site = sites.most_common(1)[0][0]
         where = f"after {site.before[-16:]!r}" if site.before else f"before {site.after[:16]!r}"
         more = len(sites) - 1

@@ -17,6 +17,7 @@ _RING = 8  # recent requests a request is compared with when no earlier block of
 _RECENT = 1024  # renderings kept, so the request that first had a block is usually still at hand
 MAX_SITES = 32
 _MAX_LEARNED = 4096  # items, conversations and template heads a fix learns from the pairs
+_VALUES, _VALUES_TOLD = 64, 4  # values kept per volatile site; how many tell whether they repeat
 
 
 @dataclass
@@ -29,6 +30,7 @@ class Findings:
     # Requests whose shared part ends well inside a block that holds none of their content before it (a smaller
     # block would catch it): the requests a smaller block size is credited for.
     short: set[int] = field(default_factory=set)
+    _values: dict[VolatileSite, list[int]] = field(default_factory=dict)  # the first values each site was seen with
     positions: list[int] = field(default_factory=list)  # first differing token, per compared request
 
     def add(self, d: Divergence) -> None:
@@ -37,6 +39,9 @@ class Findings:
         for site in d.sites:
             if site in self.sites or len(self.sites) < MAX_SITES:
                 self.sites[site] += 1
+                values = self._values.setdefault(site, [])
+                if len(values) < _VALUES:
+                    values.append(site.value)
         if d.learned is not None:
             what, value = d.learned
             if what == "head":
@@ -49,6 +54,16 @@ class Findings:
     @property
     def short_suspect(self) -> bool:
         return bool(self.short)
+
+    def volatile_sites(self) -> Counter[VolatileSite]:
+        """The sites whose values change from request to request: a site whose spans repeat (each of a few
+        system prompts, parted from another before the same tools) holds another prompt, not a volatile value."""
+        kept: Counter[VolatileSite] = Counter()
+        for site, n in self.sites.items():
+            values = self._values[site]
+            if len(values) < _VALUES_TOLD or 2 * len(set(values)) >= len(values):
+                kept[site] = n
+        return kept
 
 
 @dataclass
@@ -87,9 +102,8 @@ class Comparer:
             self.findings.positions.append(best_t)
             if self._short(rendered, best_t):
                 self.findings.short.add(i)
-            carried = self.lines.carried(text, rendered.fields) if text is not None else None
             d = classify(rendered, e.body, e.line, best.rendered, best.body, best.line, self._tools_json(e.body),
-                         self._tools_json(best.body), carried)
+                         self._tools_json(best.body), self.lines)
             if d is not None:
                 self.findings.add(d)
         if text is not None:

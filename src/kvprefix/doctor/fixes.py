@@ -23,9 +23,12 @@ class MoveVolatileToEnd:
     prefix of what follows."""
 
     def __init__(self, sites: Iterable[VolatileSite]):
-        self.by_field: dict[str | None, list[VolatileSite]] = {}
+        # Per field, per place (the text before a span), the sites there: at one place the shortest span found is
+        # cut (a pair that parts early and meets late, two system prompts before the same tools, proposes a span
+        # that holds the volatile one).
+        self.by_field: dict[str | None, dict[str, list[VolatileSite]]] = {}
         for site in sites:
-            self.by_field.setdefault(site.field, []).append(site)
+            self.by_field.setdefault(site.field, {}).setdefault(site.before, []).append(site)
         self.tool_fields = [(name, tool_path(name)) for name in self.by_field
                             if name is not None and name.startswith("tools")]
 
@@ -77,10 +80,14 @@ class MoveVolatileToEnd:
         return tools
 
     def _cut(self, name: str | None, content: str, moved: list[str]) -> str:
-        for site in self.by_field.get(name, ()):
-            cut = site.cut(content)
-            if cut is not None:
-                content, span = cut
+        for sites in self.by_field.get(name, {}).values():
+            best = None
+            for site in sites:
+                cut = site.cut(content)
+                if cut is not None and (best is None or len(cut[1]) < len(best[1])):
+                    best = cut
+            if best is not None:
+                content, span = best
                 moved.append(span.strip())
         return content
 

@@ -14,6 +14,7 @@ MIN_AGREEMENT, WINDOW, MAX_SEARCH = 48, 16, 4096
 MAX_SPANS = 8  # spans learned from one pair
 ANCHOR = 24  # characters either side of a span that find it again
 _OCCURRENCES = 4  # places a window or an anchor is tried at
+_LOOKED_AT = 64  # characters of a span whose look names what it holds
 _MAX_LINES = 64  # line starts of one request put in, or looked up in, ``Lines``
 
 _LOOKS_LIKE = (
@@ -53,14 +54,16 @@ def common_prefix(a, b, i: int = 0, j: int = 0) -> int:
 
 
 def looks_like(span: str) -> str:
-    """What the span holds, as far as its look says: 'a request id and an e-mail address', else 'a value'."""
+    """What the span holds, as far as its look says (its first characters): 'a request id and an
+    e-mail address', else 'a value'."""
+    span = span[:_LOOKED_AT]
     names, taken = [], []
     for name, pattern in _LOOKS_LIKE:
         for m in pattern.finditer(span):
             if not any(m.start() < e and s < m.end() for s, e in taken):
                 taken.append(m.span())
-                if name not in names:
-                    names.append(name)
+                names.append(name)
+                break
     if not names:
         return "a value"
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
@@ -77,9 +80,12 @@ def meeting(new: str, old: str, q: int, q_old: int, stop: int) -> tuple[int, int
     ``stop`` in ``new``: (there in new, there in old, characters they agree for); None where they do not."""
     last = min(stop - MIN_AGREEMENT + WINDOW, q + MAX_SEARCH)
     old_end = min(len(old), q_old + 2 * MAX_SEARCH)
+    shift = q_old - q
     for k in range(q, last, WINDOW):
         window = new[k : k + WINDOW]
-        j = old.find(window, q_old, old_end)
+        j = k + shift  # first where a value of the same length would put it (repetitive text matches anywhere)
+        if old[j : j + WINDOW] != window:
+            j = old.find(window, q_old, old_end)
         for _ in range(_OCCURRENCES):
             if j < 0:
                 break
@@ -129,7 +135,7 @@ def _carried_line(text: str, q: int, carried: Carried) -> int | None:
     if field is None:
         return None
     start, stop = field
-    if carried(max(text.rfind("\n", 0, q) + 1, start)) is not False:
+    if carried.line_count(q) != 0:
         return None
     k = text.find("\n", q, stop)
     for _ in range(_MAX_LINES):
@@ -147,7 +153,7 @@ def _carried_line(text: str, q: int, carried: Carried) -> int | None:
 class Carried:
     """Whether other requests carry the line that starts at a position of one rendering (``Lines``)."""
 
-    def __init__(self, text: str, fields: list[tuple[str, int, int]], seen: set[int]):
+    def __init__(self, text: str, fields: list[tuple[str, int, int]], seen: dict[int, int]):
         self.text, self.fields, self.seen = text, fields, seen
 
     def field_at(self, k: int) -> tuple[int, int] | None:
@@ -155,19 +161,30 @@ class Carried:
 
     def __call__(self, k: int) -> bool | None:
         """None where the line's window does not fit in its field (too short to tell)."""
+        n = self.count(k)
+        return None if n is None else n > 0
+
+    def count(self, k: int) -> int | None:
+        """How many earlier requests carry the line starting at ``k``; None where its window does not fit in its
+        field (too short to tell)."""
         field = self.field_at(k)
         if field is None or k + MIN_AGREEMENT > field[1]:
             return None
-        return hash(self.text[k : k + MIN_AGREEMENT]) in self.seen
+        return self.seen.get(hash(self.text[k : k + MIN_AGREEMENT]), 0)
+
+    def line_count(self, k: int) -> int | None:
+        """``count`` of the line that position ``k`` is in (from its field's start, where the line starts before)."""
+        field = self.field_at(k)
+        return None if field is None else self.count(max(self.text.rfind("\n", 0, k) + 1, field[0]))
 
 
 class Lines:
-    """The lines of content earlier requests carry: each line start's next MIN_AGREEMENT characters, hashed (a
-    bounded set)."""
+    """The lines of content earlier requests carry: each line start's next MIN_AGREEMENT characters, hashed, and
+    how many requests had them (a bounded map)."""
 
     def __init__(self, limit: int = 1 << 18):
         self.limit = limit
-        self._seen: set[int] = set()
+        self._seen: dict[int, int] = {}
 
     def carried(self, text: str, fields: list[tuple[str, int, int]]) -> Carried:
         return Carried(text, fields, self._seen)
@@ -179,7 +196,8 @@ class Lines:
         for _, start, end in fields:
             k = start
             while 0 <= k and k + MIN_AGREEMENT <= end and n < _MAX_LINES:
-                seen.add(hash(text[k : k + MIN_AGREEMENT]))
+                h = hash(text[k : k + MIN_AGREEMENT])
+                seen[h] = seen.get(h, 0) + 1
                 n += 1
                 k = text.find("\n", k, end - MIN_AGREEMENT)
                 k = k + 1 if k >= 0 else -1
@@ -193,7 +211,10 @@ class VolatileSite:
     field: str | None
     before: str
     after: str
-    longest: int = dataclasses.field(default=0, compare=False)  # sites differing only in this are one
+    # Not part of the site (sites that differ only in these are one): how long a span it cuts, and the hash of the
+    # value it was found with.
+    longest: int = dataclasses.field(default=0, compare=False)
+    value: int = dataclasses.field(default=0, compare=False)
 
     def cut(self, content: str) -> tuple[str, str] | None:
         """(content without the span, the span), or None where the site is not in ``content``."""
@@ -216,4 +237,5 @@ class VolatileSite:
 
 def site(field: str | None, content: str, s: int, e: int) -> VolatileSite:
     """The site of ``content[s:e]``: the text either side of it, and room for the same value a good deal longer."""
-    return VolatileSite(field, content[max(0, s - ANCHOR) : s], content[e : e + ANCHOR], 4 * (e - s) + 256)
+    return VolatileSite(field, content[max(0, s - ANCHOR) : s], content[e : e + ANCHOR], 4 * (e - s) + 256,
+                        hash(content[s:e].strip()))
