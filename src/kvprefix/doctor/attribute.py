@@ -41,7 +41,7 @@ def attribute(path: str, obs: Observation, fixed: dict[str, Variant], capacity_t
     timing = Timing(obs.requests.arrival, obs.requests.prefill) if timed else Timing(None, None)
     cap_blocks = None if capacity_tokens is None else capacity_tokens // bs
     setting = Setting(cap_blocks, len(groups) > 1, timed)
-    replay = Replayer(order, groups, timing).cached_tokens
+    replay = Replayer(order, groups, timing, bs).cached_tokens
     base = obs.variants["as is"]
     now = replay(base, setting)
     total = sum(base.tokens)
