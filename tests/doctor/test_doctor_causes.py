@@ -1,30 +1,11 @@
 """Each planted cause is named, ranked first, shown at the right span, and its fix raises the hit rate; clean
 logs get a clean bill; each counterfactual equals the doctor's own reading of the log fixed by hand."""
 
-import json
-
 import pytest
 import support.doctor_logs as logs
+from support.doctor_logs import doctor
 
-from kvprefix.cli import main
 from kvprefix.doctor.kinds import FIXABLE
-
-
-def doctor(capsys, path, tokenizer_dir, *extra) -> dict:
-    assert main(["doctor", str(path), "--model", str(tokenizer_dir), "--json", *extra]) == 0
-    out = capsys.readouterr().out
-    assert out.count("\n") == 1  # exactly one JSON object
-    report = json.loads(out)
-    assert set(report) == {"requests", "block_size", "hit_rate", "causes"}
-    for cause in report["causes"]:
-        assert set(cause) == {"kind", "requests", "tokens_lost", "example", "fix", "hit_rate_after"}
-        assert type(cause["requests"]) is int and type(cause["tokens_lost"]) is int
-    fixable = [c for c in report["causes"] if c["kind"] != "no-sharing"]
-    assert report["causes"][: len(fixable)] == fixable  # fixable causes first ...
-    assert [c["tokens_lost"] for c in fixable] == sorted((c["tokens_lost"] for c in fixable), reverse=True)
-    assert len({c["kind"] for c in report["causes"]}) == len(report["causes"])  # ... one entry per kind
-    return report
-
 
 PLANTED = [
     ("volatile", logs.volatile, "volatile-prefix", ()),

@@ -134,14 +134,18 @@ def reasoning_dropped(n: int, rng: random.Random) -> list[dict]:
 
 
 def default_system_prompt(n: int, rng: random.Random) -> list[dict]:
-    """One long instruction, then a question, sent by two clients: one with a system message, one without."""
-    instruction, ack = paragraph(random.Random(5), 12), "Understood, I will follow these instructions."
-    return _spaced([_chat("You answer for the store." if rng.random() < 0.5 else None, instruction, ack, question(rng))
-                    for _ in range(n)])
+    """Conversations of five requests, each opening with a long instruction of its own: a client sends some of a
+    conversation's requests with a system message and some without (the template writes its default one)."""
+    ack, rows = "Understood, I will follow these instructions.", []
+    for _ in range(max(1, n // 5)):
+        instruction = paragraph(rng, 10)
+        rows += [_chat("You answer for the store." if rng.random() < 0.5 else None, instruction, ack, question(rng))
+                 for _ in range(5)]
+    return _spaced(rows[:n])
 
 
 def short_prefix_completions(n: int, rng: random.Random) -> list[dict]:
-    return _spaced([{"prompt": f"Summarize the following ticket in one line:\n{sentence(rng, 6, 12)}"}
+    return _spaced([{"prompt": f"Summarize the ticket below:\n{sentence(rng, 6, 12)}"}
                     for _ in range(n)])
 
 

@@ -53,7 +53,9 @@ class Findings:
 
     @property
     def short_suspect(self) -> bool:
-        return bool(self.short)
+        """Whether the log's requests share short parts: a quarter of the requests compared, at least (a word two
+        requests happen to start with is no shared prefix)."""
+        return bool(self.short) and 4 * len(self.short) >= len(self.positions)
 
     def volatile_sites(self) -> Counter[VolatileSite]:
         """The sites whose values change from request to request: a site whose spans repeat (each of a few

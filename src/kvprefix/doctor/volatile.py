@@ -14,7 +14,7 @@ MIN_AGREEMENT, WINDOW, MAX_SEARCH = 48, 16, 4096
 MAX_SPANS = 8  # spans learned from one pair
 ANCHOR = 24  # characters either side of a span that find it again
 _OCCURRENCES = 4  # places a window or an anchor is tried at
-_LOOKED_AT = 64  # characters of a span whose look names what it holds
+_LOOKED_AT = 128  # characters of a span whose look names what it holds
 _MAX_LINES = 64  # line starts of one request put in, or looked up in, ``Lines``
 
 _LOOKS_LIKE = (
