@@ -6,6 +6,8 @@ import support.doctor_logs as logs
 from support.doctor_logs import doctor
 
 from kvprefix.doctor.kinds import FIXABLE
+from kvprefix.prompts import render_body
+from kvprefix.tokenizer import Tokenizer
 
 PLANTED = [
     ("volatile", logs.volatile, "volatile-prefix", ()),
@@ -202,3 +204,17 @@ def test_counterfactual_equals_a_replay_of_the_log_fixed_by_hand(capsys, tmp_pat
     assert cause["hit_rate_after"] == pytest.approx(fixed["hit_rate"], abs=1e-12)
     assert not any(c["kind"] == kind for c in fixed["causes"])
     assert all(c["kind"] not in FIXABLE or c["tokens_lost"] < cause["tokens_lost"] for c in fixed["causes"])
+
+
+def test_a_smaller_block_size_is_replayed_with_the_same_capacity_in_tokens(capsys, tmp_path, tokenizer_dir):
+    """At a capacity that holds every prompt, the short-prefix counterfactual (a quarter of the block size) is the
+    unbounded one: the smaller blocks get as many tokens of KV, not as many blocks."""
+    rows = _interleaved(logs.short_prefix(), logs.evicting(groups=8, rounds=5))
+    tokenizer = Tokenizer(str(tokenizer_dir))
+    capacity = sum(len(render_body(tokenizer, row)[0].token_ids) for row in rows)  # a quarter of it evicts
+    path = logs.write_jsonl(tmp_path / "log.jsonl", rows)
+
+    def short(*extra):
+        return next(c for c in doctor(capsys, path, tokenizer_dir, *extra)["causes"] if c["kind"] == "short-prefix")
+
+    assert short("--capacity", str(capacity))["hit_rate_after"] == short()["hit_rate_after"]
