@@ -8,6 +8,7 @@ import functools
 import json
 import re
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +47,7 @@ class Divergence:
     other_line: int
     token: int  # first differing token
     field: str | None
-    detail: str
+    detail: str | Callable[[], str]  # or what writes it, only for the pair kept as the example
     this: str  # excerpts of both renderings, the diverging part between « and »
     other: str
     sites: tuple[VolatileSite, ...] = field(default=(), compare=False)
@@ -56,7 +57,8 @@ class Divergence:
 
     def to_dict(self) -> dict[str, Any]:
         return {"line": self.line, "other_line": self.other_line, "token": self.token, "field": self.field,
-                "detail": self.detail, "this": self.this, "other": self.other}
+                "detail": self.detail() if callable(self.detail) else self.detail, "this": self.this,
+                "other": self.other}
 
 
 def common_tokens(a: Rendered, b: Rendered) -> int:
@@ -95,7 +97,7 @@ def classify(new: Rendered, new_body: dict | None, new_line: int, old: Rendered,
         return None
     p = common_prefix(new.text, old.text)
 
-    def div(kind: str, field_name: str | None, detail: str, span_new: tuple[int, int], span_old: tuple[int, int],
+    def div(kind: str, field_name: str | None, detail: str | Callable[[], str], span_new: tuple[int, int], span_old: tuple[int, int],
             sites: tuple[VolatileSite, ...] = (), learned: tuple[str, Any] | None = None) -> Divergence:
         return Divergence(kind, new_line, old_line, t, field_name, detail, excerpt(new.text, *span_new),
                           excerpt(old.text, *span_old), sites, learned)
@@ -147,19 +149,21 @@ def _volatile(new: Rendered, new_body: dict | None, old: Rendered, old_body: dic
     cuts), or (bodies) a string of the tools, found by comparing the two tools lists string by string."""
     stop = new.fields[-1][2] if new.fields else len(new.text)  # the template's closing is no shared content
     carried = lines.carried(new.text, new.fields) if lines is not None else None
+    carried_old = lines.carried(old.text, old.fields) if lines is not None else None
     sites: list[VolatileSite] = []
     shown: tuple[str | None, int, int, int, int] | None = None
     tools_done = False
-    for s, e, s_old, e_old in parts(new.text, old.text, p, stop, carried):
+    for s, e, s_old, e_old in parts(new.text, old.text, p, stop, carried, carried_old):
         here, there = _field_at(new, s), _field_at(old, s_old)
         if here is not None and there is not None and here[0] == there[0] and (
                 max(e - here[2], 0) == max(e_old - there[2], 0)):  # both end in the field, or past it alike
             name, start, end = here
             e, e_old = min(e, end), min(e_old, there[2])
+            line = carried.line_key(s) if carried is not None else 0
             if new_body is not None:
-                sites.append(site(name, new.text[start:end], s - start, e - start))
+                sites.append(site(name, new.text[start:end], s - start, e - start, line))
             else:
-                sites.append(site(name, new.text, s, e))
+                sites.append(site(name, new.text, s, e, line))
         elif here is None and new_body is not None and old_body is not None and not tools_done:
             tools_done = True
             new_tools, old_tools = new_body.get("tools"), old_body.get("tools")
@@ -183,7 +187,7 @@ def _volatile(new: Rendered, new_body: dict | None, old: Rendered, old_body: dic
     name, s, e, s_old, e_old = shown
     value, other = new.text[s:e], old.text[s_old:e_old]
     more = f" (and {len(sites) - 1} more volatile spans)" if len(sites) > 1 else ""
-    return div("volatile-prefix", name, f"{name or 'the template text'} has {looks_like(value)} "
+    return div("volatile-prefix", name, lambda: f"{name or 'the template text'} has {looks_like(value)} "
                f"({_short(value)!r} vs {_short(other)!r}) before content that other requests share{more}",
                (s, e), (s_old, e_old), tuple(sites))
 

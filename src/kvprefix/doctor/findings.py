@@ -31,6 +31,7 @@ class Findings:
     # block would catch it): the requests a smaller block size is credited for.
     short: set[int] = field(default_factory=set)
     _values: dict[VolatileSite, list[int]] = field(default_factory=dict)  # the first values each site was seen with
+    lines: Lines = field(default_factory=Lines)  # the lines of content the requests carry
     positions: list[int] = field(default_factory=list)  # first differing token, per compared request
 
     def add(self, d: Divergence) -> None:
@@ -58,12 +59,13 @@ class Findings:
         return bool(self.short) and 4 * len(self.short) >= len(self.positions)
 
     def volatile_sites(self) -> Counter[VolatileSite]:
-        """The sites whose values change from request to request: a site whose spans repeat (each of a few
-        system prompts, parted from another before the same tools) holds another prompt, not a volatile value."""
+        """The sites whose values change from request to request: a site whose spans repeat, or whose line other
+        requests carry too (each of a few system prompts, parted from another before the same tools), holds
+        another prompt, not a volatile value."""
         kept: Counter[VolatileSite] = Counter()
         for site, n in self.sites.items():
             values = self._values[site]
-            if len(values) < _VALUES_TOLD or 2 * len(set(values)) >= len(values):
+            if (len(values) < _VALUES_TOLD or 2 * len(set(values)) >= len(values)) and self.lines.count(site.line) <= 1:
                 kept[site] = n
         return kept
 
@@ -87,7 +89,6 @@ class Comparer:
         self.tools = tools
         self.findings = findings
         self.head_tokens = head_tokens  # tokens of the template's text before a rendering's first message
-        self.lines = Lines()
         self.ring: deque[_Seen] = deque(maxlen=_RING)
         self.recent: OrderedDict[int, _Seen] = OrderedDict()
         self.parted_at: dict[int, int] = {}  # block -> the latest request whose shared prefix ended there
@@ -105,11 +106,11 @@ class Comparer:
             if self._short(rendered, best_t):
                 self.findings.short.add(i)
             d = classify(rendered, e.body, e.line, best.rendered, best.body, best.line, self._tools_json(e.body),
-                         self._tools_json(best.body), self.lines)
+                         self._tools_json(best.body), self.findings.lines)
             if d is not None:
                 self.findings.add(d)
         if text is not None:
-            self.lines.add(text, rendered.fields)
+            self.findings.lines.add(text, rendered.fields)
 
     def _short(self, rendered: Rendered, shared: int) -> bool:
         """Whether the ``shared`` tokens end well inside a block and no full block of them holds content: the

@@ -17,16 +17,19 @@ _OCCURRENCES = 4  # places a window or an anchor is tried at
 _LOOKED_AT = 128  # characters of a span whose look names what it holds
 _MAX_LINES = 64  # line starts of one request put in, or looked up in, ``Lines``
 
-_LOOKS_LIKE = (
-    ("a uuid", re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", re.I)),
-    ("a timestamp", re.compile(r"\d{4}-\d{2}-\d{2}[T ]\d{1,2}:\d{2}(:\d{2})?\S*")),
-    ("a date", re.compile(r"\d{4}-\d{2}-\d{2}|\d{1,2}/\d{1,2}/\d{2,4}")),
-    ("an e-mail address", re.compile(r"[\w.+-]+@[\w-]+(\.[\w-]+)+")),
-    ("a request id", re.compile(r"(req|request|id)[-_:#]?[0-9a-z]{4,}", re.I)),
-    ("a time", re.compile(r"\d{1,2}:\d{2}(:\d{2})?")),
-    ("a hex id", re.compile(r"\b[0-9a-f]{12,}\b", re.I)),
-    ("a counter", re.compile(r"^\W*\d+\W*$")),
-)
+# What a span looks like, first match first (a timestamp's date and time are not named again).
+_NAMES = {"uuid": "a uuid", "timestamp": "a timestamp", "date": "a date", "email": "an e-mail address",
+          "request_id": "a request id", "time": "a time", "hex_id": "a hex id", "counter": "a counter"}
+_LOOKS_LIKE = re.compile("|".join(f"(?P<{name}>{pattern})" for name, pattern in (
+    ("uuid", r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"),
+    ("timestamp", r"\d{4}-\d{2}-\d{2}[T ]\d{1,2}:\d{2}(?::\d{2})?\S*"),
+    ("date", r"\d{4}-\d{2}-\d{2}|\d{1,2}/\d{1,2}/\d{2,4}"),
+    ("email", r"[\w.+-]+@[\w-]+(?:\.[\w-]+)+"),
+    ("request_id", r"(?:req|request|id)[-_:#]?[0-9a-z]{4,}"),
+    ("time", r"\d{1,2}:\d{2}(?::\d{2})?"),
+    ("hex_id", r"\b[0-9a-f]{12,}\b"),
+    ("counter", r"^\W*\d+\W*$"),
+)), re.I)
 
 # A part of both renderings: (start, end) in the new one, (start, end) in the other.
 Part = tuple[int, int, int, int]
@@ -56,14 +59,7 @@ def common_prefix(a, b, i: int = 0, j: int = 0) -> int:
 def looks_like(span: str) -> str:
     """What the span holds, as far as its look says (its first characters): 'a request id and an
     e-mail address', else 'a value'."""
-    span = span[:_LOOKED_AT]
-    names, taken = [], []
-    for name, pattern in _LOOKS_LIKE:
-        for m in pattern.finditer(span):
-            if not any(m.start() < e and s < m.end() for s, e in taken):
-                taken.append(m.span())
-                names.append(name)
-                break
+    names = list(dict.fromkeys(_NAMES[m.lastgroup] for m in _LOOKS_LIKE.finditer(span[:_LOOKED_AT])))
     if not names:
         return "a value"
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
@@ -98,16 +94,20 @@ def meeting(new: str, old: str, q: int, q_old: int, stop: int) -> tuple[int, int
     return None
 
 
-def parts(new: str, old: str, p: int, stop: int, carried: Carried | None = None) -> list[Part]:
+def parts(new: str, old: str, p: int, stop: int, carried: Carried | None = None,
+          carried_old: Carried | None = None) -> list[Part]:
     """The parts where ``new`` and ``old`` (equal up to ``p``) differ and meet again before ``stop`` (each from the
     start of the word that changed to the end of the word where they meet, and the whitespace after it); where they
     never meet again, the part up to the first line of its field that other requests carry (``carried``), if
-    any."""
+    any. A part where either holds a line other requests carry (besides ``old`` for its own) ends the search: that
+    is another prompt, not a value of its own."""
     out: list[Part] = []
     q, q_old, floor = p, p, 0
     while len(out) < MAX_SPANS and q < stop and q_old < len(old):
         s = word_start(new, q, floor)
         s_old = q_old - (q - s)
+        if carried is not None and carried.recurs(s, 0) or carried_old is not None and carried_old.recurs(s_old, 1):
+            break
         met = meeting(new, old, q, q_old, stop)
         if met is None:
             end = _carried_line(new, q, carried) if carried is not None else None
@@ -172,6 +172,23 @@ class Carried:
             return None
         return self.seen.get(hash(self.text[k : k + MIN_AGREEMENT]), 0)
 
+    def line_key(self, k: int) -> int:
+        """The hash of the window that starts the line ``k`` is in, where that window fits in its field and reaches
+        ``k``; else 0."""
+        field = self.field_at(k)
+        if field is None:
+            return 0
+        line = max(self.text.rfind("\n", 0, k) + 1, field[0])
+        if k >= line + MIN_AGREEMENT or line + MIN_AGREEMENT > field[1]:
+            return 0
+        return hash(self.text[line : line + MIN_AGREEMENT])
+
+    def recurs(self, k: int, besides: int) -> bool:
+        """Whether more than ``besides`` earlier requests carry the line ``k`` is in, read from its start through
+        ``k`` (``line_key``; unknown: False)."""
+        key = self.line_key(k)
+        return key != 0 and self.seen.get(key, 0) > besides
+
     def line_count(self, k: int) -> int | None:
         """``count`` of the line that position ``k`` is in (from its field's start, where the line starts before)."""
         field = self.field_at(k)
@@ -188,6 +205,10 @@ class Lines:
 
     def carried(self, text: str, fields: list[tuple[str, int, int]]) -> Carried:
         return Carried(text, fields, self._seen)
+
+    def count(self, key: int) -> int:
+        """How many requests carry the line of ``Carried.line_key`` ``key``."""
+        return self._seen.get(key, 0)
 
     def add(self, text: str, fields: list[tuple[str, int, int]]) -> None:
         if len(self._seen) >= self.limit:
@@ -215,6 +236,7 @@ class VolatileSite:
     # value it was found with.
     longest: int = dataclasses.field(default=0, compare=False)
     value: int = dataclasses.field(default=0, compare=False)
+    line: int = dataclasses.field(default=0, compare=False)  # ``Carried.line_key`` of where it was found
 
     def cut(self, content: str) -> tuple[str, str] | None:
         """(content without the span, the span), or None where the site is not in ``content``."""
@@ -235,7 +257,7 @@ class VolatileSite:
         return None
 
 
-def site(field: str | None, content: str, s: int, e: int) -> VolatileSite:
+def site(field: str | None, content: str, s: int, e: int, line: int = 0) -> VolatileSite:
     """The site of ``content[s:e]``: the text either side of it, and room for the same value a good deal longer."""
     return VolatileSite(field, content[max(0, s - ANCHOR) : s], content[e : e + ANCHOR], 4 * (e - s) + 256,
-                        hash(content[s:e].strip()))
+                        hash(content[s:e].strip()), line)
