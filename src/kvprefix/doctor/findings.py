@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvprefix.doctor.chains import BlockTree, Variant
-from kvprefix.doctor.divergence import Divergence, Rendered, classify, common_tokens
+from kvprefix.doctor.divergence import Divergence, Rendered, classify, common_tokens, conversation_key, system_message
 from kvprefix.doctor.volatile import Lines, VolatileSite
 from kvprefix.logs import LogEntry, SharedTools
 
@@ -17,6 +17,7 @@ _RING = 8  # recent requests a request is compared with when no earlier block of
 _RECENT = 1024  # renderings kept, so the request that first had a block is usually still at hand
 MAX_SITES = 32
 _MAX_LEARNED = 4096  # items, conversations and template heads a fix learns from the pairs
+_MAX_CONVERSATIONS = 1 << 16  # conversations whose system message (or none) is remembered
 _VALUES, _VALUES_TOLD = 64, 4  # values kept per volatile site; how many tell whether they repeat
 
 
@@ -92,6 +93,7 @@ class Comparer:
         self.ring: deque[_Seen] = deque(maxlen=_RING)
         self.recent: OrderedDict[int, _Seen] = OrderedDict()
         self.parted_at: dict[int, int] = {}  # block -> the latest request whose shared prefix ended there
+        self._systems: dict[int, int] = {}  # conversation -> bit 1: seen without a system message, bit 2: with one
 
     def compare(self, i: int, e: LogEntry, rendered: Rendered, base: Variant) -> None:
         best, best_t = self._nearest(i, rendered, base)
@@ -111,6 +113,27 @@ class Comparer:
                 self.findings.add(d)
         if text is not None:
             self.findings.lines.add(text, rendered.fields)
+        if e.body is not None:
+            self._system_or_not(e.body)
+
+    def _system_or_not(self, body: dict) -> None:
+        """Learns a conversation (its first message after the system prompt) sent once with a system message and
+        once without, however far apart: the requests in between may each share more with others."""
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return
+        system, first = system_message(messages)
+        message = messages[first] if first < len(messages) else None
+        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+            return
+        key, bit = hash((message.get("role"), message["content"])), 1 if system is None else 2
+        seen = self._systems.get(key, 0)
+        if seen | bit == 3 != seen:
+            self.findings.pairs["template-drift"] += 1
+            if len(self.findings.learned["system"]) < _MAX_LEARNED:
+                self.findings.learned["system"].add(conversation_key(message))
+        if seen | bit != seen and len(self._systems) < _MAX_CONVERSATIONS:
+            self._systems[key] = seen | bit
 
     def _short(self, rendered: Rendered, shared: int) -> bool:
         """Whether the ``shared`` tokens end well inside a block and no full block of them holds content: the
