@@ -132,67 +132,52 @@ def _carried_line(text: str, q: int, carried: Carried) -> int | None:
     """The first line start after ``q``, in the field ``q`` is in, whose line other requests carry, where the line
     ``q`` is in is carried by none (a value of its own, not another request's line; too short to tell: None)."""
     field = carried.field_at(q)
-    if field is None:
+    key = carried.line_key(q, field)
+    if key == 0 or key in carried.seen:
         return None
-    start, stop = field
-    if carried.line_count(q) != 0:
-        return None
-    k = text.find("\n", q, stop)
+    stop = field[1]
+    k = text.find("\n", q, stop - MIN_AGREEMENT)
     for _ in range(_MAX_LINES):
-        if k < 0 or k + 1 + MIN_AGREEMENT > stop:
+        if k < 0:
             return None
-        if carried(k + 1):
+        if hash(text[k + 1 : k + 1 + MIN_AGREEMENT]) in carried.seen:
             end = k + 1
             while end < stop and text[end].isspace():  # blank lines go with the span, as after a meeting
                 end += 1
             return end
-        k = text.find("\n", k + 1, stop)
+        k = text.find("\n", k + 1, stop - MIN_AGREEMENT)
     return None
 
 
 class Carried:
-    """Whether other requests carry the line that starts at a position of one rendering (``Lines``)."""
+    """Whether other requests carry the lines of one rendering (``Lines``): a line is known by the hash of its
+    first MIN_AGREEMENT characters, where they fit in its field."""
 
     def __init__(self, text: str, fields: list[tuple[str, int, int]], seen: dict[int, int]):
         self.text, self.fields, self.seen = text, fields, seen
 
     def field_at(self, k: int) -> tuple[int, int] | None:
-        return next(((s, e) for _, s, e in self.fields if s <= k < e), None)
+        for _, start, end in self.fields:
+            if start <= k < end:
+                return start, end
+        return None
 
-    def __call__(self, k: int) -> bool | None:
-        """None where the line's window does not fit in its field (too short to tell)."""
-        n = self.count(k)
-        return None if n is None else n > 0
-
-    def count(self, k: int) -> int | None:
-        """How many earlier requests carry the line starting at ``k``; None where its window does not fit in its
-        field (too short to tell)."""
-        field = self.field_at(k)
-        if field is None or k + MIN_AGREEMENT > field[1]:
-            return None
-        return self.seen.get(hash(self.text[k : k + MIN_AGREEMENT]), 0)
-
-    def line_key(self, k: int) -> int:
-        """The hash of the window that starts the line ``k`` is in, where that window fits in its field and reaches
-        ``k``; else 0."""
-        field = self.field_at(k)
+    def line_key(self, k: int, field: tuple[int, int] | None = None) -> int:
+        """The key of the line ``k`` is in (from its field's start where the line starts before), where its
+        window fits in the field and reaches ``k``; else 0."""
+        field = field or self.field_at(k)
         if field is None:
             return 0
-        line = max(self.text.rfind("\n", 0, k) + 1, field[0])
+        line = self.text.rfind("\n", field[0], k) + 1 or field[0]
         if k >= line + MIN_AGREEMENT or line + MIN_AGREEMENT > field[1]:
             return 0
         return hash(self.text[line : line + MIN_AGREEMENT])
 
     def recurs(self, k: int, besides: int) -> bool:
         """Whether more than ``besides`` earlier requests carry the line ``k`` is in, read from its start through
-        ``k`` (``line_key``; unknown: False)."""
+        ``k`` (unknown: False)."""
         key = self.line_key(k)
         return key != 0 and self.seen.get(key, 0) > besides
-
-    def line_count(self, k: int) -> int | None:
-        """``count`` of the line that position ``k`` is in (from its field's start, where the line starts before)."""
-        field = self.field_at(k)
-        return None if field is None else self.count(max(self.text.rfind("\n", 0, k) + 1, field[0]))
 
 
 class Lines:
@@ -207,7 +192,7 @@ class Lines:
         return Carried(text, fields, self._seen)
 
     def count(self, key: int) -> int:
-        """How many requests carry the line of ``Carried.line_key`` ``key``."""
+        """How many requests carry the line of key ``key`` (``Carried.line_key``)."""
         return self._seen.get(key, 0)
 
     def add(self, text: str, fields: list[tuple[str, int, int]]) -> None:
