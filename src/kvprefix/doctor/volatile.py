@@ -8,9 +8,10 @@ import dataclasses
 import re
 
 # Two renderings meet again where they agree for MIN_AGREEMENT characters of content (the template's closing after
-# the last message does not count). Windows of WINDOW characters taken every WINDOW characters find where: an
-# agreement that long holds one. The search looks MAX_SEARCH characters past where they part.
+# the last message does not count). Windows of WINDOW characters taken every MIN_AGREEMENT - WINDOW characters
+# find where: an agreement that long holds one. The search looks MAX_SEARCH characters past where they part.
 MIN_AGREEMENT, WINDOW, MAX_SEARCH = 48, 16, 4096
+_STRIDE = MIN_AGREEMENT - WINDOW
 MAX_SPANS = 8  # spans learned from one pair
 ANCHOR = 24  # characters either side of a span that find it again
 _OCCURRENCES = 4  # places a window or an anchor is tried at
@@ -74,10 +75,10 @@ def word_start(text: str, q: int, floor: int) -> int:
 def meeting(new: str, old: str, q: int, q_old: int, stop: int) -> tuple[int, int, int] | None:
     """Where ``new`` (from ``q``) and ``old`` (from ``q_old``) first agree again for MIN_AGREEMENT characters before
     ``stop`` in ``new``: (there in new, there in old, characters they agree for); None where they do not."""
-    last = min(stop - MIN_AGREEMENT + WINDOW, q + MAX_SEARCH)
+    last = min(stop - WINDOW + 1, q + MAX_SEARCH)
     old_end = min(len(old), q_old + 2 * MAX_SEARCH)
     shift = q_old - q
-    for k in range(q, last, WINDOW):
+    for k in range(q, last, _STRIDE):
         window = new[k : k + WINDOW]
         j = k + shift  # first where a value of the same length would put it (repetitive text matches anywhere)
         if old[j : j + WINDOW] != window:
