@@ -46,7 +46,8 @@ def question(rng: random.Random) -> str:
 
 
 def timestamp(seconds: int) -> str:
-    return f"2026-11-{1 + seconds // 86400 % 28:02d}T{seconds // 3600 % 24:02d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}Z"
+    day, hour, minute = 1 + seconds // 86400 % 28, seconds // 3600 % 24, seconds // 60 % 60
+    return f"2026-11-{day:02d}T{hour:02d}:{minute:02d}:{seconds % 60:02d}Z"
 
 
 def _rules(seed: int, sentences: int = 14) -> str:

@@ -97,8 +97,9 @@ def classify(new: Rendered, new_body: dict | None, new_line: int, old: Rendered,
         return None
     p = common_prefix(new.text, old.text)
 
-    def div(kind: str, field_name: str | None, detail: str | Callable[[], str], span_new: tuple[int, int], span_old: tuple[int, int],
-            sites: tuple[VolatileSite, ...] = (), learned: tuple[str, Any] | None = None) -> Divergence:
+    def div(kind: str, field_name: str | None, detail: str | Callable[[], str], span_new: tuple[int, int],
+            span_old: tuple[int, int], sites: tuple[VolatileSite, ...] = (),
+            learned: tuple[str, Any] | None = None) -> Divergence:
         return Divergence(kind, new_line, old_line, t, field_name, detail, excerpt(new.text, *span_new),
                           excerpt(old.text, *span_old), sites, learned)
 
