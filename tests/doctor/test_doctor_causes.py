@@ -1,30 +1,13 @@
 """Each planted cause is named, ranked first, shown at the right span, and its fix raises the hit rate; clean
 logs get a clean bill; each counterfactual equals the doctor's own reading of the log fixed by hand."""
 
-import json
-
 import pytest
 import support.doctor_logs as logs
+from support.doctor_logs import doctor
 
-from kvprefix.cli import main
 from kvprefix.doctor.kinds import FIXABLE
-
-
-def doctor(capsys, path, tokenizer_dir, *extra) -> dict:
-    assert main(["doctor", str(path), "--model", str(tokenizer_dir), "--json", *extra]) == 0
-    out = capsys.readouterr().out
-    assert out.count("\n") == 1  # exactly one JSON object
-    report = json.loads(out)
-    assert set(report) == {"requests", "block_size", "hit_rate", "causes"}
-    for cause in report["causes"]:
-        assert set(cause) == {"kind", "requests", "tokens_lost", "example", "fix", "hit_rate_after"}
-        assert type(cause["requests"]) is int and type(cause["tokens_lost"]) is int
-    fixable = [c for c in report["causes"] if c["kind"] != "no-sharing"]
-    assert report["causes"][: len(fixable)] == fixable  # fixable causes first ...
-    assert [c["tokens_lost"] for c in fixable] == sorted((c["tokens_lost"] for c in fixable), reverse=True)
-    assert len({c["kind"] for c in report["causes"]}) == len(report["causes"])  # ... one entry per kind
-    return report
-
+from kvprefix.prompts import render_body
+from kvprefix.tokenizer import Tokenizer
 
 PLANTED = [
     ("volatile", logs.volatile, "volatile-prefix", ()),
@@ -221,3 +204,17 @@ def test_counterfactual_equals_a_replay_of_the_log_fixed_by_hand(capsys, tmp_pat
     assert cause["hit_rate_after"] == pytest.approx(fixed["hit_rate"], abs=1e-12)
     assert not any(c["kind"] == kind for c in fixed["causes"])
     assert all(c["kind"] not in FIXABLE or c["tokens_lost"] < cause["tokens_lost"] for c in fixed["causes"])
+
+
+def test_a_smaller_block_size_is_replayed_with_the_same_capacity_in_tokens(capsys, tmp_path, tokenizer_dir):
+    """At a capacity that holds every prompt, the short-prefix counterfactual (a quarter of the block size) is the
+    unbounded one: the smaller blocks get as many tokens of KV, not as many blocks."""
+    rows = _interleaved(logs.short_prefix(), logs.evicting(groups=8, rounds=5))
+    tokenizer = Tokenizer(str(tokenizer_dir))
+    capacity = sum(len(render_body(tokenizer, row)[0].token_ids) for row in rows)  # a quarter of it evicts
+    path = logs.write_jsonl(tmp_path / "log.jsonl", rows)
+
+    def short(*extra):
+        return next(c for c in doctor(capsys, path, tokenizer_dir, *extra)["causes"] if c["kind"] == "short-prefix")
+
+    assert short("--capacity", str(capacity))["hit_rate_after"] == short()["hit_rate_after"]

@@ -2,9 +2,11 @@
 the file and the line."""
 
 import json
+import random
 
 import pytest
 import support.doctor_logs as logs
+from support.doctor_corpus import SHAPES
 
 from kvprefix.cache import BlockHasher
 from kvprefix.cli import main
@@ -61,6 +63,16 @@ def test_request_log_with_prompts_shows_the_volatile_span(capsys, tmp_path, toke
     assert top["kind"] == "volatile-prefix" and top["example"]["field"] == "messages[0].content"
     assert "«2026-12-01T12:00:01Z. »" in top["example"]["this"]
     assert top["hit_rate_after"] > report["hit_rate"] + 0.3
+
+
+@pytest.mark.parametrize("name", ["two-volatile-lines", "session-first-line", "several-volatile-spans"])
+def test_request_log_with_prompts_moves_volatile_spans_of_any_length(capsys, tmp_path, tokenizer_dir, name):
+    """The spans found in the rendered text (the template's own text around them) and cut from it."""
+    rows = SHAPES[name].make(120, random.Random(0))
+    log = write_request_log(tmp_path / "requests.jsonl", rows, tokenizer_dir, with_prompts=True)
+    report = json.loads(run(capsys, log, "--model", tokenizer_dir, "--json")[1])
+    top = report["causes"][0]
+    assert top["kind"] == "volatile-prefix" and top["hit_rate_after"] > 0.8 > 0.3 > report["hit_rate"]
 
 
 def test_request_log_whose_default_system_prompt_changed_is_template_drift(capsys, tmp_path, tokenizer_dir):

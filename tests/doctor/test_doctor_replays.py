@@ -91,7 +91,7 @@ def test_in_flight_hits_dropped_as_the_rule_says(tmp_path, tokenizer_dir, name, 
     n = len(order)
     timing = Timing(obs.requests.arrival, None if prefill_s is None else [prefill_s] * n)
     base = obs.variants["as is"]
-    replayer = Replayer(order, groups, timing)
+    replayer = Replayer(order, groups, timing, base.block_size)
     dropped = 0
     for capacity in (None, base.max_blocks + 2):
         for per_replica in (False, True):

@@ -1,6 +1,6 @@
 """Logs with one planted cause each (or two, or none), written by the tests, and a small tokenizer whose chat
 template renders tools, so a shuffled tools list shows in the prompt, and writes a default system prompt when a
-request sends none (as SmolLM2's and Qwen2.5's do)."""
+request sends none (as SmolLM2's and Qwen2.5's do); and ``doctor``, the doctor's JSON report on a log."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import random
 from pathlib import Path
 
+from kvprefix.cli import main
 from kvprefix.tokenizer.builtin import build_tokenizer
 
 DEFAULT_SYSTEM = "You are a helpful assistant."
@@ -60,6 +61,23 @@ def question(i: int) -> str:
 
 def chat(system: str, user: str, **extra) -> dict:
     return {"messages": [{"role": "system", "content": system}, {"role": "user", "content": user}], **extra}
+
+
+def doctor(capsys, path, tokenizer_dir, *extra) -> dict:
+    """`kvprefix doctor PATH --model TOKENIZER_DIR --json`: its one JSON object, checked for the report's shape."""
+    assert main(["doctor", str(path), "--model", str(tokenizer_dir), "--json", *extra]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1  # exactly one JSON object
+    report = json.loads(out)
+    assert set(report) == {"requests", "block_size", "hit_rate", "causes"}
+    for cause in report["causes"]:
+        assert set(cause) == {"kind", "requests", "tokens_lost", "example", "fix", "hit_rate_after"}
+        assert type(cause["requests"]) is int and type(cause["tokens_lost"]) is int
+    fixable = [c for c in report["causes"] if c["kind"] != "no-sharing"]
+    assert report["causes"][: len(fixable)] == fixable  # fixable causes first ...
+    assert [c["tokens_lost"] for c in fixable] == sorted((c["tokens_lost"] for c in fixable), reverse=True)
+    assert len({c["kind"] for c in report["causes"]}) == len(report["causes"])  # ... one entry per kind
+    return report
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:

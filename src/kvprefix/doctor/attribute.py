@@ -41,7 +41,7 @@ def attribute(path: str, obs: Observation, fixed: dict[str, Variant], capacity_t
     timing = Timing(obs.requests.arrival, obs.requests.prefill) if timed else Timing(None, None)
     cap_blocks = None if capacity_tokens is None else capacity_tokens // bs
     setting = Setting(cap_blocks, len(groups) > 1, timed)
-    replay = Replayer(order, groups, timing).cached_tokens
+    replay = Replayer(order, groups, timing, bs).cached_tokens
     base = obs.variants["as is"]
     now = replay(base, setting)
     total = sum(base.tokens)
@@ -89,8 +89,9 @@ def _causes(obs: Observation, fixed: dict[str, Variant], replay: Replay, setting
 def _cause(obs: Observation, kind: str, variant: Variant, after: array, now: array, only_unhit: bool = False,
            example: dict | None = None, detail: str = "") -> Cause | None:
     gains = [a - b for a, b in zip(after, now, strict=True)]
-    if only_unhit:
-        gains = [g if now[i] == 0 else 0 for i, g in enumerate(gains)]
+    if only_unhit:  # requests that hit nothing now, or none of their content (short-prefix)
+        short = obs.findings.short
+        gains = [g if now[i] == 0 or i in short else 0 for i, g in enumerate(gains)]
     lost = sum(gains) if not only_unhit else sum(g for g in gains if g > 0)
     affected = sum(1 for g in gains if g > 0)
     if lost < obs.variants.block_size or affected == 0:  # less than one block in the whole log is noise

@@ -1,5 +1,5 @@
 """Where two renderings part, and why: the first differing token, the field it came from, and which cause it
-looks like (a short span that changes before content that agrees again, the same items in another order, the
+looks like (spans that change before content that other requests share, the same items in another order, the
 same message spelt differently)."""
 
 from __future__ import annotations
@@ -8,25 +8,24 @@ import functools
 import json
 import re
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvprefix.doctor.items import document_keys, documents, example_pairs, first_difference, moved
+from kvprefix.doctor.volatile import (
+    MAX_SPANS,
+    Lines,
+    VolatileSite,
+    common_prefix,
+    looks_like,
+    parts,
+    site,
+    word_start,
+)
 
-# A volatile span is at most this long; the content must agree again for at least MIN_AGREEMENT characters after
-# it (a window of WINDOW characters finds where).
-MAX_SPAN, WINDOW, MIN_AGREEMENT, ANCHOR = 64, 16, 48, 24
 _EXCERPT = 36
 _THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
-_LOOKS_LIKE = (
-    ("a uuid", re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", re.I)),
-    ("a timestamp", re.compile(r"\d{4}-\d{2}-\d{2}[T ]\d{1,2}:\d{2}")),
-    ("a date", re.compile(r"\d{4}-\d{2}-\d{2}|\d{1,2}/\d{1,2}/\d{2,4}")),
-    ("a time", re.compile(r"\d{1,2}:\d{2}(:\d{2})?")),
-    ("a request id", re.compile(r"(req|request|id)[-_:#]?[0-9a-z]{4,}", re.I)),
-    ("a hex id", re.compile(r"\b[0-9a-f]{12,}\b", re.I)),
-    ("a counter", re.compile(r"^\W*\d+\W*$")),
-)
 
 
 @dataclass
@@ -41,28 +40,6 @@ class Rendered:
         return array("I", self.token_ids).tobytes()
 
 
-@dataclass(frozen=True)
-class VolatileSite:
-    """Where a volatile span sits: in field ``field``, after ``before`` and up to ``after`` (either may be "")."""
-
-    field: str
-    before: str
-    after: str
-
-    def cut(self, content: str) -> tuple[str, str] | None:
-        """(content without the span, the span), or None where the site is not in ``content``."""
-        start = 0
-        if self.before:
-            k = content.find(self.before)
-            if k < 0:
-                return None
-            start = k + len(self.before)
-        end = content.find(self.after, start, start + MAX_SPAN + len(self.after))
-        if end < 0 or end == start:
-            return None
-        return content[:start] + content[end:], content[start:end]
-
-
 @dataclass
 class Divergence:
     kind: str
@@ -70,37 +47,18 @@ class Divergence:
     other_line: int
     token: int  # first differing token
     field: str | None
-    detail: str
+    detail: str | Callable[[], str]  # or what writes it, only for the pair kept as the example
     this: str  # excerpts of both renderings, the diverging part between « and »
     other: str
-    site: VolatileSite | None = field(default=None, compare=False)
+    sites: tuple[VolatileSite, ...] = field(default=(), compare=False)
     # What the fix learns from this pair: ("examples" | "documents", both item keys), ("system", first message
     # after the system prompt as JSON), ("head", (this head, the other's)).
     learned: tuple[str, Any] | None = field(default=None, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {"line": self.line, "other_line": self.other_line, "token": self.token, "field": self.field,
-                "detail": self.detail, "this": self.this, "other": self.other}
-
-
-def common_prefix(a, b) -> int:
-    """Length of the common prefix of two str or bytes: galloping, then bisection, on slice comparisons."""
-    n = min(len(a), len(b))
-    lo, step = 0, 64  # a[:lo] == b[:lo]
-    while lo + step < n and a[lo : lo + step] == b[lo : lo + step]:
-        lo += step
-        step *= 2
-    hi = min(n, lo + step)  # the difference, if any, is in a[lo:hi]
-    if a[lo:hi] == b[lo:hi]:
-        return hi
-    hi -= 1  # a[:hi + 1] != b[:hi + 1]
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+                "detail": self.detail() if callable(self.detail) else self.detail, "this": self.this,
+                "other": self.other}
 
 
 def common_tokens(a: Rendered, b: Rendered) -> int:
@@ -115,38 +73,13 @@ def normalized(content: str) -> str:
     return " ".join(content.split())
 
 
-def looks_like(span: str) -> str:
-    return next((name for name, pattern in _LOOKS_LIKE if pattern.search(span)), "a value")
-
-
-def volatile_span(old: str, new: str) -> tuple[int, int, int] | None:
-    """(start, end in old, end in new) of a short span that differs between two contents that agree before it and
-    for a while after it; None if they do not."""
-    q = common_prefix(old, new)
-    if q == len(old) or q == len(new):
-        return None
-    s = q
-    while s > 0 and not old[s - 1].isspace():  # from the start of the word that changed
-        s -= 1
-    for i in range(q, min(len(old), s + MAX_SPAN) + 1):
-        window = old[i : i + WINDOW]
-        if len(window) < WINDOW:
-            return None
-        j = new.find(window, q, s + MAX_SPAN + WINDOW)
-        if j >= 0 and common_prefix(old[i:], new[j:]) >= MIN_AGREEMENT:
-            # To the end of the word that changed and the whitespace after it, so the cut leaves clean text.
-            while i < len(old) and not old[i].isspace():
-                i, j = i + 1, j + 1
-            while i < len(old) and old[i].isspace():
-                i, j = i + 1, j + 1
-            return s, i, j
-    return None
-
-
 def excerpt(text: str, start: int, end: int) -> str:
     head = text[max(0, start - _EXCERPT) : start]
-    return (("…" if start > _EXCERPT else "") + head + "«" + text[start : min(end, start + MAX_SPAN)] + "»"
-            + text[end : end + _EXCERPT // 2]).replace("\n", "⏎")
+    span = text[start:end]
+    if len(span) > 2 * _EXCERPT:
+        span = span[:_EXCERPT] + "…" + span[-_EXCERPT // 2 :]
+    return (("…" if start > _EXCERPT else "") + head + "«" + span + "»" + text[end : end + _EXCERPT // 2]).replace(
+        "\n", "⏎")
 
 
 def _field_at(rendered: Rendered, char: int) -> tuple[str, int, int] | None:
@@ -154,19 +87,21 @@ def _field_at(rendered: Rendered, char: int) -> tuple[str, int, int] | None:
 
 
 def classify(new: Rendered, new_body: dict | None, new_line: int, old: Rendered, old_body: dict | None,
-             old_line: int, is_last_field, new_tools: str | None = None,
-             old_tools: str | None = None) -> Divergence | None:
+             old_line: int, new_tools: str | None = None, old_tools: str | None = None,
+             lines: Lines | None = None) -> Divergence | None:
     """Why ``new`` stops sharing with ``old`` (an earlier request), for the causes content can show; None when
-    ``new`` extends ``old`` or the difference looks like different content (no-sharing)."""
+    ``new`` extends ``old`` or the difference looks like different content (no-sharing). ``lines``: the lines
+    earlier requests carry."""
     t = common_tokens(new, old)
     if t >= len(new.token_ids) or t >= len(old.token_ids) or new.text is None or old.text is None:
         return None
     p = common_prefix(new.text, old.text)
 
-    def div(kind: str, field_name: str | None, detail: str, span_new: tuple[int, int], span_old: tuple[int, int],
-            site: VolatileSite | None = None, learned: tuple[str, Any] | None = None) -> Divergence:
+    def div(kind: str, field_name: str | None, detail: str | Callable[[], str], span_new: tuple[int, int],
+            span_old: tuple[int, int], sites: tuple[VolatileSite, ...] = (),
+            learned: tuple[str, Any] | None = None) -> Divergence:
         return Divergence(kind, new_line, old_line, t, field_name, detail, excerpt(new.text, *span_new),
-                          excerpt(old.text, *span_old), site, learned)
+                          excerpt(old.text, *span_old), sites, learned)
 
     here_new, here_old = _field_at(new, p), _field_at(old, p)
     if new_tools is not None and old_tools is not None and new_tools != old_tools:
@@ -183,8 +118,15 @@ def classify(new: Rendered, new_body: dict | None, new_line: int, old: Rendered,
         d = _template_head_drift(new, old, p, div)
         if d is not None:
             return d
-    if here_new is None or here_old is None or here_new[0] != here_old[0]:  # parted outside one field of both
-        return None
+    if here_new is not None and here_old is not None and here_new[0] == here_old[0]:  # in one field of both
+        d = _same_field(new, old, p, here_new, here_old, div)
+        if d is not None:
+            return d
+    return _volatile(new, new_body, old, old_body, p, div, lines)
+
+
+def _same_field(new: Rendered, old: Rendered, p: int, here_new, here_old, div) -> Divergence | None:
+    """The same message spelt differently, its documents or JSON keys in another order."""
     name, start_new, end_new = here_new
     _, start_old, end_old = here_old
     a, b = old.text[start_old:end_old], new.text[start_new:end_new]
@@ -198,16 +140,101 @@ def classify(new: Rendered, new_body: dict | None, new_line: int, old: Rendered,
     if _same_json(a, b):
         return div("reordered", name, f"the same JSON object in {name} with its keys in another order",
                    (p, p + 24), (p, p + 24))
-    span = None if is_last_field(name) else volatile_span(a, b)  # the last message is where volatile text belongs
-    if span is not None:
-        s, end_a, end_b = span
-        site = VolatileSite(name, a[max(0, s - ANCHOR) : s], a[end_a : end_a + ANCHOR])
-        value = b[s:end_b]
-        return div("volatile-prefix", name,
-                   f"{name} has {looks_like(value)} ({value.strip()!r} vs {a[s:end_a].strip()!r}) before "
-                   f"{len(b) - end_b} characters that every request shares",
-                   (start_new + s, start_new + end_b), (start_old + s, start_old + end_a), site)
     return None
+
+
+def _volatile(new: Rendered, new_body: dict | None, old: Rendered, old_body: dict | None, p: int, div,
+              lines: Lines | None) -> Divergence | None:
+    """The volatile spans where the renderings part (``volatile.parts``), each inside one field of both: a
+    message's content (bodies: its site in that content; a request log's text: in the whole text, where its fix
+    cuts), or (bodies) a string of the tools, found by comparing the two tools lists string by string."""
+    stop = new.fields[-1][2] if new.fields else len(new.text)  # the template's closing is no shared content
+    carried = lines.carried(new.text, new.fields) if lines is not None else None
+    carried_old = lines.carried(old.text, old.fields) if lines is not None else None
+    sites: list[VolatileSite] = []
+    shown: tuple[str | None, int, int, int, int] | None = None
+    tools_done = False
+    for s, e, s_old, e_old in parts(new.text, old.text, p, stop, carried, carried_old):
+        here, there = _field_at(new, s), _field_at(old, s_old)
+        if here is not None and there is not None and here[0] == there[0] and (
+                max(e - here[2], 0) == max(e_old - there[2], 0)):  # both end in the field, or past it alike
+            name, start, end = here
+            e, e_old = min(e, end), min(e_old, there[2])
+            line = carried.line_key(s) if carried is not None else 0
+            if new_body is not None:
+                sites.append(site(name, new.text[start:end], s - start, e - start, line))
+            else:
+                sites.append(site(name, new.text, s, e, line))
+        elif here is None and new_body is not None and old_body is not None and not tools_done:
+            tools_done = True
+            new_tools, old_tools = new_body.get("tools"), old_body.get("tools")
+            if not (isinstance(new_tools, list) and isinstance(old_tools, list)) or _tools_order(
+                    new_tools, old_tools) is not None:  # no tools, or the same tools in another order
+                continue
+            found = _tool_sites(new_tools, old_tools)
+            if not found:
+                continue
+            sites += found
+            name = found[0].field
+        elif here is None and new_body is None:
+            name = None
+            sites.append(site(None, new.text, s, e))
+        else:
+            continue
+        if shown is None:
+            shown = (name, s, e, s_old, e_old)
+    if shown is None:
+        return None
+    name, s, e, s_old, e_old = shown
+    value, other = new.text[s:e], old.text[s_old:e_old]
+    more = f" (and {len(sites) - 1} more volatile spans)" if len(sites) > 1 else ""
+    return div("volatile-prefix", name, lambda: f"{name or 'the template text'} has {looks_like(value)} "
+               f"({_short(value)!r} vs {_short(other)!r}) before content that other requests share{more}",
+               (s, e), (s_old, e_old), tuple(sites))
+
+
+def _short(value: str) -> str:
+    value = value.strip()
+    return value if len(value) <= 2 * _EXCERPT else value[:_EXCERPT] + "…" + value[-_EXCERPT // 2 :]
+
+
+def _tool_sites(new: Any, old: Any) -> list[VolatileSite]:
+    """The sites of the volatile spans of two tools lists that differ only in strings (a few), per string."""
+    leaves: list[tuple[str, str, str]] = []
+    if not _differing_strings(new, old, "tools", leaves) or len(leaves) > MAX_SPANS:
+        return []
+    out = []  # a part of a string, never the whole: a name or a value that differs is another tool, not volatile
+    for path, a, b in leaves:
+        q = common_prefix(a, b)
+        r = min(common_prefix(a[::-1], b[::-1]), len(a) - q, len(b) - q)
+        s, e = word_start(a, q, 0), len(a) - r
+        while e < len(a) and not a[e].isspace():  # over the shared end: to the end of the word and its space
+            e += 1
+        while e < len(a) and a[e].isspace():
+            e += 1
+        if 0 < s or e < len(a):
+            out.append(site(path, a, s, e))
+    return out
+
+
+_PLAIN_KEY = re.compile(r"[A-Za-z_][\w-]*")
+
+
+def _differing_strings(a: Any, b: Any, path: str, out: list[tuple[str, str, str]]) -> bool:
+    """Adds (path, a's, b's) for each string where ``a`` and ``b`` differ; False where they differ otherwise (in
+    shape, keys, numbers) or at a key the path cannot name."""
+    if isinstance(a, str) and isinstance(b, str):
+        if a != b:
+            out.append((path, a, b))
+        return True
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(
+            a[k] == b[k] or (_PLAIN_KEY.fullmatch(k) is not None and _differing_strings(a[k], b[k], f"{path}.{k}", out))
+            for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_differing_strings(x, y, f"{path}[{k}]", out)
+                                        for k, (x, y) in enumerate(zip(a, b, strict=True)))
+    return a == b
 
 
 def _messages(body: dict | None) -> list | None:

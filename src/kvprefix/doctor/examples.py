@@ -20,9 +20,14 @@ _WHAT = {
 
 def fix_text(obs: Observation, kind: str) -> str:
     fix = KINDS[kind][1]
-    if kind == "volatile-prefix" and obs.findings.sites:
-        site = obs.findings.sites.most_common(1)[0][0]
-        return f"{fix}: in {site.field}, the span after {site.before[-16:]!r}"
+    sites = obs.findings.volatile_sites() if kind == "volatile-prefix" else None
+    if sites:
+        site = sites.most_common(1)[0][0]
+        before, after = site.before.rsplit("\n", 1)[-1][-16:], site.after.split("\n", 1)[0][:16]  # its line
+        where = f"the span after {before!r}" if before else f"the span before {after!r}" if after else "all of it"
+        more = len(sites) - 1
+        return (f"{fix}: in {site.field or 'the template text'}, {where}"
+                + (f" (and {more} more place{'s' if more > 1 else ''})" if more else ""))
     if kind == "namespace" and any(adapter for _, adapter in obs.requests.space_names):
         return f"{fix}; adapters never share KV: send a shared prefix to one model (or adapter)"
     return fix

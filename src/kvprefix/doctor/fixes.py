@@ -7,44 +7,61 @@ Order and spelling fixes keep the first seen, so a consistent log is left as it 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
 from typing import Any
 
-from kvprefix.doctor.divergence import VolatileSite, conversation_key, normalized, system_message
+from kvprefix.doctor.divergence import conversation_key, normalized, system_message
 from kvprefix.doctor.items import document_keys, documents, example_pairs, reorder, reorder_documents
+from kvprefix.doctor.volatile import VolatileSite
 from kvprefix.logs import SharedTools
 
 
 class MoveVolatileToEnd:
-    """Cuts each known volatile span out of its field and appends it to the end of the prompt (the last message,
-    or the prompt text), where it no longer breaks the prefix of what follows."""
+    """Cuts each known volatile span out of its field (a message's content, the prompt, a string of the tools)
+    and appends it to the end of the prompt (the last message, or the prompt text), where it no longer breaks the
+    prefix of what follows."""
 
     def __init__(self, sites: Iterable[VolatileSite]):
-        self.by_field: dict[str, list[VolatileSite]] = {}
+        # Per field, per place (the text before a span), the sites there: at one place the shortest span found is
+        # cut (a pair that parts early and meets late, two system prompts before the same tools, proposes a span
+        # that holds the volatile one).
+        self.by_field: dict[str | None, dict[str, list[VolatileSite]]] = {}
         for site in sites:
-            self.by_field.setdefault(site.field, []).append(site)
+            self.by_field.setdefault(site.field, {}).setdefault(site.before, []).append(site)
+        self.tool_fields = [(name, tool_path(name)) for name in self.by_field
+                            if name is not None and name.startswith("tools")]
 
     def body(self, body: dict[str, Any]) -> dict[str, Any]:
+        moved: list[str] = []
+        tools = body.get("tools")
+        if self.tool_fields and isinstance(tools, list):
+            tools = self._cut_tools(tools, moved)
         if "messages" in body:
             messages = body["messages"]
             new = list(messages)
-            moved: list[str] = []
-            for i in range(len(messages) - 1):  # the last message is where spans go
-                content = _text(messages[i])
+            for i, message in enumerate(messages):
+                content = _text(message)
                 if content is None:
                     continue
                 cut = self._cut(f"messages[{i}].content", content, moved)
                 if cut is not content:
-                    new[i] = {**messages[i], "content": cut}
+                    new[i] = {**message, "content": cut}
             if not moved:
                 return body
             last = new[-1]
             new[-1] = {**last, "content": (_text(last) or "") + "\n" + " ".join(moved)}
-            return {**body, "messages": new}
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str):
-            return body
-        return self._text_field(body, "prompt", prompt)
+            out = {**body, "messages": new}
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, str):
+                prompt = self._cut("prompt", prompt, moved)
+            if not moved:
+                return body
+            out = {**body, "prompt": prompt + "\n" + " ".join(moved)} if isinstance(prompt, str) else dict(body)
+        if tools is not body.get("tools"):
+            out["tools"] = tools
+        return out
 
     def text(self, text: str) -> str:
         """A rendered prompt (a request log's text): every site, found by its anchors anywhere in the text."""
@@ -53,18 +70,55 @@ class MoveVolatileToEnd:
             text = self._cut(name, text, moved)
         return text + "\n" + " ".join(moved) if moved else text
 
-    def _text_field(self, body: dict[str, Any], name: str, content: str) -> dict[str, Any]:
-        moved: list[str] = []
-        cut = self._cut(name, content, moved)
-        return {**body, name: cut + "\n" + " ".join(moved)} if moved else body
+    def _cut_tools(self, tools: list, moved: list[str]) -> list:
+        for name, path in self.tool_fields:
+            value = _at(tools, path)
+            if isinstance(value, str):
+                cut = self._cut(name, value, moved)
+                if cut is not value:
+                    tools = _replaced(tools, path, cut)
+        return tools
 
-    def _cut(self, name: str, content: str, moved: list[str]) -> str:
-        for site in self.by_field.get(name, ()):
-            cut = site.cut(content)
-            if cut is not None:
-                content, span = cut
+    def _cut(self, name: str | None, content: str, moved: list[str]) -> str:
+        for sites in self.by_field.get(name, {}).values():
+            best = None
+            for site in sites:
+                cut = site.cut(content)
+                if cut is not None and (best is None or len(cut[1]) < len(best[1])):
+                    best = cut
+            if best is not None:
+                content, span = best
                 moved.append(span.strip())
         return content
+
+
+_STEP = re.compile(r"\[(\d+)\]|\.([A-Za-z_][\w-]*)")
+
+
+def tool_path(name: str) -> list[int | str]:
+    """``tools[0].function.description`` -> [0, "function", "description"] (the steps below the tools list)."""
+    return [int(i) if i else key for i, key in _STEP.findall(name[len("tools"):])]
+
+
+def _at(value: Any, path: list[int | str]) -> Any:
+    for step in path:
+        if isinstance(step, int) and isinstance(value, list) and step < len(value):
+            value = value[step]
+        elif isinstance(step, str) and isinstance(value, dict) and step in value:
+            value = value[step]
+        else:
+            return None
+    return value
+
+
+def _replaced(value: Any, path: list[int | str], new: Any) -> Any:
+    """A copy of ``value`` with ``new`` at ``path`` (only the containers on the path are copied)."""
+    if not path:
+        return new
+    step, rest = path[0], path[1:]
+    if isinstance(value, list):
+        return [*value[:step], _replaced(value[step], rest, new), *value[step + 1 :]]
+    return {**value, step: _replaced(value[step], rest, new)}
 
 
 class OneOrder:

@@ -53,8 +53,9 @@ def _makers(log: Log, obs: Observation) -> dict[str, Callable[[], list]]:
     """Per cause, what makes its fixes (each fix keeps state: one set for the cause alone, one for all)."""
     found = obs.findings
     makers: dict[str, Callable[[], list]] = {}
-    if found.sites:
-        makers["volatile-prefix"] = lambda: [MoveVolatileToEnd(found.sites)]
+    sites = found.volatile_sites()
+    if sites:
+        makers["volatile-prefix"] = lambda: [MoveVolatileToEnd(sites)]
     if log.bodies:  # order and spelling are fixed in bodies; a request log has only the text
         if found.pairs["reordered"]:
             examples, docs = frozenset(found.learned["examples"]), frozenset(found.learned["documents"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 KINDS: dict[str, tuple[str, str]] = {
     # kind: (what it means, the fix)
     "volatile-prefix": ("content that changes per request (a timestamp, date, uuid, request id, counter, name) "
-                        "sits before content every request shares",
+                        "sits before content other requests share",
                         "move the volatile span after the stable content (the end of the prompt)"),
     "reordered": ("the same items in another order: tools, the JSON keys of a tool schema or a message, few-shot "
                   "examples, retrieved documents",

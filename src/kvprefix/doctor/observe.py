@@ -60,7 +60,7 @@ def observe(log: Log) -> Observation:
     """Pass 1 over ``log`` (module docstring)."""
     obs = Observation(Variants(log.block_size))
     base = obs.variants.get_or_add("as is")
-    comparer = Comparer(log.block_size, obs.variants.tree, log.tools, obs.findings)
+    comparer = Comparer(log.block_size, obs.variants.tree, log.tools, obs.findings, log.renderer.head_tokens)
     for chunk in log.chunks("reading"):
         for e, ahead in zip(chunk, _render_ahead(log, chunk, obs.text_ok), strict=True):
             _observe(log, obs, comparer, base, e, ahead)

@@ -18,6 +18,7 @@ from kvprefix.tokenizer import SegmentCachedTokenizer, Tokenizer
 # A tokenizer given alone (no checkpoint, no replica) hashes under an empty context with the fast algorithm: the
 # doctor then only compares its own hashes with each other.
 _BARE = BlockIdentity(16, "xxhash", ExecutionContext())
+_MAX_HEADS = 1024
 
 Loaded = Tokenizer | tuple[Tokenizer, ReplicaModel]
 
@@ -30,6 +31,7 @@ class Renderer:
         self._load = load
         self.path = path
         self._hashers: dict[int, BlockHasher] = {}
+        self._heads: dict[str, list[int]] = {}  # the template's text before the first message, tokenized
 
     @functools.cached_property
     def _loaded(self) -> tuple[Tokenizer, ReplicaModel]:
@@ -51,6 +53,23 @@ class Renderer:
         if hasher is None:
             hasher = self._hashers[block_size] = replace(self.model.identity, block_size=block_size).hasher()
         return hasher
+
+    def head_tokens(self, rendered: Rendered) -> int:
+        """How many of the rendering's tokens are the template's text before its first field (a message's content;
+        none before a completions prompt)."""
+        if not rendered.fields or rendered.fields[0][1] == 0:
+            return 0
+        head = rendered.text[: rendered.fields[0][1]]
+        ids = self._heads.get(head)
+        if ids is None:
+            ids = self.tokenizer.encode(head, add_special_tokens=False)
+            if len(self._heads) < _MAX_HEADS:
+                self._heads[head] = ids
+        n = len(ids)
+        if rendered.token_ids[:n] == ids:
+            return n
+        return next((k for k, (a, b) in enumerate(zip(ids, rendered.token_ids, strict=False)) if a != b),
+                    min(n, len(rendered.token_ids)))
 
     def body(self, body: dict[str, Any], line: int) -> Rendered:
         try:

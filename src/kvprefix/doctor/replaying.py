@@ -18,7 +18,8 @@ PREFILL_TOKENS_PER_S = 10_000.0
 
 @dataclass(frozen=True)
 class Setting:
-    """How one replay runs: ``capacity_blocks`` None = nothing is ever evicted."""
+    """How one replay runs: ``capacity_blocks`` in blocks of the log's block size (a variant at another block size
+    gets as many tokens), None = nothing is ever evicted."""
 
     capacity_blocks: int | None
     per_replica: bool  # each request on the replica the log names (its own pool) instead of one replica
@@ -38,10 +39,11 @@ class Replayer:
     """Replays variants of one log, each distinct replay once: a replay is a function of the requests' chains and
     lengths (``in_flight`` is applied after it)."""
 
-    def __init__(self, order: Sequence[int], groups: list[list[int]], timing: Timing):
+    def __init__(self, order: Sequence[int], groups: list[list[int]], timing: Timing, block_size: int):
         self.order = order  # all requests in arrival order
         self.groups = groups  # the same per replica
         self.timing = timing
+        self.block_size = block_size  # the log's: what ``Setting.capacity_blocks`` counts in
         self._raw: dict[tuple, array] = {}
 
     def cached_tokens(self, variant: Variant, setting: Setting) -> array:
@@ -61,7 +63,8 @@ class Replayer:
             if setting.capacity_blocks is None:
                 unbounded_replay(variant, members, cached)
             else:
-                planner_replay(variant, members, setting.capacity_blocks, cached, setting.disk_bytes)
+                capacity = setting.capacity_blocks * self.block_size // variant.block_size
+                planner_replay(variant, members, capacity, cached, setting.disk_bytes)
         return cached
 
 
