@@ -10,9 +10,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from support.servers import Server
 
 from kvprefix.logs.request_log import iter_records
+from support.servers import Server
 
 ROOT = Path(__file__).resolve().parents[2]
 HITS = "kvprefix:prefix_cache_hits_total"
