@@ -11,6 +11,8 @@ The command lines are in docs/server.md.
 from __future__ import annotations
 
 import json
+import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -33,9 +35,11 @@ class Run:
     def __init__(self, lm_eval: Path, cwd: Path, name: str, model: str, model_args: str, tasks: tuple[str, ...],
                  *flags: str):
         out = cwd / name
+        start = time.monotonic()
         run_tool([lm_eval, "--model", model, "--model_args", model_args, "--tasks", ",".join(tasks),
                   "--include_path", TASKS, "--output_path", out, "--log_samples", *flags], cwd, timeout=600,
                  HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+        print(f"lm_eval {name}: {time.monotonic() - start:.1f} s")
         (results,) = out.glob("*/results_*.json")
         self.scores = json.loads(results.read_text())["results"]
         self.responses = {}
@@ -53,11 +57,7 @@ def _same_scores(served: Run, reference: Run, task: str, metrics: tuple[str, ...
 
 def _shared_prefix_tokens(records: list) -> int:
     """Tokens of the longest run of full blocks every request of the run starts with (the few-shot prefix)."""
-    common = records[0].block_hashes
-    for r in records[1:]:
-        n = next((i for i, (a, b) in enumerate(zip(common, r.block_hashes)) if a != b), min(len(common),
-                                                                                            len(r.block_hashes)))
-        common = common[:n]
+    common = os.path.commonprefix([r.block_hashes for r in records])  # element-wise, lists too
     return len(common) * records[0].block_size
 
 
