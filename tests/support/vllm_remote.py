@@ -1,0 +1,56 @@
+"""vLLM's test harness, by the names its OpenAI-server tests use (tests/utils.py's RemoteOpenAIServer,
+vllm.tokenizers.get_tokenizer, ModelConfig's vocabulary size), over a real `kvprefix serve` of the built-in model on
+127.0.0.1: what lets tests/vllm_conformance run vLLM's own test files with only the model, the server start and
+model-specific constants changed. The reference tokenizer is transformers' reading of the same GGUF file, not ours.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import openai
+
+from kvprefix.cache.default_model import DEFAULT_MODEL_NAME, default_model_path
+from support.server_registry import ServerRegistry, ServerSpec
+
+MODEL_NAME = DEFAULT_MODEL_NAME  # SmolLM2-135M-Instruct, the name the server gives the built-in model
+
+
+class RemoteOpenAIServer:
+    """A `kvprefix serve` of the built-in model with ``args``, serving it as ``model``. One process per distinct
+    configuration, shared by every test file that asks for it and stopped (its clean exit checked) by the registry
+    at the end of the session: a boot is tens of seconds here, vLLM's files each start their own."""
+
+    def __init__(self, model: str, args: list[str], registry: ServerRegistry):
+        spec = ServerSpec((*args, "--served-model-name", model), builtin_model=True)
+        self.url_root = registry.get(spec).url
+
+    def __enter__(self) -> RemoteOpenAIServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def url_for(self, *parts: str) -> str:
+        return "/".join((self.url_root, *parts))
+
+    def get_client(self, **kwargs) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url_for("v1"), api_key="none", max_retries=0, **kwargs)
+
+    def get_async_client(self, **kwargs) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url_for("v1"), api_key="none", max_retries=0, **kwargs)
+
+
+@functools.cache
+def get_tokenizer(tokenizer_name: str = MODEL_NAME):
+    """transformers' tokenizer of the built-in model, read from its GGUF file (once per session: it takes seconds)."""
+    from transformers import AutoTokenizer
+
+    assert tokenizer_name == MODEL_NAME, tokenizer_name
+    path = Path(default_model_path())
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+def get_vocab_size(model_name: str = MODEL_NAME) -> int:
+    return len(get_tokenizer(model_name))
