@@ -22,6 +22,8 @@ class RemoteOpenAIServer:
     configuration, shared by every test file that asks for it and stopped (its clean exit checked) by the registry
     at the end of the session: a boot is tens of seconds here, vLLM's files each start their own."""
 
+    show_hidden_metrics = False  # vLLM's --show-hidden-metrics-for-version: no hidden metrics here
+
     def __init__(self, model: str, args: list[str], registry: ServerRegistry):
         spec = ServerSpec((*args, "--served-model-name", model), builtin_model=True)
         self.url_root = registry.get(spec).url
