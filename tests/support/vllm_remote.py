@@ -12,6 +12,7 @@ from pathlib import Path
 import openai
 
 from kvprefix.cache.default_model import DEFAULT_MODEL_NAME, default_model_path
+from kvprefix.model import write_random_lora_adapter
 from support.server_registry import ServerRegistry, ServerSpec
 
 MODEL_NAME = DEFAULT_MODEL_NAME  # SmolLM2-135M-Instruct, the name the server gives the built-in model
@@ -56,3 +57,10 @@ def get_tokenizer(tokenizer_name: str = MODEL_NAME):
 
 def get_vocab_size(model_name: str = MODEL_NAME) -> int:
     return len(get_tokenizer(model_name))
+
+
+def write_lora_adapter(out_dir: Path) -> str:
+    """A random PEFT LoRA adapter (rank 8) of the built-in model, made by peft: what stands in for the adapter of
+    another model that vLLM's tests download (typeof/zephyr-7b-beta-lora)."""
+    path = Path(default_model_path())
+    return write_random_lora_adapter(str(path.parent), str(out_dir), rank=8, gguf_file=path.name)

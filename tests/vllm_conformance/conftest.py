@@ -1,15 +1,51 @@
 """vLLM's OpenAI-server tests, ported (README.md here): all of them in the slow lane (each needs a server of the
-built-in model, tens of seconds to boot on 2 cores)."""
+built-in model, tens of seconds to boot on 2 cores), and the ones that cannot pass here marked where they are
+listed, each with its reason: another model's ability, or a feature docs/server.md lists as out of scope."""
 
 import pytest
 
 HERE = __file__.rsplit("/", 1)[0]
+SCOPE = "docs/server.md#vllms-own-tests"
+TOOLS = "docs/server.md#tools-and-tool_choice"
+
+
+def _skip(reason: str):
+    return pytest.mark.skip(reason=reason)
+
+
+def _xfail(reason: str):
+    return pytest.mark.xfail(reason=reason, strict=False)
+
+
+# (file, test, the parameters it applies to or None for all, mark). A model's ability is xfail where the test is
+# quick (it runs, and an XPASS shows the model managed), skip where it would run for minutes.
+EXPECTED = [
+    ("test_chat_echo.py", "test_chat_session_with_echo_and_continue_final_message", None,
+     _skip("needs another model: SmolLM2-135M at temperature 1 seldom ends a continued message before the context "
+           "is full (Qwen2-1.5B-Instruct does), so this would generate ~8k tokens and still fail")),
+    ("test_completion.py", "test_batch_completions", None, _xfail("beam search: in progress")),
+    ("test_completion_with_function_calling.py", "test_function_tool_use", {"enable_thinking": True},
+     _skip(f"reasoning parsers (Qwen3's <think>) are out of scope: {SCOPE}")),
+    ("test_completion_with_function_calling.py", "test_function_tool_use", {"tool_choice": "auto"},
+     _xfail(f"needs another model: SmolLM2-135M seldom calls a tool of its own accord ({TOOLS})")),
+    ("test_metrics.py", "test_metrics_exist_run_batch", None,
+     _skip(f"vLLM's offline batch runner (run_batch, of an embedding model) is out of scope: {SCOPE}")),
+]
+
+
+def _matches(item: pytest.Item, params: dict | None) -> bool:
+    got = getattr(item, "callspec", None)
+    return params is None or (got is not None and all(got.params.get(k) == v for k, v in params.items()))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if str(item.path).startswith(HERE):
-            item.add_marker(pytest.mark.slow)
+        if not str(item.path).startswith(HERE):
+            continue
+        item.add_marker(pytest.mark.slow)
+        for file, test, params, mark in EXPECTED:
+            if item.path.name == file and item.originalname == test and _matches(item, params):
+                item.add_marker(mark)
 
 
 # The sample inputs of vLLM's tests/entrypoints/conftest.py that the ported files use, as there (Apache-2.0,
