@@ -149,6 +149,8 @@ def test_logit_bias(server: Server) -> None:
     for bias, message in (({"100000": 1}, "token_id(s) [100000] in logit_bias contain out-of-vocab token ids. "
                                           f"Vocabulary size: {_vocab_size(server)}"),
                           ({"x": 1}, "Found token_id `x` in logit_bias but token_id must be an integer"),
+                          # Every bad key is named, not the first only (vLLM's test_chat_logit_bias_validation).
+                          ({"x": 1, "7": 1, "y": 2}, "Found token_id `x`, `y` in logit_bias"),
                           ({"5": 101}, "in [-100, 100]"), ({"5": True}, "in [-100, 100]")):
         e = server.post("/v1/completions", {"model": M, "prompt": "x", "logit_bias": bias}).json()["error"]
         assert e["param"] == "logit_bias" and message in e["message"], e

@@ -28,6 +28,12 @@ EXPECTED = [
      _skip(f"reasoning parsers (Qwen3's <think>) are out of scope: {SCOPE}")),
     ("test_completion_with_function_calling.py", "test_function_tool_use", {"tool_choice": "auto"},
      _xfail(f"needs another model: SmolLM2-135M seldom calls a tool of its own accord ({TOOLS})")),
+    ("test_tokenization.py", "test_tokenize_chat_with_tools", None,
+     _xfail(f"deliberate: tools reach a model whose chat template ignores them (SmolLM2's ChatML), written in its "
+            f"trained format; vLLM's reference renders the template alone and drops them ({TOOLS})")),
+    ("test_return_token_ids.py", "test_comparison_with_prompt_logprobs_and_logprobs", None,
+     _xfail("needs another model: SmolLM2-135M ends this prompt at once, so the completion is the EOS token, whose "
+            "text neither vLLM nor kvprefix puts in `text` (vLLM's tiny random model writes other tokens)")),
     ("test_metrics.py", "test_metrics_exist_run_batch", None,
      _skip(f"vLLM's offline batch runner (run_batch, of an embedding model) is out of scope: {SCOPE}")),
 ]

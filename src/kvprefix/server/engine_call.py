@@ -104,17 +104,26 @@ def _check_logprobs(kind: str, k: int | None, param: str, info: ModelInfo) -> No
                       param=param)
 
 
+def _is_int_text(key: str) -> bool:
+    try:
+        int(key)
+    except ValueError:
+        return False
+    return True
+
+
 def _logit_bias(bias: dict | None, vocab_size: int) -> dict[int, float] | None:
     """OpenAI's logit_bias, {token id as text: bias}, checked with vLLM's messages (and OpenAI's value range)."""
     if not bias:
         return None
+    not_ints = [key for key in bias if not _is_int_text(key)]
+    if not_ints:  # every bad key at once, as vLLM reports them
+        keys = ", ".join(f"`{key}`" for key in not_ints)
+        raise bad_request(f"Found token_id {keys} in logit_bias but token_id must be an integer or string "
+                          "representing an integer", param="logit_bias")
     out: dict[int, float] = {}
     for key, value in bias.items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise bad_request(f"Found token_id `{key}` in logit_bias but token_id must be an integer or string "
-                              "representing an integer", param="logit_bias") from None
+        token = int(key)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or abs(value) > MAX_LOGIT_BIAS:
             raise bad_request(f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {key}",
                               param="logit_bias")
