@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -35,11 +34,9 @@ class Run:
     def __init__(self, lm_eval: Path, cwd: Path, name: str, model: str, model_args: str, tasks: tuple[str, ...],
                  *flags: str):
         out = cwd / name
-        start = time.monotonic()
         run_tool([lm_eval, "--model", model, "--model_args", model_args, "--tasks", ",".join(tasks),
                   "--include_path", TASKS, "--output_path", out, "--log_samples", *flags], cwd, timeout=600,
                  HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-        print(f"lm_eval {name}: {time.monotonic() - start:.1f} s")
         (results,) = out.glob("*/results_*.json")
         self.scores = json.loads(results.read_text())["results"]
         self.responses = {}
