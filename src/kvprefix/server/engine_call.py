@@ -144,6 +144,7 @@ def _sampling(req: CompletionRequest | ChatCompletionRequest, max_tokens: int, p
         return SamplingParams(n=req.n, max_tokens=max_tokens, stop=req.stop_list() or None,
                               stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
                               logprobs=req.num_logprobs(), min_tokens=req.min_tokens,
+                              min_characters=req.min_characters,
                               include_stop_str_in_output=req.include_stop_str_in_output,
                               skip_special_tokens=req.skip_special_tokens, prompt_logprobs=prompt_logprobs,
                               logit_bias=logit_bias, logprob_token_ids=req.logprob_token_ids, seed=seed,

@@ -108,6 +108,7 @@ class _SamplingFields(_Body):
     ignore_eos: bool = False
     # vLLM's request extensions that the engine honours (docs/server.md).
     min_tokens: int = Field(0, ge=0)
+    min_characters: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = Field(None, ge=-1)  # -1: the whole vocabulary; capped by --max-logprobs
