@@ -194,7 +194,8 @@ def test_cut_utf8_character_shows_as_replacement(server: Server) -> None:
 
 
 def test_max_logprobs_and_tokens_as_ids_options(app_registry: AppRegistry) -> None:
-    """--max-logprobs -1 lifts the cap and allows prompt_logprobs -1 (every token of the vocabulary);
+    """--max-logprobs -1 (or the vocabulary's size) lifts the cap and allows prompt_logprobs and top_logprobs -1
+    (every token of the vocabulary);
     --return-tokens-as-token-ids makes it the default, which a request can still turn off."""
     s = app_registry.get(("--num-gpu-blocks", "256", "--max-logprobs", "-1", "--return-tokens-as-token-ids"))
     r = s.post("/v1/completions", {"model": M, "prompt": PROMPT, "max_tokens": 2, "logprobs": 30,
@@ -206,6 +207,16 @@ def test_max_logprobs_and_tokens_as_ids_options(app_registry: AppRegistry) -> No
     off = s.post("/v1/completions", {"model": M, "prompt": PROMPT, "max_tokens": 2, "logprobs": 1,
                                      "return_tokens_as_token_ids": False}).json()
     assert not any(t.startswith("token_id:") for t in off["choices"][0]["logprobs"]["tokens"])
+    # Chat top_logprobs -1 (vLLM's): every token of the vocabulary at each position.
+    whole = s.post("/v1/chat/completions", {"model": M, "messages": [{"role": "user", "content": "hi"}],
+                                            "max_tokens": 1, "logprobs": True, "top_logprobs": -1}).json()
+    assert len(whole["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == _vocab_size(s)
+    # -1 counts as the vocabulary's size against the cap, as in vLLM: a cap that large allows it, one less not.
+    vocab = _vocab_size(s)
+    for cap, status in ((vocab, 200), (vocab - 1, 400)):
+        capped = app_registry.get(("--num-gpu-blocks", "64", "--max-logprobs", str(cap)))
+        r = capped.post("/v1/completions", {"model": M, "prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": -1})
+        assert r.status_code == status, r.text
 
 
 def test_invocations_tokenizer_info_and_load(server: Server) -> None:

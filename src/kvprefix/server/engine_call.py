@@ -61,7 +61,7 @@ async def engine_call(req: CompletionRequest | ChatCompletionRequest, caller: Ca
             await asyncio.to_thread(grammar_for, structured)
         except ValueError as exc:
             raise bad_request(f"invalid '{field_name}': {exc}", param=field_name) from None
-    params = _sampling(req, max_tokens, _prompt_logprobs(req, info), _logit_bias(req.logit_bias, info.vocab_size))
+    params = _sampling(req, max_tokens, _logprobs(req, info), _logit_bias(req.logit_bias, info.vocab_size))
     params.structured_outputs = structured
     rid, engine_rid = _response_id(req, raw, "chatcmpl" if isinstance(req, ChatCompletionRequest) else "cmpl")
     return EngineCall(prompts, params, rid, engine_rid)
@@ -81,25 +81,30 @@ def _max_tokens(limit: int, prompt_len: int, requested: int | None, param: str) 
     return requested
 
 
-def _prompt_logprobs(req: CompletionRequest | ChatCompletionRequest, info: ModelInfo) -> int | None:
-    """The prompt logprobs the engine computes: the request's (-1: the whole vocabulary), and for a completions
-    echo with logprobs as many as the completion's (vLLM's), each within --max-logprobs as vLLM checks it."""
-    sample = req.num_logprobs()
-    _check_logprobs("sample", sample, "top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs", info)
-    _check_logprobs("prompt", req.prompt_logprobs, "prompt_logprobs", info)
-    wanted = [k for k in (req.prompt_logprobs, sample if isinstance(req, CompletionRequest) and req.echo else None)
+def _logprobs(req: CompletionRequest | ChatCompletionRequest, info: ModelInfo) -> int | None:
+    """Checks the sample and prompt logprobs against --max-logprobs as vLLM does (-1: the whole vocabulary, which
+    counts as its size), turns a sample -1 into that size, and returns the prompt logprobs the engine computes: the
+    request's, and for a completions echo with logprobs as many as the completion's (vLLM's)."""
+    sample_param = "top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs"
+    sample = _check_logprobs("sample", req.num_logprobs(), sample_param, info)
+    if sample is not None and sample != req.num_logprobs():
+        setattr(req, sample_param, sample)  # what the engine computes and the response lists
+    prompt = _check_logprobs("prompt", req.prompt_logprobs, "prompt_logprobs", info)
+    wanted = [k for k in (prompt, sample if isinstance(req, CompletionRequest) and req.echo else None)
               if k is not None]
-    if not wanted:
+    return max(wanted) if wanted else None
+
+
+def _check_logprobs(kind: str, k: int | None, param: str, info: ModelInfo) -> int | None:
+    """``k`` as a count (-1: the vocabulary size), if --max-logprobs allows it."""
+    if k is None:
         return None
-    return info.vocab_size if -1 in wanted else max(wanted)
-
-
-def _check_logprobs(kind: str, k: int | None, param: str, info: ModelInfo) -> None:
-    if k is None or info.max_logprobs == -1 or 0 <= k <= info.max_logprobs:
-        return
+    count = info.vocab_size if k == -1 else k
+    if info.max_logprobs == -1 or 0 <= count <= info.max_logprobs:
+        return count
     if k == -1:
-        raise bad_request(f"'{param}': -1 (the whole vocabulary) needs a server started with --max-logprobs -1",
-                          param=param)
+        raise bad_request(f"'{param}': -1 (the whole vocabulary, {info.vocab_size} tokens) needs a server started "
+                          f"with --max-logprobs -1 or at least {info.vocab_size}", param=param)
     raise bad_request(f"Requested {kind} logprobs of {k}, which is greater than max allowed: {info.max_logprobs}",
                       param=param)
 
