@@ -24,6 +24,26 @@ EXPECTED = [
      _skip("needs another model: SmolLM2-135M at temperature 1 seldom ends a continued message before the context "
            "is full (Qwen2-1.5B-Instruct does), so this would generate ~8k tokens and still fail")),
     ("test_completion.py", "test_batch_completions", None, _xfail("beam search: in progress")),
+    *[("test_completion.py", name, None,
+       _xfail("needs another model: SmolLM2-135M-Instruct ends 'What is an LLM?' at once (EOS first), so there is "
+              "no text to stream and no spread of lengths (opt-125m writes on)"))
+      for name in ("test_completion_streaming", "test_parallel_no_streaming", "test_parallel_streaming")],
+    ("test_chat.py", "test_more_than_one_prompt_logprobs_chat", None,
+     _xfail("needs another model: the prompt token at position 3 is outside SmolLM2's top 1 and 2 there, so its "
+            "entry has k + 1 logprobs (the token and the k most likely, as in vLLM); zephyr ranks it first")),
+    ("test_chat.py", "test_single_chat_session", None,
+     _xfail("deliberate: usage.prompt_tokens_details.cached_tokens is on every response "
+            "(docs/server.md#cached-tokens-on-every-response); vLLM adds it only with --enable-prompt-tokens-details")),
+    ("test_chat.py", "test_structured_outputs_json_chat", None,
+     _xfail("needs another model: SmolLM2-135M gives the second employee the same age")),
+    ("test_chat.py", "test_complex_message_content", None,
+     _xfail("needs another model: SmolLM2-135M answers '1 + 1 = 2', not '2'")),
+    *[("test_chat.py", name, None,
+       _skip("needs another model: SmolLM2-135M does not end this unbounded reply (no max_tokens) before the context "
+             "is full, which takes past the client's 600 s timeout on 2 CPU cores"))
+      for name in ("test_response_format_json_object", "test_response_format_json_schema", "test_custom_role")],
+    ("test_completion_with_function_calling.py", "test_named_tool_use", None,
+     _xfail(f"deliberate: content is null beside tool calls, OpenAI's shape ({TOOLS}); vLLM sends ''")),
     ("test_completion_with_function_calling.py", "test_function_tool_use", {"enable_thinking": True},
      _skip(f"reasoning parsers (Qwen3's <think>) are out of scope: {SCOPE}")),
     ("test_completion_with_function_calling.py", "test_function_tool_use", {"tool_choice": "auto"},
