@@ -19,21 +19,24 @@ MODEL_NAME = DEFAULT_MODEL_NAME  # SmolLM2-135M-Instruct, the name the server gi
 
 
 class RemoteOpenAIServer:
-    """A `kvprefix serve` of the built-in model with ``args``, serving it as ``model``. One process per distinct
-    configuration, shared by every test file that asks for it and stopped (its clean exit checked) by the registry
-    at the end of the session: a boot is tens of seconds here, vLLM's files each start their own."""
+    """A `kvprefix serve` of the built-in model with ``args``, serving it as ``model``, through the session's server
+    registry (its clean exit checked when stopped). vLLM's files each start their own server; here the plain
+    configuration (no ``args``), which most of them use, is one process for the session (a boot is tens of seconds
+    on 2 cores), and any other stops when the fixture that asked for it ends (each holds about a GB)."""
 
     show_hidden_metrics = False  # vLLM's --show-hidden-metrics-for-version: no hidden metrics here
 
     def __init__(self, model: str, args: list[str], registry: ServerRegistry):
-        spec = ServerSpec((*args, "--served-model-name", model), builtin_model=True)
-        self.url_root = registry.get(spec).url
+        self._spec = ServerSpec((*args, "--served-model-name", model), builtin_model=True)
+        self._registry = registry if args else None  # whom to ask to stop it at the end; None: kept
+        self.url_root = registry.get(self._spec).url
 
     def __enter__(self) -> RemoteOpenAIServer:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        return None
+        if self._registry is not None:
+            self._registry.stop(self._spec)
 
     def url_for(self, *parts: str) -> str:
         return "/".join((self.url_root, *parts))
