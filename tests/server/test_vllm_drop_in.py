@@ -94,10 +94,23 @@ def test_fields_vllm_always_returns(server: Server) -> None:
                                                 "max_tokens": 2}).json()
     assert chat["prompt_logprobs"] is None and chat["prompt_token_ids"] is None
     assert chat["choices"][0]["token_ids"] is None and "stop_reason" in chat["choices"][0]
+    assert chat["system_fingerprint"] is None and chat["service_tier"] is None and c["system_fingerprint"] is None
     stopped = server.post("/v1/completions", {"model": M, "prompt": LONG_PREFIX, "max_tokens": 30, "temperature": 0,
                                               "ignore_eos": True, "stop": [" "]}).json()["choices"][0]
     if stopped["finish_reason"] == "stop":
         assert stopped["stop_reason"] == " "
+
+
+def test_chat_chunks_always_carry_content(server: Server) -> None:
+    """Every chat chunk without tool calls has delta.content, "" when its step added no text (the last one, ended
+    by a stop token), as vLLM sends it: clients written for vLLM concatenate it (vLLM's test_chat)."""
+    body = {"model": M, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+    first = server.post("/v1/chat/completions", {**body, "return_token_ids": True}).json()["choices"][0]
+    streamed = server.post("/v1/chat/completions", {**body, "stream": True,
+                                                    "stop_token_ids": [first["token_ids"][0]]}).text
+    chunks = [json.loads(line[6:]) for line in streamed.splitlines() if line.startswith("data: {")]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert all(c["choices"][0]["delta"]["content"] == "" for c in chunks)
 
 
 @pytest.mark.parametrize("chat", [False, True])

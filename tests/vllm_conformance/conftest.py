@@ -42,6 +42,10 @@ EXPECTED = [
        _skip("needs another model: SmolLM2-135M does not end this unbounded reply (no max_tokens) before the context "
              "is full, which takes past the client's 600 s timeout on 2 CPU cores"))
       for name in ("test_response_format_json_object", "test_response_format_json_schema", "test_custom_role")],
+    ("test_chat.py", "test_invocations", None,
+     _xfail("client-bound: the openai client pinned here (3.57) declares `metadata` and `moderation` on a chat "
+            "completion, which neither vLLM nor kvprefix returns, so model_dump() has keys the raw JSON lacks "
+            "(vLLM's test passes with the older client vLLM pins)")),
     ("test_completion_with_function_calling.py", "test_named_tool_use", None,
      _xfail(f"deliberate: content is null beside tool calls, OpenAI's shape ({TOOLS}); vLLM sends ''")),
     ("test_completion_with_function_calling.py", "test_function_tool_use", {"enable_thinking": True},
