@@ -1,24 +1,26 @@
 #!/usr/bin/env bash
-# Creates .venv-guidellm and .venv-aiperf at the repository root: the benchmark clients that
-# tests/server/test_benchmark_clients.py runs against a real `kvprefix serve` (docs/benchmarks.md).
+# Creates .venv-guidellm, .venv-aiperf and .venv-lm_eval at the repository root: the clients that
+# tests/server/test_benchmark_clients.py (guidellm, aiperf; docs/benchmarks.md) and tests/server/test_lm_eval.py
+# (lm-evaluation-harness; docs/server.md) run against a real `kvprefix serve`.
 # Each tool gets its own environment because their pins clash with the project's (and with each other's).
 #
-#   bash benchmarks/client_envs.sh            # both
+#   bash benchmarks/client_envs.sh            # all three
 #   bash benchmarks/client_envs.sh aiperf     # one
 #
 # benchmarks/client_envs/TOOL.txt is the tool's complete dependency closure, pinned (pip freeze of a
 # resolved install), so the install skips pip's resolver (--no-deps over a closed set) and `pip check`
-# proves the set is closed. guidellm's closure has torch's CPU wheel: guidellm imports torch's DataLoader
-# for every dataset, and a bare torch requirement would pull a multi-GB CUDA build.
+# proves the set is closed. guidellm's and lm_eval's closures have torch's CPU wheel (guidellm imports torch's
+# DataLoader for every dataset; lm_eval's `--model hf` is the reference it is compared with), and a bare torch
+# requirement would pull a multi-GB CUDA build.
 # Idempotent: an environment whose stamp matches its lock file and this script is left as it is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tools=("$@")
-[ ${#tools[@]} -gt 0 ] || tools=(guidellm aiperf)
+[ ${#tools[@]} -gt 0 ] || tools=(guidellm aiperf lm_eval)
 for tool in "${tools[@]}"; do
     lock="benchmarks/client_envs/$tool.txt"
     venv=".venv-$tool"
-    [ -f "$lock" ] || { echo "no lock file $lock (known: guidellm, aiperf)" >&2; exit 2; }
+    [ -f "$lock" ] || { echo "no lock file $lock (known: guidellm, aiperf, lm_eval)" >&2; exit 2; }
     want=$(cat "$lock" benchmarks/client_envs.sh | sha256sum | cut -d' ' -f1)  # a changed lock or install step rebuilds
     if [ -x "$venv/bin/$tool" ] && [ "$(cat "$venv/.lock-sha256" 2>/dev/null)" = "$want" ]; then
         echo "$venv: up to date"

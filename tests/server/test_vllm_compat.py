@@ -148,6 +148,12 @@ def test_min_tokens_include_stop_str_and_token_ids(server: Server) -> None:
     held = client.completions.create(**kw, extra_body={"stop_token_ids": [ids[0]], "min_tokens": 4,
                                                        "return_token_ids": True})
     assert held.usage.completion_tokens >= 4 and ids[0] not in held.choices[0].model_extra["token_ids"][:4]
+    # min_characters (vLLM's): the same hold, until the text has that many characters; streamed too.
+    for stream in (False, True):
+        out = client.completions.create(**kw, stream=stream, extra_body={"stop_token_ids": [ids[0]],
+                                                                         "min_characters": 6})
+        text = "".join(c.choices[0].text for c in out) if stream else out.choices[0].text
+        assert len(text) >= 6, text
     # The stop string comes back with include_stop_str_in_output, as in vLLM.
     stop = free.text[2:4]
     if len(stop) == 2 and stop.strip():

@@ -94,10 +94,23 @@ def test_fields_vllm_always_returns(server: Server) -> None:
                                                 "max_tokens": 2}).json()
     assert chat["prompt_logprobs"] is None and chat["prompt_token_ids"] is None
     assert chat["choices"][0]["token_ids"] is None and "stop_reason" in chat["choices"][0]
+    assert chat["system_fingerprint"] is None and chat["service_tier"] is None and c["system_fingerprint"] is None
     stopped = server.post("/v1/completions", {"model": M, "prompt": LONG_PREFIX, "max_tokens": 30, "temperature": 0,
                                               "ignore_eos": True, "stop": [" "]}).json()["choices"][0]
     if stopped["finish_reason"] == "stop":
         assert stopped["stop_reason"] == " "
+
+
+def test_chat_chunks_always_carry_content(server: Server) -> None:
+    """Every chat chunk without tool calls has delta.content, "" when its step added no text (the last one, ended
+    by a stop token), as vLLM sends it: clients written for vLLM concatenate it (vLLM's test_chat)."""
+    body = {"model": M, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+    first = server.post("/v1/chat/completions", {**body, "return_token_ids": True}).json()["choices"][0]
+    streamed = server.post("/v1/chat/completions", {**body, "stream": True,
+                                                    "stop_token_ids": [first["token_ids"][0]]}).text
+    chunks = [json.loads(line[6:]) for line in streamed.splitlines() if line.startswith("data: {")]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert all(c["choices"][0]["delta"]["content"] == "" for c in chunks)
 
 
 @pytest.mark.parametrize("chat", [False, True])
@@ -149,6 +162,8 @@ def test_logit_bias(server: Server) -> None:
     for bias, message in (({"100000": 1}, "token_id(s) [100000] in logit_bias contain out-of-vocab token ids. "
                                           f"Vocabulary size: {_vocab_size(server)}"),
                           ({"x": 1}, "Found token_id `x` in logit_bias but token_id must be an integer"),
+                          # Every bad key is named, not the first only (vLLM's test_chat_logit_bias_validation).
+                          ({"x": 1, "7": 1, "y": 2}, "Found token_id `x`, `y` in logit_bias"),
                           ({"5": 101}, "in [-100, 100]"), ({"5": True}, "in [-100, 100]")):
         e = server.post("/v1/completions", {"model": M, "prompt": "x", "logit_bias": bias}).json()["error"]
         assert e["param"] == "logit_bias" and message in e["message"], e
@@ -192,7 +207,8 @@ def test_cut_utf8_character_shows_as_replacement(server: Server) -> None:
 
 
 def test_max_logprobs_and_tokens_as_ids_options(app_registry: AppRegistry) -> None:
-    """--max-logprobs -1 lifts the cap and allows prompt_logprobs -1 (every token of the vocabulary);
+    """--max-logprobs -1 (or the vocabulary's size) lifts the cap and allows prompt_logprobs and top_logprobs -1
+    (every token of the vocabulary);
     --return-tokens-as-token-ids makes it the default, which a request can still turn off."""
     s = app_registry.get(("--num-gpu-blocks", "256", "--max-logprobs", "-1", "--return-tokens-as-token-ids"))
     r = s.post("/v1/completions", {"model": M, "prompt": PROMPT, "max_tokens": 2, "logprobs": 30,
@@ -204,6 +220,16 @@ def test_max_logprobs_and_tokens_as_ids_options(app_registry: AppRegistry) -> No
     off = s.post("/v1/completions", {"model": M, "prompt": PROMPT, "max_tokens": 2, "logprobs": 1,
                                      "return_tokens_as_token_ids": False}).json()
     assert not any(t.startswith("token_id:") for t in off["choices"][0]["logprobs"]["tokens"])
+    # Chat top_logprobs -1 (vLLM's): every token of the vocabulary at each position.
+    whole = s.post("/v1/chat/completions", {"model": M, "messages": [{"role": "user", "content": "hi"}],
+                                            "max_tokens": 1, "logprobs": True, "top_logprobs": -1}).json()
+    assert len(whole["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == _vocab_size(s)
+    # -1 counts as the vocabulary's size against the cap, as in vLLM: a cap that large allows it, one less not.
+    vocab = _vocab_size(s)
+    for cap, status in ((vocab, 200), (vocab - 1, 400)):
+        capped = app_registry.get(("--num-gpu-blocks", "64", "--max-logprobs", str(cap)))
+        r = capped.post("/v1/completions", {"model": M, "prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": -1})
+        assert r.status_code == status, r.text
 
 
 def test_invocations_tokenizer_info_and_load(server: Server) -> None:

@@ -26,6 +26,7 @@ class ServerSpec:
     args: tuple[str, ...]
     request_log: bool = False
     api_keys: tuple[tuple[str, str], ...] = ()  # {key: tenant}, written to a file given as --api-keys-file
+    builtin_model: bool = False  # the built-in default model (SmolLM2-135M-Instruct) instead of the tests' model
 
 
 # Fixture name -> the configuration it serves, for every fixture made by shared_server (filled at collection).
@@ -147,7 +148,8 @@ class ServerRegistry:
             keys.write_text(text)
             args += ["--api-keys-file", str(keys)]
         try:
-            server = wait_ready(spawn_server(self.tmp, *args, request_log=spec.request_log))
+            server = wait_ready(spawn_server(self.tmp, *args, request_log=spec.request_log,
+                                             builtin_model=spec.builtin_model))
         except BaseException as exc:
             with self._cond:
                 self._failed[spec] = exc

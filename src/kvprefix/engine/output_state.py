@@ -31,8 +31,8 @@ class _Sample:
         self.stop_reason: int | str | None = None
         self.ended_by_token = False
         self.hold = hold_back(params)
-        # Samples with stop strings come with their text from the engine; the others are detokenized here.
-        self._text = None if params.stop_strings else SampleText(tokenizer, prompt_token_ids, params)
+        # Samples whose text decides when they stop come with it from the engine; the others are detokenized here.
+        self._text = None if params.text_decides_stop else SampleText(tokenizer, prompt_token_ids, params)
         self.engine_text = ""
         self._num_decoded = 0  # tokens whose text (and logprob entries' decoded_token) is done
         self._tokenizer = tokenizer

@@ -89,7 +89,8 @@ class RequestOutput:
 @dataclass
 class SampleDelta:
     """What one engine step (or an abort) added to one sample. ``text``: the whole text so far when the engine
-    detokenizes (samples with stop strings, whose text decides when they stop), else None (the reader does)."""
+    detokenizes (samples whose text decides when they stop: stop strings, min_characters), else None (the reader
+    does)."""
 
     index: int
     token_ids: list[int]

@@ -55,8 +55,8 @@ class Request(CacheRequest):
         self.stop_reason: int | str | None = None
         self.ended_by_token = False  # finished by an EOS or stop token (whose text shows only if asked for)
         self.generator: Any = None  # a torch.Generator for seeded sampling, made by the sampler on first use
-        # Only a sample with stop strings is detokenized on the engine thread (its text stops it).
-        self.text = SampleText(tokenizer, prompt_token_ids, params) if params.stop_strings else None
+        # Only a sample whose text decides when it stops is detokenized on the engine thread.
+        self.text = SampleText(tokenizer, prompt_token_ids, params) if params.text_decides_stop else None
         # Per prompt position: that token's logprobs (none at 0), filled by prefill; only sample 0 scores the prompt.
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
             [None] * self.num_prompt_tokens if params.prompt_logprobs is not None and index == 0 else None)
@@ -92,9 +92,12 @@ class Request(CacheRequest):
         taken)."""
         return self.prompt_logprobs is not None
 
-    def under_min_tokens(self) -> bool:
-        """Whether the next token must not be EOS or a stop token (min_tokens not reached yet)."""
-        return self.num_output_tokens < self.params.min_tokens
+    def under_minimum(self) -> bool:
+        """Whether the next token must not be EOS or a stop token: min_tokens or min_characters not reached yet."""
+        return self.num_output_tokens < self.params.min_tokens or self._under_min_characters()
+
+    def _under_min_characters(self) -> bool:
+        return self.text is not None and len(self.text.text) < self.params.min_characters
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -112,7 +115,9 @@ class Request(CacheRequest):
         params = self.params
         text = self.text
         # An EOS or stop token ends the sample; its text is shown only with include_stop_str_in_output.
-        if self.num_output_tokens < params.min_tokens:  # nothing stops it yet (the sampler keeps EOS out)
+        # Nothing stops it yet (the sampler keeps EOS out): under min_tokens counting this token, or under
+        # min_characters before it.
+        if self.num_output_tokens < params.min_tokens or self._under_min_characters():
             if text is not None:
                 text.add(token_id, find_stops=False)
             if self.num_output_tokens >= self.max_tokens:

@@ -27,7 +27,7 @@ class Sampler:
             logits = self._apply_penalties(logits.clone(), requests)
         if any(r.params.logit_bias for r in requests):
             logits = _add_logit_bias(logits if logits is not raw else logits.clone(), requests)
-        if any(r.under_min_tokens() for r in requests):
+        if any(r.under_minimum() for r in requests):
             logits = _ban_stop_tokens(logits if logits is not raw else logits.clone(), requests)
         if any(r.matcher is not None for r in requests):
             logits = self.grammar_masks.apply(logits if logits is not raw else logits.clone(),
@@ -129,10 +129,11 @@ def _add_logit_bias(logits: torch.Tensor, requests: Sequence[Request]) -> torch.
 
 
 def _ban_stop_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-    """min_tokens: rows still under it cannot sample EOS (unless ignored) or a stop token (vLLM's meaning)."""
+    """min_tokens, min_characters: rows still under them cannot sample EOS (unless ignored) or a stop token (vLLM's
+    meaning)."""
     vocab = logits.shape[-1]
     for i, req in enumerate(requests):
-        if req.under_min_tokens():
+        if req.under_minimum():
             banned = set(req.params.stop_token_set) | (set() if req.params.ignore_eos else set(req.eos_token_ids))
             ids = [t for t in banned if t < vocab]
             if ids:

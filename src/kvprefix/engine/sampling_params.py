@@ -40,7 +40,8 @@ class SamplingParams:
     """Sampling settings for one prompt (vLLM's). Invalid values raise ``ValueError`` naming the field and range.
 
     ``top_k`` 0 or -1: off; ``max_tokens`` None: up to the context length; ``logprobs`` k: the k most likely tokens
-    per step plus the sampled one (raw distribution); ``min_tokens``: nothing stops a sample before it.
+    per step plus the sampled one (raw distribution); ``min_tokens``: nothing stops a sample before it;
+    ``min_characters``: nor before its text is that long (vLLM's).
     ``prompt_logprobs`` k: such a request reads nothing from the prefix cache (cached tokens have no logits).
     ``structured_outputs``: the output stays in the language; the sample stops when it allows nothing more.
     ``kv_retention``: how the prompt's blocks are kept below the pool ("in_memory", "5m", "1h", "24h"; None: the
@@ -64,6 +65,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     max_tokens: int | None = 16
     min_tokens: int = 0
+    min_characters: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -93,6 +95,7 @@ class SamplingParams:
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, minimum=1, accepted="an integer >= 1 or None")
         _check_int("min_tokens", self.min_tokens, minimum=0)
+        _check_int("min_characters", self.min_characters, minimum=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})")
         for name in ("logprobs", "prompt_logprobs"):
@@ -127,6 +130,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def text_decides_stop(self) -> bool:
+        """Whether the sample's text decides when it may stop (stop strings, min_characters): the engine thread then
+        detokenizes it, and readers take its text from the engine."""
+        return bool(self.stop_strings) or self.min_characters > 0
 
     @property
     def has_penalties(self) -> bool:

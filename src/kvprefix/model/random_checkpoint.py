@@ -80,13 +80,14 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 def write_random_lora_adapter(base_path: str, out_dir: str, *, rank: int = 8, seed: int = 0,
                               targets: tuple[str, ...] | list[str] = LORA_TARGETS, alpha: int | None = None,
-                              scale: float = 0.2) -> str:
+                              scale: float = 0.2, gguf_file: str | None = None) -> str:
     """Saves a PEFT LoRA adapter of the checkpoint at ``base_path`` (``adapter_config.json`` +
     ``adapter_model.safetensors``, written by peft itself, a test dependency) with random A and B of entries about
-    ``scale`` (so it changes the outputs); returns ``out_dir``."""
+    ``scale`` (so it changes the outputs); returns ``out_dir``. ``gguf_file``: the base is that GGUF file in the
+    directory ``base_path``."""
     import peft
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32, gguf_file=gguf_file)
     config = peft.LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=list(targets),
                              init_lora_weights=False, lora_dropout=0.0)
     wrapped = peft.get_peft_model(model, config)

@@ -68,10 +68,11 @@ class Chunks:
         # With a completions echo the first tokens always make a chunk: it carries the prompt.
         wants_tokens = shape.num_logprobs is not None or req.return_token_ids or (req.echo and not chat)
         if chat:
-            message = {"content": text} if text else {}
+            message = {"content": text}  # "" in a chunk that adds no text (the last one, say), as vLLM sends it
             if shape.tools is not None:
                 message, reason = self._tool_delta(index, text, o.finish_reason)
-        if not (message if chat else text) and o.finish_reason is None and not (o.token_ids and wants_tokens):
+        shows = (message.get("content") or message.get("tool_calls")) if chat else text
+        if not shows and o.finish_reason is None and not (o.token_ids and wants_tokens):
             return None
         # job counts this output already: where its text and tokens start in the choice's whole output
         text_start, token_start = job.chars[o.index] - len(text), job.tokens[o.index] - len(o.token_ids)

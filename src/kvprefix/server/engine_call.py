@@ -66,7 +66,7 @@ async def engine_call(req: CompletionRequest | ChatCompletionRequest, caller: Ca
     if req.use_beam_search:  # supported.py refused what it does not take; a tool grammar was not planned
         params = _beam_search(req, max_tokens, info)
     else:
-        params = _sampling(req, max_tokens, _prompt_logprobs(req, info), _logit_bias(req.logit_bias, info.vocab_size))
+        params = _sampling(req, max_tokens, _logprobs(req, info), _logit_bias(req.logit_bias, info.vocab_size))
         params.structured_outputs = structured
     rid, engine_rid = _response_id(req, raw, "chatcmpl" if isinstance(req, ChatCompletionRequest) else "cmpl")
     return EngineCall(prompts, params, rid, engine_rid, req.n)
@@ -86,40 +86,54 @@ def _max_tokens(limit: int, prompt_len: int, requested: int | None, param: str) 
     return requested
 
 
-def _prompt_logprobs(req: CompletionRequest | ChatCompletionRequest, info: ModelInfo) -> int | None:
-    """The prompt logprobs the engine computes: the request's (-1: the whole vocabulary), and for a completions
-    echo with logprobs as many as the completion's (vLLM's), each within --max-logprobs as vLLM checks it."""
-    sample = req.num_logprobs()
-    _check_logprobs("sample", sample, "top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs", info)
-    _check_logprobs("prompt", req.prompt_logprobs, "prompt_logprobs", info)
-    wanted = [k for k in (req.prompt_logprobs, sample if isinstance(req, CompletionRequest) and req.echo else None)
+def _logprobs(req: CompletionRequest | ChatCompletionRequest, info: ModelInfo) -> int | None:
+    """Checks the sample and prompt logprobs against --max-logprobs as vLLM does (-1: the whole vocabulary, which
+    counts as its size), turns a sample -1 into that size, and returns the prompt logprobs the engine computes: the
+    request's, and for a completions echo with logprobs as many as the completion's (vLLM's)."""
+    sample_param = "top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs"
+    sample = _check_logprobs("sample", req.num_logprobs(), sample_param, info)
+    if sample is not None and sample != req.num_logprobs():
+        setattr(req, sample_param, sample)  # what the engine computes and the response lists
+    prompt = _check_logprobs("prompt", req.prompt_logprobs, "prompt_logprobs", info)
+    wanted = [k for k in (prompt, sample if isinstance(req, CompletionRequest) and req.echo else None)
               if k is not None]
-    if not wanted:
+    return max(wanted) if wanted else None
+
+
+def _check_logprobs(kind: str, k: int | None, param: str, info: ModelInfo) -> int | None:
+    """``k`` as a count (-1: the vocabulary size), if --max-logprobs allows it."""
+    if k is None:
         return None
-    return info.vocab_size if -1 in wanted else max(wanted)
-
-
-def _check_logprobs(kind: str, k: int | None, param: str, info: ModelInfo) -> None:
-    if k is None or info.max_logprobs == -1 or 0 <= k <= info.max_logprobs:
-        return
+    count = info.vocab_size if k == -1 else k
+    if info.max_logprobs == -1 or 0 <= count <= info.max_logprobs:
+        return count
     if k == -1:
-        raise bad_request(f"'{param}': -1 (the whole vocabulary) needs a server started with --max-logprobs -1",
-                          param=param)
+        raise bad_request(f"'{param}': -1 (the whole vocabulary, {info.vocab_size} tokens) needs a server started "
+                          f"with --max-logprobs -1 or at least {info.vocab_size}", param=param)
     raise bad_request(f"Requested {kind} logprobs of {k}, which is greater than max allowed: {info.max_logprobs}",
                       param=param)
+
+
+def _is_int_text(key: str) -> bool:
+    try:
+        int(key)
+    except ValueError:
+        return False
+    return True
 
 
 def _logit_bias(bias: dict | None, vocab_size: int) -> dict[int, float] | None:
     """OpenAI's logit_bias, {token id as text: bias}, checked with vLLM's messages (and OpenAI's value range)."""
     if not bias:
         return None
+    not_ints = [key for key in bias if not _is_int_text(key)]
+    if not_ints:  # every bad key at once, as vLLM reports them
+        keys = ", ".join(f"`{key}`" for key in not_ints)
+        raise bad_request(f"Found token_id {keys} in logit_bias but token_id must be an integer or string "
+                          "representing an integer", param="logit_bias")
     out: dict[int, float] = {}
     for key, value in bias.items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise bad_request(f"Found token_id `{key}` in logit_bias but token_id must be an integer or string "
-                              "representing an integer", param="logit_bias") from None
+        token = int(key)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or abs(value) > MAX_LOGIT_BIAS:
             raise bad_request(f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {key}",
                               param="logit_bias")
@@ -140,6 +154,7 @@ def _sampling(req: CompletionRequest | ChatCompletionRequest, max_tokens: int, p
         return SamplingParams(n=req.n, max_tokens=max_tokens, stop=req.stop_list() or None,
                               stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
                               logprobs=req.num_logprobs(), min_tokens=req.min_tokens,
+                              min_characters=req.min_characters,
                               include_stop_str_in_output=req.include_stop_str_in_output,
                               skip_special_tokens=req.skip_special_tokens, prompt_logprobs=prompt_logprobs,
                               logit_bias=logit_bias, logprob_token_ids=req.logprob_token_ids, seed=seed,

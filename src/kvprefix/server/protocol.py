@@ -108,6 +108,7 @@ class _SamplingFields(_Body):
     ignore_eos: bool = False
     # vLLM's request extensions that the engine honours (docs/server.md).
     min_tokens: int = Field(0, ge=0)
+    min_characters: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = Field(None, ge=-1)  # -1: the whole vocabulary; capped by --max-logprobs
@@ -213,7 +214,8 @@ class CompletionRequest(_SamplingFields):
         | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
     )
     max_tokens: int | None = Field(16, ge=0)  # 0 only with echo: the prompt alone, scored (vLLM's)
-    logprobs: int | None = Field(None, ge=0)  # top alternatives per token (legacy API); capped by --max-logprobs
+    # Top alternatives per token (legacy API); capped by --max-logprobs; -1: the whole vocabulary (vLLM's).
+    logprobs: int | None = Field(None, ge=-1)
     echo: bool = False  # the prompt's text (and its logprobs) before the completion's
     suffix: str | None = None
     best_of: int | None = None
@@ -331,7 +333,7 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = Field(False, strict=False)  # vLLM's leniency: "true" too
-    top_logprobs: int | None = Field(None, ge=0)  # capped by --max-logprobs
+    top_logprobs: int | None = Field(None, ge=-1)  # capped by --max-logprobs; -1: the whole vocabulary (vLLM's)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     functions: list[Any] | None = None

@@ -96,7 +96,10 @@ def body(shape: Shape) -> dict:
             choices.append(c)
     choices.sort(key=lambda c: c["index"])
     out = {"id": shape.rid, "object": "chat.completion" if chat else "text_completion", "created": shape.created,
-           "model": shape.model, "choices": choices, "usage": shape.usage()}
+           "model": shape.model, "choices": choices, "usage": shape.usage(),
+           "system_fingerprint": None}  # as vLLM always returns it (and OpenAI's types declare it)
+    if chat:
+        out["service_tier"] = None
     if chat:  # vLLM's places: per choice in completions, per response in chat
         first = shape.jobs[0]
         out["prompt_logprobs"] = _prompt_logprobs(shape, first)
