@@ -8,7 +8,8 @@ and as a suffix after a cached 4,064-token prefix, as useful FLOP/s (projections
 row's lm_head) over the peak of the dtype the layers compute in, with attention's share of the time; decode of one
 stream, as bytes per token (weights, one embedding row, the KV read) per second over the bandwidth. Each path
 (default: the file dequantized, dtype auto; ``gguf``: ``--quantization gguf``) at each thread count; a repeat runs
-every path and thread count in turn, the order alternating; medians over the repeats.
+every path and thread count in turn, the order alternating, and measures the limits again before them; each
+phase's fraction is the median over the repeats of its figure over that repeat's limit.
 
     python benchmarks/bench_limits.py [--repeats 3] [--threads 1,2] [--paths default,gguf]
         [--phases cold,suffix,decode] [--out results/bench_limits.json]
@@ -205,23 +206,29 @@ def main() -> None:
     timer = AttentionTimer()
     paths = [EnginePath(name, seed=i) for i, name in enumerate(args.paths.split(","))]
     config = paths[0].config
-    limits = {}
-    for t in threads:
-        torch.set_num_threads(t)
-        limits[t] = {"read_bytes_per_s": memory_read_bandwidth(t),
-                     **{f"{d}_flops": matmul_peak(config, d) for d in ("bfloat16", "float32", "int8")}}
-        print(f"{t} thread(s): read {limits[t]['read_bytes_per_s'] / 1e9:.1f} GB/s; matmul GFLOP/s on the model's "
-              "shapes: " + ", ".join(f"{d} {limits[t][f'{d}_flops'] / 1e9:.0f}" for d in ("bfloat16", "float32", "int8")),
-              flush=True)
     samples: dict[tuple[str, int, str], list[dict]] = defaultdict(list)
+    limits: dict[int, list[dict]] = defaultdict(list)
     loads = []
-    runs = [(p, t) for p in paths for t in threads]
     for r in range(args.repeats + 1):  # the first is a warm-up
-        for path, t in runs if r % 2 else runs[::-1]:
+        for t in threads if r % 2 else threads[::-1]:
+            # The limits again in every repeat, next to the phases they divide: other processes' load moves both.
             torch.set_num_threads(t)
-            for phase, result in run_phases(path, phases, timer).items():
-                if r:
-                    samples[(path.name, t, phase)].append(result)
+            limit = {"read_bytes_per_s": memory_read_bandwidth(t),
+                     **{f"{d}_flops": matmul_peak(config, d) for d in ("bfloat16", "float32", "int8")}}
+            print(f"{t} thread(s): read {limit['read_bytes_per_s'] / 1e9:.1f} GB/s; matmul GFLOP/s on the model's "
+                  "shapes: " + ", ".join(f"{d} {limit[f'{d}_flops'] / 1e9:.0f}" for d in ("bfloat16", "float32",
+                                                                                        "int8")), flush=True)
+            for path in paths if r % 2 else paths[::-1]:
+                for phase, result in run_phases(path, phases, timer).items():
+                    if "flops" in result:
+                        achieved = sum(result["flops"].values()) / result["seconds"]
+                        result["fraction"] = achieved / limit[f"{path.compute_dtype}_flops"]
+                    else:
+                        result["fraction"] = result["bytes"] / result["seconds"] / limit["read_bytes_per_s"]
+                    if r:
+                        samples[(path.name, t, phase)].append(result)
+            if r:
+                limits[t].append(limit)
         loads.append(os.getloadavg()[0])
         print(f"repeat {r}/{args.repeats} done{' (warm-up)' if r == 0 else ''}, load average {loads[-1]:.1f}",
               flush=True)
@@ -229,17 +236,18 @@ def main() -> None:
     for (name, t, phase), results in samples.items():
         seconds = statistics.median(x["seconds"] for x in results)
         path = next(p for p in paths if p.name == name)
-        row = {"path": name, "threads": t, "phase": phase, "ms": 1000 * seconds}
+        row = {"path": name, "threads": t, "phase": phase, "ms": 1000 * seconds,
+               "fraction": statistics.median(x["fraction"] for x in results)}  # each over its own repeat's limit
         if "flops" in results[0]:
             flops = sum(results[0]["flops"].values())
-            peak = limits[t][f"{path.compute_dtype}_flops"]
+            peak = statistics.median(x[f"{path.compute_dtype}_flops"] for x in limits[t])
             row.update(GFLOP=flops / 1e9, **{"GFLOP/s": flops / seconds / 1e9},
-                       limit=f"{peak / 1e9:.0f} GFLOP/s ({path.compute_dtype})", fraction=flops / seconds / peak,
+                       limit=f"{peak / 1e9:.0f} GFLOP/s ({path.compute_dtype})",
                        attention_share=statistics.median(x["attention_s"] / x["seconds"] for x in results))
         else:
-            nbytes, bandwidth = results[0]["bytes"], limits[t]["read_bytes_per_s"]
-            row.update(MB=nbytes / 1e6, **{"GB/s": nbytes / seconds / 1e9}, limit=f"{bandwidth / 1e9:.1f} GB/s read",
-                       fraction=nbytes / seconds / bandwidth)
+            nbytes = results[0]["bytes"]
+            bandwidth = statistics.median(x["read_bytes_per_s"] for x in limits[t])
+            row.update(MB=nbytes / 1e6, **{"GB/s": nbytes / seconds / 1e9}, limit=f"{bandwidth / 1e9:.1f} GB/s read")
         rows.append(row)
     rows.sort(key=lambda r: (r["phase"], r["path"], r["threads"]))
     write_results(args.out, {"cpu": cpu_name(), "cpu_capability": isa, "limits": limits, "load_averages": loads,
