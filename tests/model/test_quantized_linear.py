@@ -12,6 +12,7 @@ from support.paged import Chunk, greedy_generate, run_batch
 from kvprefix.engine import LLM, SamplingParams
 from kvprefix.model import allocate_kv_cache, load_model
 from kvprefix.model.quantized_linear import (
+    INT8_ACTIVATIONS,
     Int4Linear,
     Int8Linear,
     gguf_rows_from_permuted,
@@ -48,15 +49,40 @@ def test_int4_convention_is_q_minus_8_times_scale_plus_zero() -> None:
     torch.testing.assert_close(layer(x), x.bfloat16().float() @ expected.t(), rtol=0.02, atol=0.02)
 
 
-def test_int8_convention_is_q_times_channel_scale() -> None:
+# Where fbgemm's exact u8s8 kernel is missing (x86 without VNNI), only the weight-only kernel runs.
+ACTIVATIONS = [False, pytest.param(True, marks=pytest.mark.skipif(not INT8_ACTIVATIONS, reason="no exact u8s8"))]
+
+
+def int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """x with each row rounded to 255 levels of its own max|x| (what the int8-activation kernel multiplies)."""
+    step = x.abs().amax(-1, keepdim=True) / 127
+    return torch.round(x / step) * step
+
+
+@pytest.mark.parametrize("activations", ACTIVATIONS)
+def test_int8_convention_is_q_times_channel_scale(activations: bool) -> None:
     gen = torch.Generator().manual_seed(1)
     q = torch.randint(-127, 128, (24, 64), generator=gen, dtype=torch.int8)
     scales = (torch.rand(24, generator=gen) * 0.01).bfloat16().float()
     bias = torch.randn(24, generator=gen)
-    layer = Int8Linear(q, scales, bias)
+    layer = Int8Linear(q, scales, bias, int8_activations=activations)
+    # One-hot rows quantize exactly: the weight itself comes out.
+    torch.testing.assert_close(effective_weight(Int8Linear(q, scales, int8_activations=activations)),
+                               q.float() * scales[:, None], rtol=BF16_EPS, atol=1e-6)
     x = torch.randn(2, 5, 64, generator=gen)
-    expected = x.bfloat16().float() @ (q.float() * scales[:, None]).t() + bias
+    rows = int8_rows(x) if activations else x.bfloat16().float()
+    expected = rows @ (q.float() * scales[:, None]).t() + bias
     torch.testing.assert_close(layer(x), expected, rtol=0.02, atol=0.02)
+
+
+@pytest.mark.skipif(not INT8_ACTIVATIONS, reason="no exact u8s8 kernel on this CPU")
+def test_int8_activations_make_each_row_independent_of_the_batch() -> None:
+    gen = torch.Generator().manual_seed(4)
+    layer = Int8Linear.from_float(torch.randn(200, 96, generator=gen), torch.randn(200, generator=gen))
+    x = torch.randn(Int8Linear.dense_above_rows, 96, generator=gen) * torch.logspace(-3, 3, 96)  # outlier columns
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
+    assert torch.equal(layer(x), alone)
+    assert torch.equal(layer(x[:7]), alone[:7])
 
 
 @pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])

@@ -1,14 +1,19 @@
-"""Weight-only int8/int4 linear layers for CPU decode (bound by the weight bytes read per step), on PyTorch's ops.
+"""Compact int8/int4 linear layers for CPU decode (bound by the weight bytes read per step), on PyTorch's ops.
 
-``Int8Linear``: ``w = q * scale`` per output channel. ``Int4Linear``: groups of 32 along the input,
-``w = (q - 8) * scale + zero``, q in 0..15 (the tinygemm convention). The ops are fast only with bfloat16
-activations, so the layers compute in bfloat16 and return the caller's dtype (docs/model.md).
+``Int8Linear``: ``w = q * scale`` per output channel; where PyTorch's fbgemm u8s8 kernel computes exact integer
+dot products (probed at import: ``INT8_ACTIVATIONS``) each input row is quantized to int8 by its own max|x|
+(``int8_rows_matmul``: integer sums, so a row's result does not depend on the others), else the weight-only op.
+``Int4Linear``: groups of 32 along the input, ``w = (q - 8) * scale + zero``, q in 0..15 (the tinygemm
+convention). The weight-only ops are fast only with bfloat16 activations, so the layers compute in bfloat16 and
+return the caller's dtype (docs/model.md).
 ``quantize_model`` swaps a loaded model's projections and lm_head; ``pack_gguf_tensors`` builds one from GGUF blocks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+import warnings
 
 import gguf
 import numpy as np
@@ -25,19 +30,59 @@ _COMPUTE = torch.bfloat16  # the ops' activations
 # Prefill-sized inputs dequantize and take a dense matmul (the ops are matrix-vector kernels); docs/model.md.
 _DENSE = torch.bfloat16 if native_bfloat16_cpu() else torch.float32
 _N_ALIGN = 16  # the int4 packing needs a multiple of 16 output channels: pad with zero rows
+_ACT_LEVELS = 127  # an int8 activation row: round(x / max|x| * 127), stored as uint8 with zero point 128
+
+
+def pack_int8_weight(q: torch.Tensor, scales: torch.Tensor):
+    """fbgemm's packed form of int8 weights ``q`` [out, in] with per-output-channel ``scales`` (values exact)."""
+    with warnings.catch_warnings():  # quantized tensors are deprecated in PyTorch, their CPU kernels not replaced
+        warnings.simplefilter("ignore")
+        zeros = torch.zeros(q.shape[0], dtype=torch.long)
+        weight = torch._make_per_channel_quantized_tensor(q.contiguous(), scales.double(), zeros, 0)
+        return torch.ops.quantized.linear_prepack(weight, None)
+
+
+def int8_rows_matmul(x: torch.Tensor, packed) -> torch.Tensor:
+    """x [rows, in] (float32) @ the packed weight, each row of x quantized to int8 by its own max|x|: float32 out.
+    The kernel sums u8 x s8 products in int32 (exact) and scales per element, so a row's result is independent of
+    the other rows (batch invariant)."""
+    row_max = x.abs().amax(1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny)
+    out = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x / row_max, 1 / _ACT_LEVELS, 128, packed)
+    return out.mul_(row_max)
+
+
+def _probe_int8_activations() -> bool:
+    """Whether this build has fbgemm's u8s8 linear and its sums are exact at full range: without VNNI, x86 pairs
+    u8 x s8 products in saturating int16 adds (2 * 255 * 127 overflows), which this catches."""
+    try:
+        q = torch.full((16, 64), 127, dtype=torch.int8)
+        q[1::2] = -127
+        got = int8_rows_matmul(torch.ones(2, 64), pack_int8_weight(q, torch.ones(16)))
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+    return bool((got == torch.tensor([127.0, -127.0] * 8) * 64).all())
+
+
+INT8_ACTIVATIONS = _probe_int8_activations()
 
 
 class Int8Linear(nn.Module):
-    """y = x @ (q * scale[:, None]).T + bias, with q int8 [out, in] and scale bfloat16 [out]."""
+    """y = x @ (q * scale[:, None]).T + bias, with q int8 [out, in] and scale bfloat16 [out]; up to
+    ``dense_above_rows`` rows with int8 activations per row where ``INT8_ACTIVATIONS``, else weight-only."""
 
     dense_above_rows = 32  # above this many rows, dequantize then matmul (docs/model.md)
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
+                 int8_activations: bool | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = qweight.shape
         self.register_buffer("qweight", qweight.to(torch.int8).contiguous())
         self.register_buffer("scales", scales.to(_COMPUTE).contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        if int8_activations is None:
+            int8_activations = INT8_ACTIVATIONS
+        # The scales as the op sees them (bfloat16 values, exact in float64): one product, rounded once.
+        self.packed = pack_int8_weight(self.qweight, self.scales.float()) if int8_activations else None
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
@@ -51,6 +96,8 @@ class Int8Linear(nn.Module):
         flat = _rows(x, self.in_features)
         if flat.shape[0] > self.dense_above_rows:
             out = _as(flat, _DENSE) @ self.dequantize().t()
+        elif self.packed is not None:
+            out = int8_rows_matmul(_as(flat, torch.float32), self.packed)
         else:
             out = torch.ops.aten._weight_int8pack_mm(_as(flat, _COMPUTE), self.qweight, self.scales)
         return _finish(out, self.bias, x, self.out_features)
