@@ -35,20 +35,6 @@ def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def test_int4_convention_is_q_minus_8_times_scale_plus_zero() -> None:
-    gen = torch.Generator().manual_seed(0)
-    n, k = 40, 96  # n not a multiple of 16: exercises the padding rows
-    q = torch.randint(0, 16, (n, k), generator=gen)
-    scales = (torch.rand(n, k // 32, generator=gen) * 0.1 + 0.01).bfloat16().float()
-    zeros = (torch.randn(n, k // 32, generator=gen) * 0.1).bfloat16().float()
-    layer = Int4Linear(q, scales, zeros)
-    expected = (q - 8) * scales.repeat_interleave(32, 1) + zeros.repeat_interleave(32, 1)
-    torch.testing.assert_close(effective_weight(layer), expected, rtol=BF16_EPS, atol=1e-6)
-    x = torch.randn(3, k, generator=gen)
-    assert layer(x).shape == (3, n) and layer(x).dtype == torch.float32
-    torch.testing.assert_close(layer(x), x.bfloat16().float() @ expected.t(), rtol=0.02, atol=0.02)
-
-
 # Where fbgemm's exact u8s8 kernel is missing (x86 without VNNI), only the weight-only kernel runs.
 ACTIVATIONS = [False, pytest.param(True, marks=pytest.mark.skipif(not INT8_ACTIVATIONS, reason="no exact u8s8"))]
 
@@ -57,6 +43,20 @@ def int8_rows(x: torch.Tensor) -> torch.Tensor:
     """x with each row rounded to 255 levels of its own max|x| (what the int8-activation kernel multiplies)."""
     step = x.abs().amax(-1, keepdim=True) / 127
     return torch.round(x / step) * step
+
+
+def test_int4_convention_is_q_minus_8_times_scale_plus_zero() -> None:
+    gen = torch.Generator().manual_seed(0)
+    n, k = 40, 96  # n not a multiple of 16: exercises the padding rows
+    q = torch.randint(0, 16, (n, k), generator=gen)
+    scales = (torch.rand(n, k // 32, generator=gen) * 0.1 + 0.01).bfloat16().float()
+    zeros = (torch.randn(n, k // 32, generator=gen) * 0.1).bfloat16().float()
+    layer = Int4Linear(q, scales, zeros, int8_activations=False)  # the int4 op at any row count
+    expected = (q - 8) * scales.repeat_interleave(32, 1) + zeros.repeat_interleave(32, 1)
+    torch.testing.assert_close(effective_weight(layer), expected, rtol=BF16_EPS, atol=1e-6)
+    x = torch.randn(3, k, generator=gen)
+    assert layer(x).shape == (3, n) and layer(x).dtype == torch.float32
+    torch.testing.assert_close(layer(x), x.bfloat16().float() @ expected.t(), rtol=0.02, atol=0.02)
 
 
 @pytest.mark.parametrize("activations", ACTIVATIONS)
@@ -85,11 +85,30 @@ def test_int8_activations_make_each_row_independent_of_the_batch() -> None:
     assert torch.equal(layer(x[:7]), alone[:7])
 
 
+@pytest.mark.skipif(not INT8_ACTIVATIONS, reason="no exact u8s8 kernel on this CPU")
+def test_int4_layer_takes_an_int8_copy_of_its_weight_above_a_few_rows() -> None:
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randint(0, 16, (40, 96), generator=gen)
+    scales = (torch.rand(40, 3, generator=gen) * 0.1 + 0.01).bfloat16().float()
+    zeros = (torch.randn(40, 3, generator=gen) * 0.1).bfloat16().float()
+    bias = torch.randn(40, generator=gen)
+    layer = Int4Linear(q, scales, zeros, bias)
+    int4 = Int4Linear(q, scales, zeros, bias, int8_activations=False)
+    weight = (q - 8) * scales.repeat_interleave(32, 1) + zeros.repeat_interleave(32, 1)
+    int8 = Int8Linear.from_float(weight, bias)  # the int4 weight, re-quantized
+    x = torch.randn(Int4Linear.int4_max_rows + 5, 96, generator=gen)
+    few = x[: Int4Linear.int4_max_rows]
+    assert torch.equal(layer(few), int4(few))
+    assert torch.equal(layer(x), int8(x))
+    rel = (layer(x) - int4(x)).norm() / int4(x).norm()
+    assert rel < 0.02  # the int8 step is a small fraction of the int4 one
+
+
 @pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
 def test_requantization_error_is_bounded(cls) -> None:
     gen = torch.Generator().manual_seed(2)
     w = torch.randn(48, 128, generator=gen)
-    eff = effective_weight(cls.from_float(w))
+    eff = effective_weight(cls.from_float(w, int8_activations=False))  # the weight of the layer's own format
     if cls is Int8Linear:
         step = w.abs().amax(1, keepdim=True) / 127
     else:
@@ -103,11 +122,12 @@ def test_requantization_error_is_bounded(cls) -> None:
 @pytest.mark.parametrize("dense", [torch.bfloat16, torch.float32])  # native bfloat16 CPUs, and the others
 @pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
 def test_prefill_sized_inputs_take_the_dequantized_path_with_the_same_weights(cls, dense, monkeypatch) -> None:
+    """Without int8 activations (CPUs without an exact u8s8 kernel)."""
     from kvprefix.model import quantized_linear
 
     monkeypatch.setattr(quantized_linear, "_DENSE", dense)
     gen = torch.Generator().manual_seed(5)
-    layer = cls.from_float(torch.randn(40, 64, generator=gen), torch.randn(40, generator=gen))
+    layer = cls.from_float(torch.randn(40, 64, generator=gen), torch.randn(40, generator=gen), int8_activations=False)
     x = torch.randn(cls.dense_above_rows + 1, 64, generator=gen)
     kernel_rows = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
     # Equal but for bfloat16 rounding of the outputs (the dense matmul rounds its result, the kernels too).

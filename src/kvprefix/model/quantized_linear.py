@@ -1,19 +1,21 @@
-"""Compact int8/int4 linear layers for CPU decode (bound by the weight bytes read per step), on PyTorch's ops.
+"""Compact int8/int4 linear layers for CPU inference on PyTorch's ops (decode is bound by the weight bytes a step
+reads, prefill by the matmul rate).
 
-``Int8Linear``: ``w = q * scale`` per output channel; where PyTorch's fbgemm u8s8 kernel computes exact integer
-dot products (probed at import: ``INT8_ACTIVATIONS``) each input row is quantized to int8 by its own max|x|
-(``int8_rows_matmul``: integer sums, so a row's result does not depend on the others), else the weight-only op.
-``Int4Linear``: groups of 32 along the input, ``w = (q - 8) * scale + zero``, q in 0..15 (the tinygemm
-convention). The weight-only ops are fast only with bfloat16 activations, so the layers compute in bfloat16 and
-return the caller's dtype (docs/model.md).
+``Int8Linear``: ``w = q * scale`` per output channel. ``Int4Linear``: groups of 32 along the input,
+``w = (q - 8) * scale + zero``, q in 0..15 (the tinygemm convention). Where PyTorch's fbgemm u8s8 kernel computes
+exact integer sums (probed at import: ``INT8_ACTIVATIONS``; x86 with VNNI), each input row is quantized to int8 by
+its own max|x| (``int8_rows_matmul``): a row's result does not depend on the other rows, and int8 matmuls run at
+about twice the bfloat16 rate. There an int8 layer always takes that kernel, and an int4 layer the int4 op for up to
+``int4_max_rows`` rows (one or a few decoding streams: half the bytes) and an int8 copy of its weight above. Without
+it the layers use the weight-only ops, which are fast only with bfloat16 activations (they compute in bfloat16 and
+return the caller's dtype), and dequantize for a dense matmul above ``dense_above_rows`` rows (docs/model.md).
 ``quantize_model`` swaps a loaded model's projections and lm_head; ``pack_gguf_tensors`` builds one from GGUF blocks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import warnings
+from collections.abc import Sequence
 
 import gguf
 import numpy as np
@@ -67,10 +69,10 @@ INT8_ACTIVATIONS = _probe_int8_activations()
 
 
 class Int8Linear(nn.Module):
-    """y = x @ (q * scale[:, None]).T + bias, with q int8 [out, in] and scale bfloat16 [out]; up to
-    ``dense_above_rows`` rows with int8 activations per row where ``INT8_ACTIVATIONS``, else weight-only."""
+    """y = x @ (q * scale[:, None]).T + bias, with q int8 [out, in] and scale bfloat16 [out]: int8 activations per
+    row where ``int8_activations`` (default ``INT8_ACTIVATIONS``), else the weight-only op."""
 
-    dense_above_rows = 32  # above this many rows, dequantize then matmul (docs/model.md)
+    dense_above_rows = 32  # weight-only: above this many rows, dequantize then matmul (docs/model.md)
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
                  int8_activations: bool | None = None) -> None:
@@ -85,19 +87,16 @@ class Int8Linear(nn.Module):
         self.packed = pack_int8_weight(self.qweight, self.scales.float()) if int8_activations else None
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
-        """Symmetric per output channel, scale = max|w| / 127 rounded to bfloat16 before q is chosen."""
-        w = weight.detach().float()
-        scales = (w.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny).to(_COMPUTE).float()
-        q = torch.round(w / scales[:, None]).clamp(-127, 127)
-        return cls(q.to(torch.int8), scales, bias)
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   int8_activations: bool | None = None) -> Int8Linear:
+        return cls(*int8_from_float(weight), bias, int8_activations)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = _rows(x, self.in_features)
-        if flat.shape[0] > self.dense_above_rows:
-            out = _as(flat, _DENSE) @ self.dequantize().t()
-        elif self.packed is not None:
+        if self.packed is not None:
             out = int8_rows_matmul(_as(flat, torch.float32), self.packed)
+        elif flat.shape[0] > self.dense_above_rows:
+            out = _as(flat, _DENSE) @ self.dequantize().t()
         else:
             out = torch.ops.aten._weight_int8pack_mm(_as(flat, _COMPUTE), self.qweight, self.scales)
         return _finish(out, self.bias, x, self.out_features)
@@ -111,29 +110,40 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """y = x @ W.T + bias with W[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g], g = k // 32, q in 0..15."""
+    """y = x @ W.T + bias with W[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g], g = k // 32, q in 0..15.
 
-    dense_above_rows = 128  # see Int8Linear
+    With ``int8_activations`` (default ``INT8_ACTIVATIONS``): the int4 op up to ``int4_max_rows`` rows, above them
+    W re-quantized to int8 per output channel (``int8_from_float``) with int8 activations per row."""
+
+    dense_above_rows = 128  # without int8 activations; see Int8Linear
+    int4_max_rows = 2  # with int8 activations (benchmarks/bench_quantized_rows.py)
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> None:
+                 bias: torch.Tensor | None = None, int8_activations: bool | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = q.shape
         if self.in_features % GROUP_SIZE:
             raise ValueError(f"int4 weights need an input dimension divisible by {GROUP_SIZE}, got {self.in_features}")
+        if int8_activations is None:
+            int8_activations = INT8_ACTIVATIONS
+        self.packed8 = None
+        if int8_activations:
+            self.packed8 = pack_int8_weight(*int8_from_float(_int4_weight(q, scales, zeros)))
         pad = -self.out_features % _N_ALIGN
         q, scales, zeros = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, scales, zeros))
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
         self.register_buffer("qweight", packed)
-        # The op's packing is opaque; prefill dequantizes from this copy (two weights a byte: even k low, odd high).
-        q8 = q.to(torch.uint8)
-        self.register_buffer("nibbles", (q8[:, 0::2] | (q8[:, 1::2] << 4)).contiguous())
+        if self.packed8 is None:
+            # The op's packing is opaque; prefill dequantizes from this copy (two weights a byte: even k low, odd high).
+            q8 = q.to(torch.uint8)
+            self.register_buffer("nibbles", (q8[:, 0::2] | (q8[:, 1::2] << 4)).contiguous())
         # [in // 32, out, 2]: the op's layout of (scale, zero) per group and output channel.
         self.register_buffer("scales_and_zeros", torch.stack([scales.t(), zeros.t()], -1).to(_COMPUTE).contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int4Linear:
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   int8_activations: bool | None = None) -> Int4Linear:
         """Asymmetric min/max per group of 32: scale = (max - min) / 15, zero = the value at q = 8 (both bfloat16)."""
         w = weight.detach().float()
         n, k = w.shape
@@ -144,11 +154,14 @@ class Int4Linear(nn.Module):
         scales = ((hi - lo) / 15).clamp_min(torch.finfo(torch.float32).tiny).to(_COMPUTE).float()
         zeros = (lo + 8 * scales).to(_COMPUTE).float()
         q = torch.round((groups - zeros[..., None]) / scales[..., None] + 8).clamp(0, 15)
-        return cls(q.reshape(n, k), scales, zeros, bias)
+        return cls(q.reshape(n, k), scales, zeros, bias, int8_activations)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = _rows(x, self.in_features)
-        if flat.shape[0] > self.dense_above_rows:
+        rows = flat.shape[0]
+        if self.packed8 is not None and rows > self.int4_max_rows:
+            out = int8_rows_matmul(_as(flat, torch.float32), self.packed8)
+        elif self.packed8 is None and rows > self.dense_above_rows:
             out = _as(flat, _DENSE) @ self.dequantize().t()
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(_as(flat, _COMPUTE), self.qweight, GROUP_SIZE,
@@ -156,7 +169,8 @@ class Int4Linear(nn.Module):
         return _finish(out, self.bias, x, self.out_features)
 
     def dequantize(self) -> torch.Tensor:
-        """The weight [out (padded to 16), in] in the dense path's dtype, computed in float32 as the op does."""
+        """The weight [out (padded to 16), in] in the dense path's dtype, computed in float32 as the op does (a
+        layer without int8 activations: the others keep no plain copy of the nibbles)."""
         q = torch.stack([self.nibbles & 0x0F, self.nibbles >> 4], -1).reshape(self.nibbles.shape[0], -1).float()
         scales, zeros = self.scales_and_zeros.float().permute(2, 1, 0)  # each [out, in // 32]
         groups = (q - 8).reshape(q.shape[0], -1, GROUP_SIZE) * scales[..., None] + zeros[..., None]
@@ -230,6 +244,14 @@ def _gguf_weight(reader: GGUFFile, name: str, rows: torch.Tensor | None):
         return tuple(_reorder(t, rows) for t in (q, scales, zeros))
     weight = torch.from_numpy(gguf.quants.dequantize(raw, kind).reshape(out_features, in_features).copy())
     return _reorder(weight, rows)
+
+
+def int8_from_float(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 [out, in], scales [out]) of ``weight``: symmetric per output channel, scale = max|w| / 127 rounded to
+    bfloat16 (the weight-only op's scale dtype) before q is chosen."""
+    w = weight.detach().float()
+    scales = (w.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny).to(_COMPUTE).float()
+    return torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8), scales
 
 
 def _int4_weight(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
