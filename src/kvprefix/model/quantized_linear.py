@@ -68,6 +68,12 @@ def _probe_int8_activations() -> bool:
 INT8_ACTIVATIONS = _probe_int8_activations()
 
 
+def kv_method(method: str | None) -> str | None:
+    """``method`` as the block identity names it (``cache.identity.kv_label``): with "+a8" where the layers quantize
+    activations to int8, which computes other KV than the weight-only kernels (docs/hashing.md)."""
+    return None if method is None else method + ("+a8" if INT8_ACTIVATIONS else "")
+
+
 class Int8Linear(nn.Module):
     """y = x @ (q * scale[:, None]).T + bias, with q int8 [out, in] and scale bfloat16 [out]: int8 activations per
     row where ``int8_activations`` (default ``INT8_ACTIVATIONS``), else the weight-only op."""
