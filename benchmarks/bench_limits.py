@@ -5,7 +5,7 @@ down back to back, 1,024 and 2,048 rows: the best) in bfloat16, float32 and int8
 linear: int8 weights, activations quantized per call), and the read bandwidth (``bench_decode``'s sum over 512 MiB).
 Phases, through the engine (``LLM`` on token-id prompts, engine defaults): prefill of 1,024 and 4,096 tokens cold
 and as a suffix after a cached 4,064-token prefix, as useful FLOP/s (projections, causal attention, the sampled
-row's lm_head) over the peak of the dtype the layers compute in, with attention's share of the time; decode of one
+row's lm_head) over the peak of the dtype the layers compute in (int8 for compact layers with int8 activations), with attention's share of the time; decode of one
 stream, as bytes per token (weights, one embedding row, the KV read) per second over the bandwidth. Each path
 (default: the file dequantized, dtype auto; ``gguf``: ``--quantization gguf``) at each thread count; a repeat runs
 every path and thread count in turn, the order alternating, and measures the limits again before them; each
@@ -127,7 +127,11 @@ class EnginePath:
         self.model = self.llm.llm_engine.runner.model
         self.config = self.model.config
         self.gen = torch.Generator().manual_seed(seed)
-        self.compute_dtype = str(self.model.dtype).removeprefix("torch.")
+        # What prefill's matmuls run in: compact layers with int8 activations (where this tree has them) in int8.
+        from kvprefix.model import quantized_linear
+
+        int8 = PATHS[name] is not None and getattr(quantized_linear, "INT8_ACTIVATIONS", False)
+        self.compute_dtype = "int8" if int8 else str(self.model.dtype).removeprefix("torch.")
 
     def tokens(self, n: int) -> list[int]:
         return torch.randint(0, self.config.vocab_size, (n,), generator=self.gen).tolist()
