@@ -213,7 +213,10 @@ def main() -> None:
     samples: dict[tuple[str, int, str], list[dict]] = defaultdict(list)
     limits: dict[int, list[dict]] = defaultdict(list)
     loads = []
-    for r in range(args.repeats + 1):  # the first is a warm-up
+    for path in paths:  # first calls allocate and pack; not timed
+        path.prefill(path.tokens(256), timer, 0)
+        path.decode()
+    for r in range(args.repeats):
         for t in threads if r % 2 else threads[::-1]:
             # The limits again in every repeat, next to the phases they divide: other processes' load moves both.
             torch.set_num_threads(t)
@@ -229,13 +232,12 @@ def main() -> None:
                         result["fraction"] = achieved / limit[f"{path.compute_dtype}_flops"]
                     else:
                         result["fraction"] = result["bytes"] / result["seconds"] / limit["read_bytes_per_s"]
-                    if r:
-                        samples[(path.name, t, phase)].append(result)
-            if r:
-                limits[t].append(limit)
+                    samples[(path.name, t, phase)].append(result)
+                    print(f"  {path.name}, {t} thread(s), {phase}: {1000 * result['seconds']:.0f} ms, "
+                          f"{result['fraction']:.2f} of the limit", flush=True)
+            limits[t].append(limit)
         loads.append(os.getloadavg()[0])
-        print(f"repeat {r}/{args.repeats} done{' (warm-up)' if r == 0 else ''}, load average {loads[-1]:.1f}",
-              flush=True)
+        print(f"repeat {r + 1}/{args.repeats} done, load average {loads[-1]:.1f}", flush=True)
     rows = []
     for (name, t, phase), results in samples.items():
         seconds = statistics.median(x["seconds"] for x in results)
