@@ -5,7 +5,7 @@ down back to back, 1,024 and 2,048 rows: the best) in bfloat16, float32 and int8
 linear: int8 weights, activations quantized per call), and the read bandwidth (``bench_decode``'s sum over 512 MiB).
 Phases, through the engine (``LLM`` on token-id prompts, engine defaults): prefill of 1,024 and 4,096 tokens cold
 and as a suffix after a cached 4,064-token prefix, as useful FLOP/s (projections, causal attention, the sampled
-row's lm_head) over the peak of the dtype the layers compute in (int8 for compact layers with int8 activations), with attention's share of the time; decode of one
+row's lm_head) over the peak of the dtype the layers compute in (int8 for compact layers with int8 activations), with attention's share of the time (and of the FLOPs); decode of one
 stream, as bytes per token (weights, one embedding row, the KV read) per second over the bandwidth. Each path
 (default: the file dequantized, dtype auto; ``gguf``: ``--quantization gguf``) at each thread count; a repeat runs
 every path and thread count in turn, the order alternating, and measures the limits again before them; each
@@ -249,7 +249,8 @@ def main() -> None:
             peak = statistics.median(x[f"{path.compute_dtype}_flops"] for x in limits[t])
             row.update(GFLOP=flops / 1e9, **{"GFLOP/s": flops / seconds / 1e9},
                        limit=f"{peak / 1e9:.0f} GFLOP/s ({path.compute_dtype})",
-                       attention_share=statistics.median(x["attention_s"] / x["seconds"] for x in results))
+                       attention_share=statistics.median(x["attention_s"] / x["seconds"] for x in results),
+                       attention_flop_share=results[0]["flops"]["attention"] / flops)
         else:
             nbytes = results[0]["bytes"]
             bandwidth = statistics.median(x["read_bytes_per_s"] for x in limits[t])
@@ -260,9 +261,9 @@ def main() -> None:
                              "repeats": args.repeats, "rows": rows,
                              "samples": {" | ".join(map(str, k)): v for k, v in samples.items()}},
                   rows, ["phase", "path", "threads", "ms", "GFLOP", "MB", "GFLOP/s", "GB/s", "limit", "fraction",
-                         "attention_share"],
+                         "attention_share", "attention_flop_share"],
                   {"ms": ".1f", "GFLOP": ".1f", "MB": ".1f", "GFLOP/s": ".1f", "GB/s": ".2f", "fraction": ".2f",
-                   "attention_share": ".2f"})
+                   "attention_share": ".2f", "attention_flop_share": ".2f"})
     print(f"load average during the repeats: {min(loads):.1f} - {max(loads):.1f}")
 
 
