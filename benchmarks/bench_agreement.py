@@ -55,7 +55,7 @@ def run_kvprefix(name: str, prompts: list[list[int]], tokens: int, max_num_seqs:
     from kvprefix.engine import LLM, SamplingParams
 
     dtype, quantization = KVPREFIX_PATHS[name]
-    llm = LLM(dtype=dtype, quantization=quantization, max_num_seqs=max_num_seqs)
+    llm = LLM(dtype=dtype, quantization=quantization, max_num_seqs=max_num_seqs, kv_cache_memory=256 << 20)
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, logprobs=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     result = []

@@ -123,7 +123,7 @@ class EnginePath:
         from kvprefix.engine import LLM
 
         self.name = name
-        self.llm = LLM(default_model_path(), quantization=PATHS[name], kv_cache_memory=1 << 30)
+        self.llm = LLM(default_model_path(), quantization=PATHS[name], kv_cache_memory=512 << 20)
         self.model = self.llm.llm_engine.runner.model
         self.config = self.model.config
         self.gen = torch.Generator().manual_seed(seed)
