@@ -39,19 +39,13 @@ def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
 ACTIVATIONS = [False, pytest.param(True, marks=pytest.mark.skipif(not INT8_ACTIVATIONS, reason="no exact u8s8"))]
 
 
-def int8_rows(x: torch.Tensor) -> torch.Tensor:
-    """x with each row rounded to 255 levels of its own max|x| (what the int8-activation kernel multiplies)."""
-    step = x.abs().amax(-1, keepdim=True) / 127
-    return torch.round(x / step) * step
-
-
 def test_int4_convention_is_q_minus_8_times_scale_plus_zero() -> None:
     gen = torch.Generator().manual_seed(0)
     n, k = 40, 96  # n not a multiple of 16: exercises the padding rows
     q = torch.randint(0, 16, (n, k), generator=gen)
     scales = (torch.rand(n, k // 32, generator=gen) * 0.1 + 0.01).bfloat16().float()
     zeros = (torch.randn(n, k // 32, generator=gen) * 0.1).bfloat16().float()
-    layer = Int4Linear(q, scales, zeros, int8_activations=False)  # the int4 op at any row count
+    layer = Int4Linear(q, scales, zeros)
     expected = (q - 8) * scales.repeat_interleave(32, 1) + zeros.repeat_interleave(32, 1)
     torch.testing.assert_close(effective_weight(layer), expected, rtol=BF16_EPS, atol=1e-6)
     x = torch.randn(3, k, generator=gen)
@@ -70,9 +64,29 @@ def test_int8_convention_is_q_times_channel_scale(activations: bool) -> None:
     torch.testing.assert_close(effective_weight(Int8Linear(q, scales, int8_activations=activations)),
                                q.float() * scales[:, None], rtol=BF16_EPS, atol=1e-6)
     x = torch.randn(2, 5, 64, generator=gen)
-    rows = int8_rows(x) if activations else x.bfloat16().float()
+    rows = x if activations else x.bfloat16().float()  # two int8 passes a row are as exact as float32 here
     expected = rows @ (q.float() * scales[:, None]).t() + bias
-    torch.testing.assert_close(layer(x), expected, rtol=0.02, atol=0.02)
+    tolerance = 1e-3 if activations else 0.02
+    torch.testing.assert_close(layer(x), expected, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.skipif(not INT8_ACTIVATIONS, reason="no exact u8s8 kernel on this CPU")
+def test_int8_activations_in_two_passes_are_as_exact_as_bfloat16_ones() -> None:
+    """One int8 pass a row (255 levels of its max) is far coarser where a row has outlier columns; the second
+    pass, on the first one's rounding error, brings the product within bfloat16's error of the exact one."""
+    gen = torch.Generator().manual_seed(7)
+    layer = Int8Linear.from_float(torch.randn(256, 576, generator=gen) * 0.05)
+    x = torch.randn(8, 576, generator=gen) * torch.logspace(-2, 2, 576)[torch.randperm(576, generator=gen)]
+    weight = layer.qweight.double() * layer.scales.double()[:, None]
+    exact = x.double() @ weight.t()
+
+    def error(out: torch.Tensor) -> float:
+        return float((out.double() - exact).norm() / exact.norm())
+
+    bf16 = x.bfloat16().double() @ weight.t()
+    assert error(layer(x)) < error(bf16) / 10  # float32 in and out: only the second pass's rounding is left
+    one_pass = torch.ops.quantized.linear_dynamic(x, layer.packed, False)  # fbgemm's own single pass
+    assert error(one_pass) > 5 * error(bf16)
 
 
 @pytest.mark.skipif(not INT8_ACTIVATIONS, reason="no exact u8s8 kernel on this CPU")
@@ -85,30 +99,11 @@ def test_int8_activations_make_each_row_independent_of_the_batch() -> None:
     assert torch.equal(layer(x[:7]), alone[:7])
 
 
-@pytest.mark.skipif(not INT8_ACTIVATIONS, reason="no exact u8s8 kernel on this CPU")
-def test_int4_layer_takes_an_int8_copy_of_its_weight_above_a_few_rows() -> None:
-    gen = torch.Generator().manual_seed(6)
-    q = torch.randint(0, 16, (40, 96), generator=gen)
-    scales = (torch.rand(40, 3, generator=gen) * 0.1 + 0.01).bfloat16().float()
-    zeros = (torch.randn(40, 3, generator=gen) * 0.1).bfloat16().float()
-    bias = torch.randn(40, generator=gen)
-    layer = Int4Linear(q, scales, zeros, bias)
-    int4 = Int4Linear(q, scales, zeros, bias, int8_activations=False)
-    weight = (q - 8) * scales.repeat_interleave(32, 1) + zeros.repeat_interleave(32, 1)
-    int8 = Int8Linear.from_float(weight, bias)  # the int4 weight, re-quantized
-    x = torch.randn(Int4Linear.int4_max_rows + 5, 96, generator=gen)
-    few = x[: Int4Linear.int4_max_rows]
-    assert torch.equal(layer(few), int4(few))
-    assert torch.equal(layer(x), int8(x))
-    rel = (layer(x) - int4(x)).norm() / int4(x).norm()
-    assert rel < 0.02  # the int8 step is a small fraction of the int4 one
-
-
 @pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
 def test_requantization_error_is_bounded(cls) -> None:
     gen = torch.Generator().manual_seed(2)
     w = torch.randn(48, 128, generator=gen)
-    eff = effective_weight(cls.from_float(w, int8_activations=False))  # the weight of the layer's own format
+    eff = effective_weight(cls.from_float(w))
     if cls is Int8Linear:
         step = w.abs().amax(1, keepdim=True) / 127
     else:
@@ -122,12 +117,13 @@ def test_requantization_error_is_bounded(cls) -> None:
 @pytest.mark.parametrize("dense", [torch.bfloat16, torch.float32])  # native bfloat16 CPUs, and the others
 @pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
 def test_prefill_sized_inputs_take_the_dequantized_path_with_the_same_weights(cls, dense, monkeypatch) -> None:
-    """Without int8 activations (CPUs without an exact u8s8 kernel)."""
+    """The weight-only kernels (int8 layers take them on CPUs without an exact u8s8 kernel)."""
     from kvprefix.model import quantized_linear
 
     monkeypatch.setattr(quantized_linear, "_DENSE", dense)
     gen = torch.Generator().manual_seed(5)
-    layer = cls.from_float(torch.randn(40, 64, generator=gen), torch.randn(40, generator=gen), int8_activations=False)
+    kw = {"int8_activations": False} if cls is Int8Linear else {}
+    layer = cls.from_float(torch.randn(40, 64, generator=gen), torch.randn(40, generator=gen), **kw)
     x = torch.randn(cls.dense_above_rows + 1, 64, generator=gen)
     kernel_rows = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
     # Equal but for bfloat16 rounding of the outputs (the dense matmul rounds its result, the kernels too).

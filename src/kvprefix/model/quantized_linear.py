@@ -1,14 +1,13 @@
 """Compact int8/int4 linear layers for CPU inference on PyTorch's ops (decode is bound by the weight bytes a step
-reads, prefill by the matmul rate).
+reads).
 
 ``Int8Linear``: ``w = q * scale`` per output channel. ``Int4Linear``: groups of 32 along the input,
-``w = (q - 8) * scale + zero``, q in 0..15 (the tinygemm convention). Where PyTorch's fbgemm u8s8 kernel computes
-exact integer sums (probed at import: ``INT8_ACTIVATIONS``; x86 with VNNI), each input row is quantized to int8 by
-its own max|x| (``int8_rows_matmul``): a row's result does not depend on the other rows, and int8 matmuls run at
-about twice the bfloat16 rate. There an int8 layer always takes that kernel, and an int4 layer the int4 op for up to
-``int4_max_rows`` rows (one or a few decoding streams: half the bytes) and an int8 copy of its weight above. Without
-it the layers use the weight-only ops, which are fast only with bfloat16 activations (they compute in bfloat16 and
-return the caller's dtype), and dequantize for a dense matmul above ``dense_above_rows`` rows (docs/model.md).
+``w = (q - 8) * scale + zero``, q in 0..15 (the tinygemm convention). The int4 op and the int8 weight-only op are
+fast only with bfloat16 activations, so those layers compute in bfloat16 and return the caller's dtype, and above
+``dense_above_rows`` rows dequantize for a dense matmul. Where PyTorch's fbgemm u8s8 kernel sums exactly (probed at
+import: ``INT8_ACTIVATIONS``; x86 with VNNI) an int8 layer runs on it instead, its input in two int8 passes per
+row (``int8_rows_matmul``: the row, then its rounding error), which is as exact as bfloat16 activations, faster on
+a wide matrix such as the lm_head, and batch invariant (docs/model.md).
 ``quantize_model`` swaps a loaded model's projections and lm_head; ``pack_gguf_tensors`` builds one from GGUF blocks.
 """
 
@@ -45,12 +44,17 @@ def pack_int8_weight(q: torch.Tensor, scales: torch.Tensor):
 
 
 def int8_rows_matmul(x: torch.Tensor, packed) -> torch.Tensor:
-    """x [rows, in] (float32) @ the packed weight, each row of x quantized to int8 by its own max|x|: float32 out.
-    The kernel sums u8 x s8 products in int32 (exact) and scales per element, so a row's result is independent of
-    the other rows (batch invariant)."""
+    """x [rows, in] (float32) @ the packed weight, float32 out, with x in two int8 passes per row: each row scaled
+    by its own max|x| and rounded to 255 levels, then its rounding error scaled up and rounded the same way, so x
+    is represented to about 1/64,000 of its row's max (bfloat16 keeps 1/512 of each value). One pass alone
+    (255 levels a row) moved this model's logits by ~10x the KL of the int4 weights (docs/model.md). The kernel
+    sums u8 x s8 products in int32 (exact) and scales per element: a row's result is independent of the others."""
     row_max = x.abs().amax(1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny)
-    out = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x / row_max, 1 / _ACT_LEVELS, 128, packed)
-    return out.mul_(row_max)
+    scaled = x.div(row_max).mul_(_ACT_LEVELS)  # in [-127, 127]: the kernel rounds it to the first pass's levels
+    error = (scaled - scaled.round()).mul_(2)  # what that rounding leaves, in [-1, 1] (x 2: use the levels)
+    linear = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
+    out = linear(scaled, 1.0, 128, packed).add_(linear(error, 1 / _ACT_LEVELS, 128, packed), alpha=0.5)
+    return out.mul_(row_max / _ACT_LEVELS)
 
 
 def _probe_int8_activations() -> bool:
@@ -75,8 +79,8 @@ def kv_method(method: str | None) -> str | None:
 
 
 class Int8Linear(nn.Module):
-    """y = x @ (q * scale[:, None]).T + bias, with q int8 [out, in] and scale bfloat16 [out]: int8 activations per
-    row where ``int8_activations`` (default ``INT8_ACTIVATIONS``), else the weight-only op."""
+    """y = x @ (q * scale[:, None]).T + bias, with q int8 [out, in] and scale bfloat16 [out]: on fbgemm's kernel
+    (``int8_rows_matmul``) where ``int8_activations`` (default ``INT8_ACTIVATIONS``), else the weight-only op."""
 
     dense_above_rows = 32  # weight-only: above this many rows, dequantize then matmul (docs/model.md)
 
@@ -116,40 +120,29 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """y = x @ W.T + bias with W[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g], g = k // 32, q in 0..15.
+    """y = x @ W.T + bias with W[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g], g = k // 32, q in 0..15."""
 
-    With ``int8_activations`` (default ``INT8_ACTIVATIONS``): the int4 op up to ``int4_max_rows`` rows, above them
-    W re-quantized to int8 per output channel (``int8_from_float``) with int8 activations per row."""
-
-    dense_above_rows = 128  # without int8 activations; see Int8Linear
-    int4_max_rows = 2  # with int8 activations (benchmarks/bench_quantized_rows.py)
+    dense_above_rows = 128  # see Int8Linear
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 bias: torch.Tensor | None = None, int8_activations: bool | None = None) -> None:
+                 bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = q.shape
         if self.in_features % GROUP_SIZE:
             raise ValueError(f"int4 weights need an input dimension divisible by {GROUP_SIZE}, got {self.in_features}")
-        if int8_activations is None:
-            int8_activations = INT8_ACTIVATIONS
-        self.packed8 = None
-        if int8_activations:
-            self.packed8 = pack_int8_weight(*int8_from_float(_int4_weight(q, scales, zeros)))
         pad = -self.out_features % _N_ALIGN
         q, scales, zeros = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, scales, zeros))
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
         self.register_buffer("qweight", packed)
-        if self.packed8 is None:
-            # The op's packing is opaque; prefill dequantizes from this copy (two weights a byte: even k low, odd high).
-            q8 = q.to(torch.uint8)
-            self.register_buffer("nibbles", (q8[:, 0::2] | (q8[:, 1::2] << 4)).contiguous())
+        # The op's packing is opaque; prefill dequantizes from this copy (two weights a byte: even k low, odd high).
+        q8 = q.to(torch.uint8)
+        self.register_buffer("nibbles", (q8[:, 0::2] | (q8[:, 1::2] << 4)).contiguous())
         # [in // 32, out, 2]: the op's layout of (scale, zero) per group and output channel.
         self.register_buffer("scales_and_zeros", torch.stack([scales.t(), zeros.t()], -1).to(_COMPUTE).contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                   int8_activations: bool | None = None) -> Int4Linear:
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int4Linear:
         """Asymmetric min/max per group of 32: scale = (max - min) / 15, zero = the value at q = 8 (both bfloat16)."""
         w = weight.detach().float()
         n, k = w.shape
@@ -160,14 +153,11 @@ class Int4Linear(nn.Module):
         scales = ((hi - lo) / 15).clamp_min(torch.finfo(torch.float32).tiny).to(_COMPUTE).float()
         zeros = (lo + 8 * scales).to(_COMPUTE).float()
         q = torch.round((groups - zeros[..., None]) / scales[..., None] + 8).clamp(0, 15)
-        return cls(q.reshape(n, k), scales, zeros, bias, int8_activations)
+        return cls(q.reshape(n, k), scales, zeros, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = _rows(x, self.in_features)
-        rows = flat.shape[0]
-        if self.packed8 is not None and rows > self.int4_max_rows:
-            out = int8_rows_matmul(_as(flat, torch.float32), self.packed8)
-        elif self.packed8 is None and rows > self.dense_above_rows:
+        if flat.shape[0] > self.dense_above_rows:
             out = _as(flat, _DENSE) @ self.dequantize().t()
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(_as(flat, _COMPUTE), self.qweight, GROUP_SIZE,
@@ -175,8 +165,7 @@ class Int4Linear(nn.Module):
         return _finish(out, self.bias, x, self.out_features)
 
     def dequantize(self) -> torch.Tensor:
-        """The weight [out (padded to 16), in] in the dense path's dtype, computed in float32 as the op does (a
-        layer without int8 activations: the others keep no plain copy of the nibbles)."""
+        """The weight [out (padded to 16), in] in the dense path's dtype, computed in float32 as the op does."""
         q = torch.stack([self.nibbles & 0x0F, self.nibbles >> 4], -1).reshape(self.nibbles.shape[0], -1).float()
         scales, zeros = self.scales_and_zeros.float().permute(2, 1, 0)  # each [out, in // 32]
         groups = (q - 8).reshape(q.shape[0], -1, GROUP_SIZE) * scales[..., None] + zeros[..., None]
