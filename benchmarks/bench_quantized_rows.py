@@ -2,15 +2,16 @@
 projections (qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536), one thread, through
 
 - the int4 op (`aten._weight_int4pack_mm_for_cpu`, bfloat16 activations),
-- int8 activations per row on fbgemm's u8s8 kernel (`quantized_linear.int8_rows_matmul`; where `INT8_ACTIVATIONS`),
+- int8 activations on fbgemm's u8s8 kernel, two passes a row (`quantized_linear.int8_rows_matmul`; where
+  `INT8_ACTIVATIONS`),
 - the int8 weight-only op (`aten._weight_int8pack_mm`, bfloat16 activations),
 - dequantizing the int4 weight and a dense matmul, in bfloat16 and in float32.
 
-`kvprefix.model.quantized_linear` takes its thresholds from this: with int8 activations, an int4 layer keeps the int4
-op up to `Int4Linear.int4_max_rows` rows and the int8 kernel above; without them, the weight-only ops up to
-`dense_above_rows` and a dense matmul above, in bfloat16 where it is native (AVX512-BF16, AMX), else in float32.
+`kvprefix.model.quantized_linear` takes its choices from this: the weight-only ops up to `dense_above_rows` and a
+dense matmul above, in bfloat16 where it is native (AVX512-BF16, AMX), else in float32; int8 layers on the
+int8-activation kernel at every row count where it is exact.
 
-    python benchmarks/bench_quantized_rows.py [--rows 1,2,3,4,8,32,128,512] [--repeats 20]
+    python benchmarks/bench_quantized_rows.py [--rows 1,8,32,128,512] [--repeats 20]
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def layer_dequantized(layer: Int4Linear, dtype: torch.dtype) -> torch.Tensor:
 
 def kernels(w: torch.Tensor) -> dict:
     """name -> a function of the input rows, one per kernel (the layers forced onto it whatever the row count)."""
-    int4 = Int4Linear.from_float(w, int8_activations=False)
+    int4 = Int4Linear.from_float(w)
     int4.dense_above_rows = 1 << 30
     weight_only = Int8Linear.from_float(w, int8_activations=False)
     weight_only.dense_above_rows = 1 << 30
@@ -64,13 +65,13 @@ def kernels(w: torch.Tensor) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", default="1,2,3,4,8,32,128,512")
+    p.add_argument("--rows", default="1,8,32,128,512")
     p.add_argument("--repeats", type=int, default=20)
     args = p.parse_args()
     torch.set_num_threads(1)
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}; native bfloat16 matmuls: "
-          f"{native_bfloat16_cpu()}; exact int8 activations (INT8_ACTIVATIONS): {INT8_ACTIVATIONS}; int4 op up to "
-          f"{Int4Linear.int4_max_rows} rows with int8 activations; CPU ms per layer's projections, 1 thread\n")
+          f"{native_bfloat16_cpu()}; exact int8 activations (INT8_ACTIVATIONS): {INT8_ACTIVATIONS}; CPU ms per "
+          "layer's projections, 1 thread\n")
     gen = torch.Generator().manual_seed(0)
     layers = [kernels(torch.randn(o, i, generator=gen)) for o, i in SHAPES]
     names = list(layers[0])
