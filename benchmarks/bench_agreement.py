@@ -10,19 +10,22 @@ equal before the first difference, and, over the positions before the first diff
 token), the mean |log p - log p_reference| of that token and the mean signed difference.
 
     python benchmarks/bench_agreement.py [--paths float32,auto,gguf] [--peer] [--prompts 100] [--tokens 64]
-        [--threads 1] [--max-num-seqs 8] [--out results/bench_agreement.json]
+        [--threads 1] [--max-num-seqs 8] [--reuse EARLIER.json --reuse-paths float32,auto]
+        [--out results/bench_agreement.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import torch
-from harness import free_port, write_results
+from harness import dense_quantization, free_port, write_results
 
 SUBJECTS = ("photosynthesis", "the French Revolution", "black holes", "compound interest", "the water cycle",
             "vaccines", "the printing press", "volcanoes", "machine learning", "the Roman Empire", "honeybees",
@@ -30,7 +33,7 @@ SUBJECTS = ("photosynthesis", "the French Revolution", "black holes", "compound 
             "the Moon landing", "recycling")
 TEMPLATES = ("Explain {} to a ten-year-old.", "Give three facts about {}.", "Write a short poem about {}.",
              "What are the pros and cons of {}?", "Summarize the history of {} in two sentences.")
-KVPREFIX_PATHS = {"float32": ("float32", None), "auto": ("auto", None), "gguf": ("auto", "gguf")}
+KVPREFIX_PATHS = {"float32": ("float32", "none"), "auto": ("auto", "none"), "gguf": ("auto", "gguf")}
 
 
 def conversations(n: int) -> list[list[dict]]:
@@ -55,6 +58,7 @@ def run_kvprefix(name: str, prompts: list[list[int]], tokens: int, max_num_seqs:
     from kvprefix.engine import LLM, SamplingParams
 
     dtype, quantization = KVPREFIX_PATHS[name]
+    quantization = dense_quantization() if quantization == "none" else quantization
     llm = LLM(dtype=dtype, quantization=quantization, max_num_seqs=max_num_seqs, kv_cache_memory=256 << 20)
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, logprobs=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
@@ -92,8 +96,6 @@ def run_llama_cpp(prompts: list[list[int]], tokens: int, threads: int) -> list[d
 
 
 def _log_path():
-    from pathlib import Path
-
     path = Path("results/bench_agreement.llama-server.log")
     path.parent.mkdir(parents=True, exist_ok=True)
     return path
@@ -124,6 +126,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--reuse", metavar="JSON", help="an earlier run's results: its paths listed here in --reuse-paths "
+                        "are taken from it (same prompts and tokens) instead of run again")
+    parser.add_argument("--reuse-paths", default="", help="comma-separated paths to take from --reuse")
     parser.add_argument("--out", default="results/bench_agreement.json")
     args = parser.parse_args()
     names = args.paths.split(",")
@@ -134,7 +139,16 @@ def main() -> None:
     convs = conversations(args.prompts)
     prompts = prompt_ids(convs)
     results, seconds = {}, {}
+    reused = [n for n in args.reuse_paths.split(",") if n]
+    if reused:
+        earlier = json.loads(Path(args.reuse).read_text())
+        if earlier["prompts"] != [c[0]["content"] for c in convs] or earlier["config"]["tokens"] != args.tokens:
+            parser.error(f"{args.reuse} ran other prompts or token counts")
+        for name in reused:
+            results[name], seconds[name] = earlier["results"][name], earlier["seconds"][name]
     for name in names:
+        if name in results:
+            continue
         start = time.perf_counter()
         results[name] = run_kvprefix(name, prompts, args.tokens, args.max_num_seqs)
         seconds[name] = time.perf_counter() - start

@@ -7,11 +7,11 @@ Phases, through the engine (``LLM`` on token-id prompts, engine defaults): prefi
 and as a suffix after a cached 4,064-token prefix, as useful FLOP/s (projections, causal attention, the sampled
 row's lm_head) over the peak of the dtype the layers compute in (int8 for compact layers with int8 activations), with attention's share of the time (and of the FLOPs); decode of one
 stream, as bytes per token (weights, one embedding row, the KV read) per second over the bandwidth. Each path
-(default: the file dequantized, dtype auto; ``gguf``: ``--quantization gguf``) at each thread count; a repeat runs
+(``dequantized``: the file dequantized, dtype auto; ``gguf``: ``--quantization gguf``) at each thread count; a repeat runs
 every path and thread count in turn, the order alternating, and measures the limits again before them; each
 phase's fraction is the median over the repeats of its figure over that repeat's limit.
 
-    python benchmarks/bench_limits.py [--repeats 3] [--threads 1,2] [--paths default,gguf]
+    python benchmarks/bench_limits.py [--repeats 3] [--threads 1,2] [--paths dequantized,gguf]
         [--phases cold,suffix,decode] [--out results/bench_limits.json]
 """
 
@@ -26,12 +26,12 @@ from collections import defaultdict
 
 import torch
 from bench_decode import bytes_per_token, memory_read_bandwidth
-from harness import write_results
+from harness import dense_quantization, write_results
 
 PREFIX_TOKENS = 4064  # the cached prefix of the suffix phases: the cold 4,096's first blocks (+4,096 fits 8,192)
 PREFILL_SIZES = (1024, 4096)
 DECODE_PROMPT, DECODE_TOKENS = 256, 64
-PATHS = {"default": None, "gguf": "gguf"}  # name -> --quantization
+PATHS = {"dequantized": "none", "gguf": "gguf"}  # name -> --quantization
 
 
 # ---- limits ------------------------------------------------------------------------------------------------------
@@ -123,14 +123,15 @@ class EnginePath:
         from kvprefix.engine import LLM
 
         self.name = name
-        self.llm = LLM(default_model_path(), quantization=PATHS[name], kv_cache_memory=512 << 20)
+        quantization = dense_quantization() if PATHS[name] == "none" else PATHS[name]
+        self.llm = LLM(default_model_path(), quantization=quantization, kv_cache_memory=512 << 20)
         self.model = self.llm.llm_engine.runner.model
         self.config = self.model.config
         self.gen = torch.Generator().manual_seed(seed)
         # What prefill's matmuls run in: compact layers with int8 activations (where this tree has them) in int8.
         from kvprefix.model import quantized_linear
 
-        int8 = PATHS[name] is not None and getattr(quantized_linear, "INT8_ACTIVATIONS", False)
+        int8 = PATHS[name] != "none" and getattr(quantized_linear, "INT8_ACTIVATIONS", False)
         self.compute_dtype = "int8" if int8 else str(self.model.dtype).removeprefix("torch.")
 
     def tokens(self, n: int) -> list[int]:
@@ -194,7 +195,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", default="1,2")
-    parser.add_argument("--paths", default="default,gguf")
+    parser.add_argument("--paths", default="dequantized,gguf")
     parser.add_argument("--phases", default="cold,suffix,decode")
     parser.add_argument("--out", default="results/bench_limits.json")
     args = parser.parse_args()
