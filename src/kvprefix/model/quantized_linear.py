@@ -80,9 +80,13 @@ def kv_method(method: str | None) -> str | None:
 
 class Int8Linear(nn.Module):
     """y = x @ (q * scale[:, None]).T + bias, with q int8 [out, in] and scale bfloat16 [out]: on fbgemm's kernel
-    (``int8_rows_matmul``) where ``int8_activations`` (default ``INT8_ACTIVATIONS``), else the weight-only op."""
+    (``int8_rows_matmul``) above ``int8_activations_above_rows`` rows where ``int8_activations`` (default
+    ``INT8_ACTIVATIONS``), else the weight-only op."""
 
     dense_above_rows = 32  # weight-only: above this many rows, dequantize then matmul (docs/model.md)
+    # One row of a projection is faster on the weight-only op (two passes' small ops cost more than they save);
+    # ``quantize_model`` sets 0 for the lm_head, where fbgemm is faster from one row (docs/benchmarks.md).
+    int8_activations_above_rows = 1
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
                  int8_activations: bool | None = None) -> None:
@@ -103,7 +107,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = _rows(x, self.in_features)
-        if self.packed is not None:
+        if self.packed is not None and flat.shape[0] > self.int8_activations_above_rows:
             out = int8_rows_matmul(_as(flat, torch.float32), self.packed)
         elif flat.shape[0] > self.dense_above_rows:
             out = _as(flat, _DENSE) @ self.dequantize().t()
@@ -314,6 +318,8 @@ def quantize_model(model: nn.Module, method: str | None, gguf_path: str | None =
         model.lm_head = pack_gguf_tensors(reader, [(head, None)])
     else:
         model.lm_head = _from_float(method, model.lm_head)
+    if isinstance(model.lm_head, Int8Linear):
+        model.lm_head.int8_activations_above_rows = 0
     return model
 
 
