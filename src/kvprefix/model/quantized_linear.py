@@ -47,14 +47,16 @@ def int8_rows_matmul(x: torch.Tensor, packed) -> torch.Tensor:
     """x [rows, in] (float32) @ the packed weight, float32 out, with x in two int8 passes per row: each row scaled
     by its own max|x| and rounded to 255 levels, then its rounding error scaled up and rounded the same way, so x
     is represented to about 1/64,000 of its row's max (bfloat16 keeps 1/512 of each value). One pass alone
-    (255 levels a row) moved this model's logits by ~10x the KL of the int4 weights (docs/model.md). The kernel
-    sums u8 x s8 products in int32 (exact) and scales per element: a row's result is independent of the others."""
+    (255 levels a row) moved this model's logits by ~10x the KL of the int4 weights (docs/model.md). Both passes
+    are rows of one call, so the weight is read once. The kernel sums u8 x s8 products in int32 (exact) and scales
+    per element: a row's result is independent of the others."""
+    rows = x.shape[0]
     row_max = x.abs().amax(1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny)
     scaled = x.div(row_max).mul_(_ACT_LEVELS)  # in [-127, 127]: the kernel rounds it to the first pass's levels
-    error = (scaled - scaled.round()).mul_(2)  # what that rounding leaves, in [-1, 1] (x 2: use the levels)
-    linear = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
-    out = linear(scaled, 1.0, 128, packed).add_(linear(error, 1 / _ACT_LEVELS, 128, packed), alpha=0.5)
-    return out.mul_(row_max / _ACT_LEVELS)
+    error = (scaled - scaled.round()).mul_(2 * _ACT_LEVELS)  # what that rounding leaves, scaled to [-127, 127]
+    out = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(torch.cat([scaled, error]), 1.0, 128,
+                                                                            packed)
+    return out[:rows].add_(out[rows:], alpha=0.5 / _ACT_LEVELS).mul_(row_max / _ACT_LEVELS)
 
 
 def _probe_int8_activations() -> bool:
