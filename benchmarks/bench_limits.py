@@ -5,7 +5,7 @@ down back to back, 1,024 and 2,048 rows: the best) in bfloat16, float32 and int8
 linear: int8 weights, activations quantized per call), and the read bandwidth (``bench_decode``'s sum over 512 MiB).
 Phases, through the engine (``LLM`` on token-id prompts, engine defaults): prefill of 1,024 and 4,096 tokens cold
 and as a suffix after a cached 4,064-token prefix, as useful FLOP/s (projections, causal attention, the sampled
-row's lm_head) over the peak of the dtype the layers compute in (int8 for compact layers with int8 activations), with attention's share of the time (and of the FLOPs); decode of one
+row's lm_head) over the peak of the dtype the layers compute in (compact layers: the dtype they dequantize to), with attention's share of the time (and of the FLOPs); decode of one
 stream, as bytes per token (weights, one embedding row, the KV read) per second over the bandwidth. Each path
 (``dequantized``: the file dequantized, dtype auto; ``gguf``: ``--quantization gguf``) at each thread count; a repeat runs
 every path and thread count in turn, the order alternating, and measures the limits again before them; each
@@ -128,11 +128,11 @@ class EnginePath:
         self.model = self.llm.llm_engine.runner.model
         self.config = self.model.config
         self.gen = torch.Generator().manual_seed(seed)
-        # What prefill's matmuls run in: compact layers with int8 activations (where this tree has them) in int8.
+        # What prefill's matmuls run in: compact layers dequantize to their dense dtype (bfloat16 where native).
         from kvprefix.model import quantized_linear
 
-        int8 = PATHS[name] != "none" and getattr(quantized_linear, "INT8_ACTIVATIONS", False)
-        self.compute_dtype = "int8" if int8 else str(self.model.dtype).removeprefix("torch.")
+        dense = quantized_linear._DENSE if PATHS[name] != "none" else self.model.dtype
+        self.compute_dtype = str(dense).removeprefix("torch.")
 
     def tokens(self, n: int) -> list[int]:
         return torch.randint(0, self.config.vocab_size, (n,), generator=self.gen).tolist()
