@@ -28,12 +28,12 @@ import time
 from collections import defaultdict
 
 import torch
-from harness import write_results
+from harness import dense_quantization, write_results
 
 # name -> (model dtype, --quantization)
 VARIANTS = {
-    "dense float32": ("float32", None),
-    "dense bfloat16": ("bfloat16", None),
+    "dense float32": ("float32", "none"),  # "none": harness.dense_quantization() of the tree run
+    "dense bfloat16": ("bfloat16", "none"),
     "int8": ("bfloat16", "int8"),
     "int4": ("bfloat16", "int4"),
     "gguf": ("bfloat16", "gguf"),  # the file's own Q4_1 blocks as int4; its Q8_0 embedding as an int8 lm_head
@@ -181,6 +181,7 @@ def serve_variant(name: str, threads: int, prefill_tokens: int) -> None:
 
     torch.set_num_threads(threads)
     dtype, quantization = VARIANTS[name]
+    quantization = dense_quantization() if quantization == "none" else quantization
     llm = LLM(default_model_path(), dtype=dtype, quantization=quantization, kv_cache_memory=64 * 2**20)
     timer = StepTimer(llm)
     llm.generate([1] * PROMPT_TOKENS, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up

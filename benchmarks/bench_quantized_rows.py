@@ -1,13 +1,17 @@
-"""Where a quantized layer should stop using the weight-only op and dequantize: per input row count, the int8/int4
-op (`aten._weight_int8pack_mm`, `aten._weight_int4pack_mm_for_cpu`) against dequantizing the weight and a dense
-matmul in bfloat16 and in float32, for SmolLM2-135M's two projection shapes, in CPU time of one thread.
+"""Which kernel a compact layer should use at each input row count: CPU ms of one SmolLM2-135M decoder layer's four
+projections (qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536), one thread, through
 
-The crossovers depend on the CPU: where bfloat16 matmuls are native (AVX512-BF16, AMX) the bfloat16 path wins early;
-where they are emulated (AVX2 only) bfloat16 is the slowest and float32 takes over much later.
-`kvprefix.model.quantized_linear` picks the dense dtype by that probe (`dense_above_rows` is one value: the crossovers
-fell near it on both kinds); this script is how they were chosen.
+- the int4 op (`aten._weight_int4pack_mm_for_cpu`, bfloat16 activations),
+- int8 activations on fbgemm's u8s8 kernel, two passes a row (`quantized_linear.int8_rows_matmul`; where
+  `INT8_ACTIVATIONS`),
+- the int8 weight-only op (`aten._weight_int8pack_mm`, bfloat16 activations),
+- dequantizing the int4 weight and a dense matmul, in bfloat16 and in float32.
 
-    python benchmarks/bench_quantized_rows.py [--rows 1,8,32,64,128,256,512] [--repeats 20]
+`kvprefix.model.quantized_linear` takes its choices from this: the weight-only ops up to `dense_above_rows` and a
+dense matmul above, in bfloat16 where it is native (AVX512-BF16, AMX), else in float32; int8 layers on the
+int8-activation kernel at every row count where it is exact.
+
+    python benchmarks/bench_quantized_rows.py [--rows 1,8,32,128,512] [--repeats 20]
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ import torch
 
 from kvprefix.model import quantized_linear
 from kvprefix.model.loader import native_bfloat16_cpu
-from kvprefix.model.quantized_linear import Int4Linear, Int8Linear
+from kvprefix.model.quantized_linear import INT8_ACTIVATIONS, Int4Linear, Int8Linear
+
+SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (out, in) of a layer's stacked projections
 
 
 def cpu_ms(fn, repeats: int) -> float:
@@ -31,7 +37,7 @@ def cpu_ms(fn, repeats: int) -> float:
     return (time.process_time() - start) / repeats * 1e3
 
 
-def layer_dequantized(layer, dtype: torch.dtype) -> torch.Tensor:
+def layer_dequantized(layer: Int4Linear, dtype: torch.dtype) -> torch.Tensor:
     """The layer's dequantized weight as its dense path would build it in ``dtype`` (whatever this CPU's is)."""
     saved = quantized_linear._DENSE
     quantized_linear._DENSE = dtype
@@ -41,35 +47,41 @@ def layer_dequantized(layer, dtype: torch.dtype) -> torch.Tensor:
         quantized_linear._DENSE = saved
 
 
-def row_costs(layer, x: torch.Tensor, repeats: int) -> list[float]:
-    """CPU ms of ``layer``'s op, then of its dequantized path in bfloat16 and in float32, on input ``x``."""
-    layer.dense_above_rows = 1 << 30  # the op, whatever the row count
-    costs = [cpu_ms(lambda: layer(x), repeats)]
-    for dtype in (torch.bfloat16, torch.float32):
-        costs.append(cpu_ms(lambda dtype=dtype: x.to(dtype) @ layer_dequantized(layer, dtype).t(), repeats))
-    return costs
+def kernels(w: torch.Tensor) -> dict:
+    """name -> a function of the input rows, one per kernel (the layers forced onto it whatever the row count)."""
+    int4 = Int4Linear.from_float(w)
+    int4.dense_above_rows = 1 << 30
+    weight_only = Int8Linear.from_float(w, int8_activations=False)
+    weight_only.dense_above_rows = 1 << 30
+    out = {"int4 op": int4}
+    if INT8_ACTIVATIONS:
+        out["int8 activations"] = Int8Linear.from_float(w, int8_activations=True)
+    out["int8 weight-only op"] = weight_only
+    for dtype in (torch.bfloat16, torch.float32):  # the dequantization is part of the cost, as in the layer
+        out[f"dequantized {str(dtype).removeprefix('torch.')}"] = (
+            lambda x, dtype=dtype: x.to(dtype) @ layer_dequantized(int4, dtype).t())
+    return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", default="1,8,32,64,128,256,512")
+    p.add_argument("--rows", default="1,8,32,128,512")
     p.add_argument("--repeats", type=int, default=20)
     args = p.parse_args()
     torch.set_num_threads(1)
-    print(f"native bfloat16 matmuls: {native_bfloat16_cpu()}; layers dequantize above "
-          f"{Int8Linear.dense_above_rows} (int8) / {Int4Linear.dense_above_rows} (int4) rows in "
-          f"{quantized_linear._DENSE}; CPU ms per call, 1 thread\n")
-    print("| shape | rows | int8 op | int8 dequantized bf16 | int8 dequantized f32 | int4 op "
-          "| int4 dequantized bf16 | int4 dequantized f32 |")
-    print("|" + "---|" * 8)
+    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}; native bfloat16 matmuls: "
+          f"{native_bfloat16_cpu()}; exact int8 activations (INT8_ACTIVATIONS): {INT8_ACTIVATIONS}; CPU ms per "
+          "layer's projections, 1 thread\n")
     gen = torch.Generator().manual_seed(0)
-    for out_features, in_features in ((1536, 576), (576, 1536)):
-        w = torch.randn(out_features, in_features, generator=gen)
-        layers = {"int8": Int8Linear.from_float(w), "int4": Int4Linear.from_float(w)}
-        for rows in (int(r) for r in args.rows.split(",")):
-            x = torch.randn(rows, in_features, generator=gen, dtype=torch.bfloat16)
-            cells = [c for layer in layers.values() for c in row_costs(layer, x, args.repeats)]
-            print(f"| {out_features}x{in_features} | {rows} | " + " | ".join(f"{c:.2f}" for c in cells) + " |")
+    layers = [kernels(torch.randn(o, i, generator=gen)) for o, i in SHAPES]
+    names = list(layers[0])
+    print("| rows | " + " | ".join(names) + " |")
+    print("|" + "---|" * (len(names) + 1))
+    for rows in (int(r) for r in args.rows.split(",")):
+        xs = [torch.randn(rows, i, generator=gen, dtype=torch.bfloat16) for _, i in SHAPES]
+        cells = [sum(cpu_ms(lambda f=layer[n], x=x: f(x), args.repeats) for layer, x in zip(layers, xs, strict=True))
+                 for n in names]
+        print(f"| {rows} | " + " | ".join(f"{c:.3f}" for c in cells) + " |", flush=True)
 
 
 if __name__ == "__main__":

@@ -170,3 +170,11 @@ def write_results(path: str | Path, results: dict, rows: Sequence[dict] | None =
     out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"\nwrote {out}")
     return out
+
+
+def dense_quantization() -> str | None:
+    """The ``quantization`` value that asks the kvprefix this process imports for dense weights: "none", or None
+    in trees from before a quantized GGUF ran compact by default (so --against runs an older tree too)."""
+    from kvprefix.cache import identity
+
+    return getattr(identity, "NO_QUANTIZATION", None)

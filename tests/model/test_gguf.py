@@ -158,3 +158,26 @@ def test_engine_serves_a_gguf_like_its_safetensors_twin_and_roots_hashes_in_its_
                                                                        gguf_llm.get_tokenizer().chat_template)
     chat = gguf_llm.chat([{"role": "user", "content": "Hi!"}], greedy)[0]
     assert chat.prompt.startswith("<|im_start|>user\nHi!")  # the chat template from the file's metadata
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
+def test_the_files_own_blocks_give_the_same_greedy_tokens_with_caching_on_and_off(llama_dir, tmp_path, qtype) -> None:
+    """--quantization gguf: Q4_1 as int4 layers, Q8_0 as int8 ones (int8 activations where the CPU has them)."""
+    from kvprefix import LLM, SamplingParams
+    from kvprefix.model.quantized_linear import Int4Linear, Int8Linear
+
+    path = str(tmp_path / f"{qtype.name}.gguf")
+    write_gguf(path, llama_dir, CONFIG, qtype)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    shared = list(range(20, 52))  # two full blocks, hit by the later prompts with caching on
+    prompts = [{"prompt_token_ids": shared + tail} for tail in ([7, 9, 11], list(range(60, 80)), [5] * 17)]
+    outputs = {}
+    for caching in (True, False):
+        llm = LLM(path, quantization="gguf", dtype="bfloat16", enable_prefix_caching=caching, num_gpu_blocks=64)
+        kind = Int4Linear if qtype == Q.Q4_1 else Int8Linear
+        assert isinstance(llm.llm_engine.runner.model.model.layers[0].mlp.down_proj, kind)
+        llm.generate(prompts[0], params)
+        results = llm.generate(prompts, params)
+        assert (results[1].num_cached_tokens > 0) == caching
+        outputs[caching] = [r.outputs[0].token_ids for r in results]
+    assert outputs[True] == outputs[False]

@@ -12,6 +12,7 @@ from support.paged import Chunk, greedy_generate, run_batch
 from kvprefix.engine import LLM, SamplingParams
 from kvprefix.model import allocate_kv_cache, load_model
 from kvprefix.model.quantized_linear import (
+    INT8_ACTIVATIONS,
     Int4Linear,
     Int8Linear,
     gguf_rows_from_permuted,
@@ -34,6 +35,10 @@ def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+# Where fbgemm's exact u8s8 kernel is missing (x86 without VNNI), only the weight-only kernel runs.
+ACTIVATIONS = [False, pytest.param(True, marks=pytest.mark.skipif(not INT8_ACTIVATIONS, reason="no exact u8s8"))]
+
+
 def test_int4_convention_is_q_minus_8_times_scale_plus_zero() -> None:
     gen = torch.Generator().manual_seed(0)
     n, k = 40, 96  # n not a multiple of 16: exercises the padding rows
@@ -48,15 +53,54 @@ def test_int4_convention_is_q_minus_8_times_scale_plus_zero() -> None:
     torch.testing.assert_close(layer(x), x.bfloat16().float() @ expected.t(), rtol=0.02, atol=0.02)
 
 
-def test_int8_convention_is_q_times_channel_scale() -> None:
+@pytest.mark.parametrize("activations", ACTIVATIONS)
+def test_int8_convention_is_q_times_channel_scale(activations: bool) -> None:
     gen = torch.Generator().manual_seed(1)
     q = torch.randint(-127, 128, (24, 64), generator=gen, dtype=torch.int8)
     scales = (torch.rand(24, generator=gen) * 0.01).bfloat16().float()
     bias = torch.randn(24, generator=gen)
-    layer = Int8Linear(q, scales, bias)
+    layer = Int8Linear(q, scales, bias, int8_activations=activations)
+    # One-hot rows quantize exactly: the weight itself comes out.
+    torch.testing.assert_close(effective_weight(Int8Linear(q, scales, int8_activations=activations)),
+                               q.float() * scales[:, None], rtol=BF16_EPS, atol=1e-6)
     x = torch.randn(2, 5, 64, generator=gen)
-    expected = x.bfloat16().float() @ (q.float() * scales[:, None]).t() + bias
-    torch.testing.assert_close(layer(x), expected, rtol=0.02, atol=0.02)
+    rows = x if activations else x.bfloat16().float()  # two int8 passes a row are as exact as float32 here
+    expected = rows @ (q.float() * scales[:, None]).t() + bias
+    tolerance = 1e-3 if activations else 0.02
+    torch.testing.assert_close(layer(x), expected, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.skipif(not INT8_ACTIVATIONS, reason="no exact u8s8 kernel on this CPU")
+def test_int8_activations_in_two_passes_are_as_exact_as_bfloat16_ones() -> None:
+    """One int8 pass a row (255 levels of its max) is far coarser where a row has outlier columns; the second
+    pass, on the first one's rounding error, brings the product within bfloat16's error of the exact one."""
+    gen = torch.Generator().manual_seed(7)
+    layer = Int8Linear.from_float(torch.randn(256, 576, generator=gen) * 0.05)
+    x = torch.randn(8, 576, generator=gen) * torch.logspace(-2, 2, 576)[torch.randperm(576, generator=gen)]
+    weight = layer.qweight.double() * layer.scales.double()[:, None]
+    exact = x.double() @ weight.t()
+
+    def error(out: torch.Tensor) -> float:
+        return float((out.double() - exact).norm() / exact.norm())
+
+    bf16 = x.bfloat16().double() @ weight.t()
+    assert error(layer(x)) < error(bf16) / 10  # float32 in and out: only the second pass's rounding is left
+    one_pass = torch.ops.quantized.linear_dynamic(x, layer.packed, False)  # fbgemm's own single pass
+    assert error(one_pass) > 5 * error(bf16)
+
+
+@pytest.mark.skipif(not INT8_ACTIVATIONS, reason="no exact u8s8 kernel on this CPU")
+def test_int8_activations_make_each_row_independent_of_the_batch() -> None:
+    gen = torch.Generator().manual_seed(4)
+    layer = Int8Linear.from_float(torch.randn(200, 96, generator=gen), torch.randn(200, generator=gen))
+    layer.int8_activations_above_rows = 0  # as the lm_head: one row on the same kernel too
+    x = torch.randn(Int8Linear.dense_above_rows, 96, generator=gen) * torch.logspace(-3, 3, 96)  # outlier columns
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
+    assert torch.equal(layer(x), alone)
+    assert torch.equal(layer(x[:7]), alone[:7])
+    layer.int8_activations_above_rows = 1  # a projection: a lone row takes the weight-only op (close, not equal)
+    scale = float(alone[:1].abs().max())  # bfloat16 activations: an error relative to the row's largest output
+    torch.testing.assert_close(layer(x[:1]), alone[:1], rtol=0, atol=4 * BF16_EPS * scale)
 
 
 @pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
@@ -77,11 +121,13 @@ def test_requantization_error_is_bounded(cls) -> None:
 @pytest.mark.parametrize("dense", [torch.bfloat16, torch.float32])  # native bfloat16 CPUs, and the others
 @pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
 def test_prefill_sized_inputs_take_the_dequantized_path_with_the_same_weights(cls, dense, monkeypatch) -> None:
+    """The weight-only kernels (int8 layers take them on CPUs without an exact u8s8 kernel)."""
     from kvprefix.model import quantized_linear
 
     monkeypatch.setattr(quantized_linear, "_DENSE", dense)
     gen = torch.Generator().manual_seed(5)
-    layer = cls.from_float(torch.randn(40, 64, generator=gen), torch.randn(40, generator=gen))
+    kw = {"int8_activations": False} if cls is Int8Linear else {}
+    layer = cls.from_float(torch.randn(40, 64, generator=gen), torch.randn(40, generator=gen), **kw)
     x = torch.randn(cls.dense_above_rows + 1, 64, generator=gen)
     kernel_rows = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
     # Equal but for bfloat16 rounding of the outputs (the dense matmul rounds its result, the kernels too).

@@ -30,7 +30,7 @@ from kvprefix.model import ModelConfig, load_model
 from kvprefix.model.batch_invariant import make_batch_invariant, numerics_fingerprint
 from kvprefix.model.loader import default_dtype, resolve_dtype, resolve_model_path
 from kvprefix.model.lora import LoraAdapter, LoraLayers
-from kvprefix.model.quantized_linear import check_quantization, quantize_model
+from kvprefix.model.quantized_linear import check_quantization, kv_method, quantize_model
 from kvprefix.tokenizer import Tokenizer
 from kvprefix.tokenizer.chat_template import ChatTemplate
 
@@ -97,7 +97,7 @@ class LLMEngine:
         # What names the blocks (published to routers): the checkpoint's own bytes, dtype and quantization, and in
         # deterministic mode the numerics its bytes depend on.
         numerics = numerics_fingerprint(device) if args.deterministic else ""
-        self.identity = block_identity(path, str(dtype).removeprefix("torch."), args.quantization,
+        self.identity = block_identity(path, str(dtype).removeprefix("torch."), kv_method(args.quantization),
                                        self.tokenizer.chat_template, content_format=self.tokenizer.content_format(),
                                        block_size=args.block_size,
                                        hash_algo=args.prefix_caching_hash_algo, numerics=numerics)

@@ -1,13 +1,19 @@
-"""Weight-only int8/int4 linear layers for CPU decode (bound by the weight bytes read per step), on PyTorch's ops.
+"""Compact int8/int4 linear layers for CPU inference on PyTorch's ops (decode is bound by the weight bytes a step
+reads).
 
 ``Int8Linear``: ``w = q * scale`` per output channel. ``Int4Linear``: groups of 32 along the input,
-``w = (q - 8) * scale + zero``, q in 0..15 (the tinygemm convention). The ops are fast only with bfloat16
-activations, so the layers compute in bfloat16 and return the caller's dtype (docs/model.md).
+``w = (q - 8) * scale + zero``, q in 0..15 (the tinygemm convention). The int4 op and the int8 weight-only op are
+fast only with bfloat16 activations, so those layers compute in bfloat16 and return the caller's dtype, and above
+``dense_above_rows`` rows dequantize for a dense matmul. Where PyTorch's fbgemm u8s8 kernel sums exactly (probed at
+import: ``INT8_ACTIVATIONS``; x86 with VNNI) an int8 layer runs on it instead, its input in two int8 passes per
+row (``int8_rows_matmul``: the row, then its rounding error), which is as exact as bfloat16 activations, faster on
+a wide matrix such as the lm_head, and batch invariant (docs/model.md).
 ``quantize_model`` swaps a loaded model's projections and lm_head; ``pack_gguf_tensors`` builds one from GGUF blocks.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import gguf
@@ -25,31 +31,87 @@ _COMPUTE = torch.bfloat16  # the ops' activations
 # Prefill-sized inputs dequantize and take a dense matmul (the ops are matrix-vector kernels); docs/model.md.
 _DENSE = torch.bfloat16 if native_bfloat16_cpu() else torch.float32
 _N_ALIGN = 16  # the int4 packing needs a multiple of 16 output channels: pad with zero rows
+_ACT_LEVELS = 127  # an int8 activation row: round(x / max|x| * 127), stored as uint8 with zero point 128
+
+
+def pack_int8_weight(q: torch.Tensor, scales: torch.Tensor):
+    """fbgemm's packed form of int8 weights ``q`` [out, in] with per-output-channel ``scales`` (values exact)."""
+    with warnings.catch_warnings():  # quantized tensors are deprecated in PyTorch, their CPU kernels not replaced
+        warnings.simplefilter("ignore")
+        zeros = torch.zeros(q.shape[0], dtype=torch.long)
+        weight = torch._make_per_channel_quantized_tensor(q.contiguous(), scales.double(), zeros, 0)
+        return torch.ops.quantized.linear_prepack(weight, None)
+
+
+def int8_rows_matmul(x: torch.Tensor, packed) -> torch.Tensor:
+    """x [rows, in] (float32) @ the packed weight, float32 out, with x in two int8 passes per row: each row scaled
+    by its own max|x| and rounded to 255 levels, then its rounding error scaled up and rounded the same way, so x
+    is represented to about 1/64,000 of its row's max (bfloat16 keeps 1/512 of each value). One pass alone
+    (255 levels a row) moved this model's logits by ~10x the KL of the int4 weights (docs/model.md). Both passes
+    are rows of one call, so the weight is read once. The kernel sums u8 x s8 products in int32 (exact) and scales
+    per element: a row's result is independent of the others."""
+    rows = x.shape[0]
+    row_max = x.abs().amax(1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny)
+    scaled = x.div(row_max).mul_(_ACT_LEVELS)  # in [-127, 127]: the kernel rounds it to the first pass's levels
+    error = (scaled - scaled.round()).mul_(2 * _ACT_LEVELS)  # what that rounding leaves, scaled to [-127, 127]
+    out = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(torch.cat([scaled, error]), 1.0, 128,
+                                                                            packed)
+    return out[:rows].add_(out[rows:], alpha=0.5 / _ACT_LEVELS).mul_(row_max / _ACT_LEVELS)
+
+
+def _probe_int8_activations() -> bool:
+    """Whether this build has fbgemm's u8s8 linear and its sums are exact at full range: without VNNI, x86 pairs
+    u8 x s8 products in saturating int16 adds (2 * 255 * 127 overflows), which this catches."""
+    try:
+        q = torch.full((16, 64), 127, dtype=torch.int8)
+        q[1::2] = -127
+        got = int8_rows_matmul(torch.ones(2, 64), pack_int8_weight(q, torch.ones(16)))
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+    return bool((got == torch.tensor([127.0, -127.0] * 8) * 64).all())
+
+
+INT8_ACTIVATIONS = _probe_int8_activations()
+
+
+def kv_method(method: str | None) -> str | None:
+    """``method`` as the block identity names it (``cache.identity.kv_label``): with "+a8" where the layers quantize
+    activations to int8, which computes other KV than the weight-only kernels (docs/hashing.md)."""
+    return None if method is None else method + ("+a8" if INT8_ACTIVATIONS else "")
 
 
 class Int8Linear(nn.Module):
-    """y = x @ (q * scale[:, None]).T + bias, with q int8 [out, in] and scale bfloat16 [out]."""
+    """y = x @ (q * scale[:, None]).T + bias, with q int8 [out, in] and scale bfloat16 [out]: on fbgemm's kernel
+    (``int8_rows_matmul``) above ``int8_activations_above_rows`` rows where ``int8_activations`` (default
+    ``INT8_ACTIVATIONS``), else the weight-only op."""
 
-    dense_above_rows = 32  # above this many rows, dequantize then matmul (docs/model.md)
+    dense_above_rows = 32  # weight-only: above this many rows, dequantize then matmul (docs/model.md)
+    # One row of a projection is faster on the weight-only op (two passes' small ops cost more than they save);
+    # ``quantize_model`` sets 0 for the lm_head, where fbgemm is faster from one row (docs/benchmarks.md).
+    int8_activations_above_rows = 1
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
+                 int8_activations: bool | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = qweight.shape
         self.register_buffer("qweight", qweight.to(torch.int8).contiguous())
         self.register_buffer("scales", scales.to(_COMPUTE).contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        if int8_activations is None:
+            int8_activations = INT8_ACTIVATIONS
+        # The scales as the op sees them (bfloat16 values, exact in float64): one product, rounded once.
+        self.packed = pack_int8_weight(self.qweight, self.scales.float()) if int8_activations else None
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
-        """Symmetric per output channel, scale = max|w| / 127 rounded to bfloat16 before q is chosen."""
-        w = weight.detach().float()
-        scales = (w.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny).to(_COMPUTE).float()
-        q = torch.round(w / scales[:, None]).clamp(-127, 127)
-        return cls(q.to(torch.int8), scales, bias)
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   int8_activations: bool | None = None) -> Int8Linear:
+        return cls(*int8_from_float(weight), bias, int8_activations)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = _rows(x, self.in_features)
-        if flat.shape[0] > self.dense_above_rows:
+        if self.packed is not None and flat.shape[0] > self.int8_activations_above_rows:
+            out = int8_rows_matmul(_as(flat, torch.float32), self.packed)
+        elif flat.shape[0] > self.dense_above_rows:
             out = _as(flat, _DENSE) @ self.dequantize().t()
         else:
             out = torch.ops.aten._weight_int8pack_mm(_as(flat, _COMPUTE), self.qweight, self.scales)
@@ -185,6 +247,14 @@ def _gguf_weight(reader: GGUFFile, name: str, rows: torch.Tensor | None):
     return _reorder(weight, rows)
 
 
+def int8_from_float(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 [out, in], scales [out]) of ``weight``: symmetric per output channel, scale = max|w| / 127 rounded to
+    bfloat16 (the weight-only op's scale dtype) before q is chosen."""
+    w = weight.detach().float()
+    scales = (w.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny).to(_COMPUTE).float()
+    return torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8), scales
+
+
 def _int4_weight(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
     """The float32 weight of int4 parts, as Int4Linear computes it (scale and zero rounded to bfloat16)."""
     scales, zeros = scales.to(_COMPUTE).float(), zeros.to(_COMPUTE).float()
@@ -250,6 +320,8 @@ def quantize_model(model: nn.Module, method: str | None, gguf_path: str | None =
         model.lm_head = pack_gguf_tensors(reader, [(head, None)])
     else:
         model.lm_head = _from_float(method, model.lm_head)
+    if isinstance(model.lm_head, Int8Linear):
+        model.lm_head.int8_activations_above_rows = 0
     return model
 
 
