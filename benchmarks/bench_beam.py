@@ -26,23 +26,13 @@ import statistics
 import time
 
 import torch
-from harness import write_results
+from harness import SMOLLM2_135M, ensure_smollm2_checkpoint, write_results
 
 from kvprefix import LLM, BeamSearchParams, SamplingParams
 from kvprefix.engine.beam_search import BeamSearch, Finished
-from kvprefix.model import write_random_checkpoint
 
-SMOLLM2_135M = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                    intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=8192)
 VOCAB = SMOLLM2_135M["vocab_size"] - 1000  # random prompt tokens stay clear of the special tokens at the top
 
-
-def checkpoint(root: str, layers: int) -> str:
-    path = os.path.join(root, f"smollm2-135m-shape-{layers}-layers")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        print(f"writing a random SmolLM2-135M-shaped checkpoint ({layers} layers) to {path} (once)")
-        write_random_checkpoint(path, "llama", seed=0, **{**SMOLLM2_135M, "num_hidden_layers": layers})
-    return path
 
 
 def forked(llm: LLM, prompts: list[list[int]], params: BeamSearchParams) -> list[list[list[int]]]:
@@ -103,7 +93,7 @@ def main() -> None:
     ap.add_argument("--out", default="results/bench_beam.json")
     args = ap.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    llm = LLM(checkpoint(args.root, args.layers), dtype="float32", num_gpu_blocks=2048, block_size=args.block_size)
+    llm = LLM(ensure_smollm2_checkpoint(args.root, args.layers), dtype="float32", num_gpu_blocks=2048, block_size=args.block_size)
     rng = random.Random(0)
     prompts = [[rng.randrange(VOCAB) for _ in range(args.prompt_tokens)] for _ in range(args.prompts)]
     params = BeamSearchParams(beam_width=args.width, max_tokens=args.max_tokens, ignore_eos=True)

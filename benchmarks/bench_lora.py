@@ -27,25 +27,16 @@ import statistics
 import time
 
 import torch
-from harness import write_results
+from harness import SMOLLM2_135M, ensure_smollm2_checkpoint, write_results
 
 from kvprefix import LLM, LoRARequest, SamplingParams
-from kvprefix.model import write_random_checkpoint, write_random_lora_adapter
+from kvprefix.model import write_random_lora_adapter
 
-SMOLLM2_135M = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                    intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=8192)
 VOCAB = SMOLLM2_135M["vocab_size"] - 1000  # random prompt tokens stay clear of the special tokens at the top
 ADAPTERS = 4
 PER_MODEL = 4  # requests of the base model and of each adapter in the mixed batch
 PROMPT_TOKENS, OUTPUT_TOKENS = 64, 32
 
-
-def checkpoint(root: str, layers: int) -> str:
-    path = os.path.join(root, f"smollm2-135m-shape-{layers}-layers")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        print(f"writing a random SmolLM2-135M-shaped checkpoint ({layers} layers) to {path} (once)")
-        write_random_checkpoint(path, "llama", seed=0, **{**SMOLLM2_135M, "num_hidden_layers": layers})
-    return path
 
 
 def adapters(root: str, base: str, rank: int) -> list[LoRARequest]:
@@ -122,7 +113,7 @@ def main() -> None:
     parser.add_argument("--out", default="results/bench_lora.json")
     args = parser.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    base = checkpoint(args.root, args.layers)
+    base = ensure_smollm2_checkpoint(args.root, args.layers)
     rows, samples = throughput(base, args.root, args.rounds)
     hits = hit_rates(base, args.root)
     from harness import table

@@ -134,6 +134,21 @@ def ensure_checkpoint(path: str, layers: int = QWEN25_05B["num_hidden_layers"]) 
     return path
 
 
+# The shape of SmolLM2-135M (the built-in model): the LoRA and beam-search benchmarks' random checkpoint.
+SMOLLM2_135M = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                    intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=8192)
+
+
+def ensure_smollm2_checkpoint(root: str, layers: int) -> str:
+    """A random SmolLM2-135M-shaped checkpoint with ``layers`` layers under ``root``, written once."""
+    from kvprefix.model import write_random_checkpoint
+
+    path = os.path.join(root, f"smollm2-135m-shape-{layers}-layers")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        print(f"writing a random SmolLM2-135M-shaped checkpoint ({layers} layers) to {path} (once)")
+        write_random_checkpoint(path, "llama", seed=0, **{**SMOLLM2_135M, "num_hidden_layers": layers})
+    return path
+
 WORDS = ("policy customer refund account order shipping invoice support agent escalate verify identity warranty "
          "return exchange damaged delivery address billing cycle premium plan cancel renewal discount").split()
 
