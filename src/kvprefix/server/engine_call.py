@@ -90,14 +90,21 @@ def _logprobs(req: CompletionRequest | ChatCompletionRequest, info: ModelInfo) -
     """Checks the sample and prompt logprobs against --max-logprobs as vLLM does (-1: the whole vocabulary, which
     counts as its size), turns a sample -1 into that size, and returns the prompt logprobs the engine computes: the
     request's, and for a completions echo with logprobs as many as the completion's (vLLM's)."""
-    sample_param = "top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs"
-    sample = _check_logprobs("sample", req.num_logprobs(), sample_param, info)
-    if sample is not None and sample != req.num_logprobs():
-        setattr(req, sample_param, sample)  # what the engine computes and the response lists
+    sample = _sample_logprobs(req, info)
     prompt = _check_logprobs("prompt", req.prompt_logprobs, "prompt_logprobs", info)
     wanted = [k for k in (prompt, sample if isinstance(req, CompletionRequest) and req.echo else None)
               if k is not None]
     return max(wanted) if wanted else None
+
+
+def _sample_logprobs(req: CompletionRequest | ChatCompletionRequest, info: ModelInfo) -> int | None:
+    """The sample logprobs checked against --max-logprobs, a -1 turned into the vocabulary size in the request too
+    (what the engine computes and the response lists)."""
+    param = "top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs"
+    sample = _check_logprobs("sample", req.num_logprobs(), param, info)
+    if sample is not None and sample != req.num_logprobs():
+        setattr(req, param, sample)
+    return sample
 
 
 def _check_logprobs(kind: str, k: int | None, param: str, info: ModelInfo) -> int | None:
@@ -167,8 +174,7 @@ def _beam_search(req: CompletionRequest | ChatCompletionRequest, max_tokens: int
                  ) -> BeamSearchParams:
     """vLLM's: the beam width is n (completions: best_of when given, n of them returned), the temperature 1 unless
     the request names one."""
-    _check_logprobs("sample", req.num_logprobs(), "top_logprobs" if isinstance(req, ChatCompletionRequest)
-                    else "logprobs", info)
+    _sample_logprobs(req, info)
     width = getattr(req, "best_of", None) or req.n
     try:
         return BeamSearchParams(beam_width=width, max_tokens=max_tokens, ignore_eos=req.ignore_eos,
