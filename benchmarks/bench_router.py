@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 from harness import Process, counters, free_port, percentile, start_route, start_serve, wait_healthy, write_results
 
 from kvprefix.router.policies import POLICIES
@@ -417,6 +418,11 @@ def _requests_per_replica(url: str) -> list[float]:
     return list(counts.values())
 
 
+def _cpu_seconds(replicas: list[Process]) -> list[float]:
+    """Each replica process's CPU seconds so far (user + system, all its threads)."""
+    return [sum(psutil.Process(r.proc.pid).cpu_times()[:2]) for r in replicas]
+
+
 def _live_rates(rates: list[str], rr_capacity: float) -> list[float]:
     """``0.5x`` is half round robin's estimated capacity; a plain number is requests per second."""
     return [float(r[:-1]) * rr_capacity if r.endswith("x") else float(r) for r in rates]
@@ -425,7 +431,8 @@ def _live_rates(rates: list[str], rr_capacity: float) -> list[float]:
 def live(model: str | None, rates: list[str], requests: int, replicas: int = 4, blocks: int = LIVE_BLOCKS) -> list[dict]:
     """``replicas`` real `kvprefix serve` processes (``--model``, default: the built-in model) behind one real
     `kvprefix route` per policy; the same open-loop traffic through each, the replicas' caches reset between
-    runs. Imbalance: the busiest replica's share of the requests x N.
+    runs. Imbalance: the busiest replica's share of the requests x N; work imbalance the same of their CPU seconds
+    (what each replica computed: cached requests are cheap, so a replica can take many and little work).
 
     Round robin's capacity (requests/s the replicas can answer under round robin) is estimated from one cold and
     one cached request alone and the planner's round-robin hit rate on the traffic: 1 / (hit seconds + miss share
@@ -477,22 +484,26 @@ def live(model: str | None, rates: list[str], requests: int, replicas: int = 4, 
             for policy, url in routers.items():
                 # through the router: it reaches every replica, and `prefix` forgets where it routed
                 httpx.post(url + "/reset_prefix_cache", params={"wait": "true"}, timeout=60).raise_for_status()
-                before = _requests_per_replica(url)
+                before, cpu_before = _requests_per_replica(url), _cpu_seconds(procs[:replicas])
                 say(f"rate {rate:.3f} req/s, {policy}: {requests} requests")
                 result = asyncio.run(_open_loop(url, model_id, traffic, rate, k, f"{rate:.3f} {policy}"))
                 counts = [a - b for a, b in zip(_requests_per_replica(url), before, strict=True)]
                 imbalance = max(counts) * len(counts) / sum(counts)
+                work = [a - b for a, b in zip(_cpu_seconds(procs[:replicas]), cpu_before, strict=True)]
+                work_imbalance = max(work) * len(work) / sum(work)
                 ratio = result["hit_rate"] / bound if bound else 1.0
-                results.append((rate, policy, result, ratio, imbalance))
+                results.append((rate, policy, result, ratio, imbalance, work_imbalance))
                 say(f"rate {rate:.3f} req/s, {policy}: done in {result['seconds']:.0f} s")
                 rows.append({"rate": rate, "policy": policy, **result, "shared_pool_hit_rate": bound,
-                             "vs_shared": ratio, "imbalance": imbalance, "requests": requests,
+                             "vs_shared": ratio, "imbalance": imbalance, "work_imbalance": work_imbalance,
+                             "requests": requests,
                              "rr_capacity_rps": rr_capacity, "cold_s": cold, "cached_s": hit})
         print(f"\n{'rate':>6} {'policy':12} {'TTFT p50 ms':>11} {'TTFT p99 ms':>11} {'achieved':>8} {'hit rate':>8} "
-              f"{'/shared':>7} {'imbal':>6}")
-        for rate, policy, result, ratio, imbalance in results:
+              f"{'/shared':>7} {'imbal':>6} {'work imbal':>10}")
+        for rate, policy, result, ratio, imbalance, work_imbalance in results:
             print(f"{rate:6.3f} {policy:12} {result['ttft_p50_ms']:11.0f} {result['ttft_p99_ms']:11.0f} "
-                  f"{result['achieved_rps']:8.3f} {result['hit_rate']:8.3f} {ratio:7.2f} {imbalance:6.2f}")
+                  f"{result['achieved_rps']:8.3f} {result['hit_rate']:8.3f} {ratio:7.2f} {imbalance:6.2f} "
+                  f"{work_imbalance:10.2f}")
     finally:
         for proc in procs:
             proc.proc.terminate()
