@@ -25,7 +25,7 @@ from kvprefix.model.attention import AttentionMetadata, allocate_kv_cache, paged
 from kvprefix.model.config import ModelConfig
 
 BLOCK_SIZE = 16
-CASES = "64+16,1024+64,1024+128,2048+256,2048+2048,4064+1024,4064+4096"  # context+new
+CASES = "64+16,1024+128,1024+256,2048+256,2048+2048,4064+1024,4064+4096"  # context+new
 
 
 def _case(config: ModelConfig, context: int, new: int, dtype: torch.dtype, seed: int):

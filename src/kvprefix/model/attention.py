@@ -39,7 +39,7 @@ KVCache = list[LayerKV]
 
 # From this many new tokens a CPU chunk after earlier context attends in two unmasked calls (``_after_context``);
 # below it one masked call costs less than two calls and their merge (docs/model.md#attention).
-SPLIT_MIN_NEW = 128
+SPLIT_MIN_NEW = 256
 
 _scratch = threading.local()  # gather buffers, per thread (each engine runs its forwards on one thread)
 
