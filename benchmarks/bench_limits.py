@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import time
 from collections import defaultdict
 
 import torch
 from bench_decode import bytes_per_token, memory_read_bandwidth
-from harness import dense_quantization, write_results
+from harness import cpu_name, dense_quantization, write_results
 
 PREFIX_TOKENS = 4064  # the cached prefix of the suffix phases: the cold 4,096's first blocks (+4,096 fits 8,192)
 PREFILL_SIZES = (1024, 4096)
@@ -182,13 +181,6 @@ def run_phases(path: EnginePath, phases: list[str], timer: AttentionTimer) -> di
 
 
 # ---- the report --------------------------------------------------------------------------------------------------
-
-
-def cpu_name() -> str:
-    for line in open("/proc/cpuinfo", encoding="utf-8") if os.path.exists("/proc/cpuinfo") else ():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
 
 
 def main() -> None:

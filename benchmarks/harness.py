@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
 import random
 import socket
 import subprocess
@@ -185,6 +186,14 @@ def write_results(path: str | Path, results: dict, rows: Sequence[dict] | None =
     out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"\nwrote {out}")
     return out
+
+
+def cpu_name() -> str:
+    """The CPU's model name, as ``lscpu`` shows it (figures depend on it: say which CPU they came from)."""
+    for line in open("/proc/cpuinfo", encoding="utf-8") if os.path.exists("/proc/cpuinfo") else ():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
 
 
 def dense_quantization() -> str | None:

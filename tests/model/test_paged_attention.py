@@ -5,6 +5,7 @@ import torch
 from support.paged import Chunk, run_batch
 
 from kvprefix.model import AttentionMetadata, allocate_kv_cache, load_model
+from kvprefix.model.attention import SPLIT_MIN_NEW
 
 BLOCK = 4
 TOL = 1e-5
@@ -19,12 +20,13 @@ def prompt(seed: int, length: int) -> list[int]:
     return torch.randint(0, 512, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def fresh_cache(model, num_blocks: int = 64):
+def fresh_cache(model, num_blocks: int = 160):
     return allocate_kv_cache(model.config, num_blocks, BLOCK, torch.float32, "cpu")
 
 
 def full_pass(model, tokens: list[int]) -> torch.Tensor:
-    return run_batch(model, fresh_cache(model), BLOCK, [Chunk(tokens, 0, len(tokens), list(range(1, 16)))])[0]
+    blocks = list(range(1, 1 + -(-len(tokens) // BLOCK)))
+    return run_batch(model, fresh_cache(model), BLOCK, [Chunk(tokens, 0, len(tokens), blocks)])[0]
 
 
 @pytest.mark.parametrize("splits", [[6], [8], [1, 10], [3, 7, 12]])
@@ -36,6 +38,21 @@ def test_chunked_prefill_with_scattered_blocks_equals_one_pass(model, splits: li
     for end in [*splits, len(tokens)]:  # the first chunk is the "cached prefix"; later chunks split blocks mid-way
         logits = run_batch(model, kv, BLOCK, [Chunk(tokens, done, end - done, blocks)])[0]
         done = end
+    assert (logits - full_pass(model, tokens)).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("chunks", [[100, 300], [21, 259, 260]])
+def test_long_chunks_after_context_equal_one_pass(model, chunks: list[int]) -> None:
+    """A chunk of SPLIT_MIN_NEW tokens or more after earlier context attends in two calls (the context unmasked,
+    its own keys causally) merged by log-sum-exp: the same logits as one causal pass."""
+    assert all(n >= SPLIT_MIN_NEW for n in chunks[1:])
+    tokens = prompt(11, sum(chunks))
+    blocks = list(range(159, 159 - -(-len(tokens) // BLOCK), -1))  # descending: out of order
+    kv = fresh_cache(model)
+    done = 0
+    for n in chunks:
+        logits = run_batch(model, kv, BLOCK, [Chunk(tokens, done, n, blocks)])[0]
+        done += n
     assert (logits - full_pass(model, tokens)).abs().max().item() <= TOL
 
 

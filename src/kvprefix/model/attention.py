@@ -37,6 +37,10 @@ class LayerKV(tuple):
 
 KVCache = list[LayerKV]
 
+# From this many new tokens a CPU chunk after earlier context attends in two unmasked calls (``_after_context``);
+# below it one masked call costs less than two calls and their merge (docs/model.md#attention).
+SPLIT_MIN_NEW = 256
+
 _scratch = threading.local()  # gather buffers, per thread (each engine runs its forwards on one thread)
 
 
@@ -224,22 +228,57 @@ def _prefill(q, k, v, cache, p: _Prefill, scale: float, window: int | None) -> t
     else:
         context = _gather(cache, p.block_ids).flatten(0, 1)[: p.seq_len]
         keys, values = context[:, : k.shape[1]], context[:, k.shape[1] :]
-    if num_new == p.seq_len and window is None:
+    if window is None and num_new == p.seq_len:
         # 4-D inputs take PyTorch's fused CPU attention kernel; 3-D ones the much slower math fallback.
         query, keys, values = (x.transpose(0, 1)[None] for x in (query, keys, values))
         out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=True)
         return out[0].transpose(0, 1)
+    if window is None and query.device.type == "cpu" and num_new >= SPLIT_MIN_NEW:
+        return _after_context(query, keys, values, scale)
     # is_causal aligns the top-left corner, which is wrong once a cached prefix precedes the chunk: explicit mask.
-    # GQA folded into the query length: each KV head's `group` query heads become [group * new] rows over its keys,
-    # so K/V are not repeated per query head (bit-identical).
     _, kv_heads, head_dim = keys.shape
-    group = q.shape[1] // kv_heads
-    query = query.view(num_new, kv_heads, group, head_dim).permute(1, 2, 0, 3)
-    query = query.reshape(kv_heads, 1, group * num_new, head_dim)
-    keys, values = keys.transpose(0, 1)[:, None], values.transpose(0, 1)[:, None]  # [kv_heads, 1, seq_len, dim]
-    mask = p.mask(window, group, q.dtype)
-    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)
-    return out.view(kv_heads, group, num_new, head_dim).permute(2, 0, 1, 3).reshape(num_new, -1, head_dim)
+    mask = p.mask(window, q.shape[1] // kv_heads, q.dtype)
+    out = F.scaled_dot_product_attention(_fold_heads(query, kv_heads), *_by_kv_head(keys, values), attn_mask=mask,
+                                         scale=scale)
+    return out.view(kv_heads, -1, num_new, head_dim).permute(2, 0, 1, 3).reshape(num_new, -1, head_dim)
+
+
+def _fold_heads(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """GQA folded into the query length: [new, heads, dim] -> [kv_heads, 1, group * new, dim], each KV head's
+    ``group`` query heads one after another, so K/V are not repeated per query head (bit-identical)."""
+    num_new, heads, head_dim = query.shape
+    query = query.view(num_new, kv_heads, heads // kv_heads, head_dim).permute(1, 2, 0, 3)
+    return query.reshape(kv_heads, 1, -1, head_dim)
+
+
+def _by_kv_head(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[seq, kv_heads, dim] -> [kv_heads, 1, seq, dim], the layout ``_fold_heads``'s rows attend over."""
+    return keys.transpose(0, 1)[:, None], values.transpose(0, 1)[:, None]
+
+
+def _after_context(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """A CPU prefill chunk after earlier context: its queries attend to the context unmasked (GQA folded) and to
+    their own keys causally, two calls of PyTorch's flash kernel merged by their log-sum-exps. One call with an
+    explicit mask is slower: the kernel then reads the mask and computes every masked block."""
+    num_new, heads, head_dim = query.shape
+    kv_heads, group = keys.shape[1], heads // keys.shape[1]
+    context = keys.shape[0] - num_new
+    seen, seen_lse = _flash_cpu(_fold_heads(query, kv_heads).transpose(0, 1), *(
+        x.transpose(0, 1) for x in _by_kv_head(keys[:context], values[:context])), False, scale)
+    own, own_lse = _flash_cpu(query.transpose(0, 1)[None], *(
+        x[context:].transpose(0, 1).repeat_interleave(group, 0)[None] for x in (keys, values)), True, scale)
+    # out = own * (1 - w) + seen * w, w = the share of the softmax mass on the context: sigmoid of the lse gap.
+    weight = torch.sigmoid(seen_lse.reshape(heads, num_new, 1) - own_lse.reshape(heads, num_new, 1))
+    out = torch.lerp(own.reshape(heads, num_new, head_dim).float(), seen.reshape(heads, num_new, head_dim).float(),
+                     weight)
+    return out.transpose(0, 1).to(query.dtype)
+
+
+def _flash_cpu(query, keys, values, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch's CPU flash attention on [1, heads, len, dim] inputs: (output, natural log-sum-exp per query row)."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, keys, values, 0.0, causal,
+                                                                          scale=scale)
+    return out, lse
 
 
 def _decode(q, cache, plan: _BatchPlan, scale: float, window: int | None) -> torch.Tensor:
