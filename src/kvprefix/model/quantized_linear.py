@@ -129,9 +129,9 @@ class Int8Linear(nn.Module):
 class Int4Linear(nn.Module):
     """y = x @ W.T + bias with W[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g], g = k // 32, q in 0..15."""
 
-    # Above this many rows the dense copy's matmul is faster than the int4 op, whose cost grows with every row
-    # (docs/model.md#compact-weights---quantization-cpu).
-    dense_above_rows = 4 if _DENSE == torch.bfloat16 else 32
+    # Above this many rows the dense copy's matmul is faster than the int4 op, whose cost grows with every row;
+    # below, reading the copy's 4x the bytes costs more (docs/model.md#compact-weights---quantization-cpu).
+    dense_above_rows = 16 if _DENSE == torch.bfloat16 else 128
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  bias: torch.Tensor | None = None) -> None:
