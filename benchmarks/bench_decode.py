@@ -163,13 +163,13 @@ def run_round(llm, timer: StepTimer, seed: int, prefill_tokens: int, batch: int)
     outs = llm.generate(prompts[1:-1], params)
     wall = time.perf_counter() - start
     assert all(len(o.outputs[0].token_ids) == OUTPUT_TOKENS for o in outs)
-    batch = [h for h in timer.decode_steps() if h["cpu step"] > 0]
+    batch_steps = [h for h in timer.decode_steps() if h["cpu step"] > 0]
     # Prefill too: the quantized ops are matrix-vector kernels, so a long prompt shows what they cost at M = 512.
     prefill_s = llm.generate(prompts[-1], SamplingParams(max_tokens=1))[0].metrics.ttft if prefill_tokens else None
     timer.history = []
     return {"single_ms_per_token": single_ms, "batch_tokens_per_s": batch * OUTPUT_TOKENS / wall, "steps": steps,
             "single_cpu_ms_per_step": statistics.median(h["cpu step"] for h in single) * 1000,
-            "batch_cpu_ms_per_step": statistics.median(h["cpu step"] for h in batch) * 1000,
+            "batch_cpu_ms_per_step": statistics.median(h["cpu step"] for h in batch_steps) * 1000,
             "prefill_s": prefill_s}
 
 
