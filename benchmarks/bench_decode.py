@@ -2,7 +2,7 @@
 compact weights; with --against, side by side with another source tree of kvprefix (e.g. a worktree of main).
 
 For each variant (model dtype, --quantization), interleaved over rounds: single-request decode ms per output token
-(wall) and CPU ms per decode step; 8 concurrent requests' output tokens/s and CPU ms per decode step; a 512-token
+(wall) and CPU ms per decode step; 8 (--batch) concurrent requests' output tokens/s and CPU ms per decode step; a 512-token
 prefill; the bytes read per token and the share of this machine's memory read bandwidth (measured here: a sum over a
 tensor far larger than the caches) those bytes per token make. A single request's decode step is split into model
 forward, projections, lm_head and the engine's parts, in wall and in CPU time. CPU time is that of the engine's
@@ -13,7 +13,7 @@ Every variant runs in its own process (one per variant and tree), all started be
 each in turn (the order alternating between rounds) for one single-request run, one 8-request run and one prefill.
 
     python benchmarks/bench_decode.py [--rounds 3] [--threads 1] [--variants int4,gguf] [--against OTHER/src]
-                                      [--prefill-tokens 512 (0: none)]
+                                      [--prefill-tokens 512 (0: none)] [--batch 8]
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ VARIANTS = {
     "int4 (float32 activations)": ("float32", "int4"),
     "gguf (float32 activations)": ("float32", "gguf"),
 }
-PROMPT_TOKENS, OUTPUT_TOKENS, BATCH, PREFILL_TOKENS = 32, 64, 8, 512
+PROMPT_TOKENS, OUTPUT_TOKENS, BATCH, PREFILL_TOKENS = 32, 64, 8, 512  # BATCH: --batch's default
 MODEL_PARTS = ("forward", "projections", "lm_head", "cpu forward", "cpu projections", "cpu lm_head", "cpu step")
 
 
@@ -144,13 +144,13 @@ def bytes_per_token(model, context: int) -> int:
     return linear_weight_bytes(model) + config.hidden_size * elem + kv
 
 
-def run_round(llm, timer: StepTimer, seed: int, prefill_tokens: int) -> dict:
+def run_round(llm, timer: StepTimer, seed: int, prefill_tokens: int, batch: int) -> dict:
     from kvprefix.engine import SamplingParams
 
     vocab = llm.llm_engine.runner.model.config.vocab_size
     gen = torch.Generator().manual_seed(seed)  # fresh prompts every round: no round hits the last one's blocks
     prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist()
-               for n in [PROMPT_TOKENS] * (1 + BATCH) + [prefill_tokens]]
+               for n in [PROMPT_TOKENS] * (1 + batch) + [prefill_tokens]]
     params = SamplingParams(temperature=0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
     timer.history = []
     out = llm.generate(prompts[0], params)[0]
@@ -163,17 +163,17 @@ def run_round(llm, timer: StepTimer, seed: int, prefill_tokens: int) -> dict:
     outs = llm.generate(prompts[1:-1], params)
     wall = time.perf_counter() - start
     assert all(len(o.outputs[0].token_ids) == OUTPUT_TOKENS for o in outs)
-    batch = [h for h in timer.decode_steps() if h["cpu step"] > 0]
+    batch_steps = [h for h in timer.decode_steps() if h["cpu step"] > 0]
     # Prefill too: the quantized ops are matrix-vector kernels, so a long prompt shows what they cost at M = 512.
     prefill_s = llm.generate(prompts[-1], SamplingParams(max_tokens=1))[0].metrics.ttft if prefill_tokens else None
     timer.history = []
-    return {"single_ms_per_token": single_ms, "batch_tokens_per_s": BATCH * OUTPUT_TOKENS / wall, "steps": steps,
+    return {"single_ms_per_token": single_ms, "batch_tokens_per_s": batch * OUTPUT_TOKENS / wall, "steps": steps,
             "single_cpu_ms_per_step": statistics.median(h["cpu step"] for h in single) * 1000,
-            "batch_cpu_ms_per_step": statistics.median(h["cpu step"] for h in batch) * 1000,
+            "batch_cpu_ms_per_step": statistics.median(h["cpu step"] for h in batch_steps) * 1000,
             "prefill_s": prefill_s}
 
 
-def serve_variant(name: str, threads: int, prefill_tokens: int) -> None:
+def serve_variant(name: str, threads: int, prefill_tokens: int, batch: int) -> None:
     """Worker: builds the variant on the kvprefix this process imports, then answers each "round SEED" line on
     stdin with one JSON line."""
     from kvprefix.cache.default_model import default_model_path
@@ -188,20 +188,20 @@ def serve_variant(name: str, threads: int, prefill_tokens: int) -> None:
     model = llm.llm_engine.runner.model
     print(json.dumps({"bytes_per_token": bytes_per_token(model, PROMPT_TOKENS + OUTPUT_TOKENS // 2)}), flush=True)
     for line in sys.stdin:
-        print(json.dumps(run_round(llm, timer, int(line.split()[1]), prefill_tokens)), flush=True)
+        print(json.dumps(run_round(llm, timer, int(line.split()[1]), prefill_tokens, batch)), flush=True)
 
 
 # ---- the driver --------------------------------------------------------------------------------------------------
 
 
 class Worker:
-    def __init__(self, name: str, tree: str, threads: int, prefill_tokens: int, src: str | None) -> None:
+    def __init__(self, name: str, tree: str, threads: int, prefill_tokens: int, batch: int, src: str | None) -> None:
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
         if src is not None:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.abspath(src), env.get("PYTHONPATH")) if p)
         self.name, self.tree = name, tree
         command = [sys.executable, __file__, "--serve-variant", name, "--threads", str(threads),
-                   "--prefill-tokens", str(prefill_tokens)]
+                   "--prefill-tokens", str(prefill_tokens), "--batch", str(batch)]
         self.proc = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.bytes_per_token = self._reply()["bytes_per_token"]
 
@@ -242,12 +242,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names of VARIANTS")
     parser.add_argument("--against", metavar="SRC", help="another tree's src/ directory, run side by side")
+    parser.add_argument("--batch", type=int, default=BATCH, help="concurrent requests of the batch run")
     parser.add_argument("--prefill-tokens", type=int, default=PREFILL_TOKENS, help="one prefill per round; 0: none")
     parser.add_argument("--out", default="results/bench_decode.json")
     parser.add_argument("--serve-variant", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_variant:
-        return serve_variant(args.serve_variant, args.threads, args.prefill_tokens)
+        return serve_variant(args.serve_variant, args.threads, args.prefill_tokens, args.batch)
     names = args.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
@@ -255,7 +256,7 @@ def main() -> None:
     bandwidth = memory_read_bandwidth(args.threads)
     print(f"memory read bandwidth ({args.threads} thread): {bandwidth / 1e9:.1f} GB/s")
     trees = {"this": None} if args.against is None else {"this": None, "against": args.against}
-    workers = {(n, t): Worker(n, t, args.threads, args.prefill_tokens, src) for n in names for t, src in trees.items()}
+    workers = {(n, t): Worker(n, t, args.threads, args.prefill_tokens, args.batch, src) for n in names for t, src in trees.items()}
     rounds, loads = defaultdict(list), []
 
     def summaries() -> dict:
@@ -264,7 +265,7 @@ def main() -> None:
 
     def write(results: dict, rounds_done: int) -> None:  # after every round: a long run's rounds so far survive
         write_results(args.out, dict(bandwidth_bytes_per_s=bandwidth, threads=args.threads,
-                                     prompt_tokens=PROMPT_TOKENS, output_tokens=OUTPUT_TOKENS,
+                                     prompt_tokens=PROMPT_TOKENS, output_tokens=OUTPUT_TOKENS, batch=args.batch,
                                      prefill_tokens=args.prefill_tokens, against=args.against,
                                      rounds_done=rounds_done, load_averages=loads, results=list(results.values())))
 
@@ -281,7 +282,7 @@ def main() -> None:
             w.close()
     results = summaries()
     print(f"\n{'weights':27} {'tree':7} {'MB/token':>8} {'ms/token':>8} {'of bw':>6} {'cpu ms/step':>11}"
-          f" {'8-req tok/s':>11} {'8-req cpu ms/step':>17} {'prefill s':>9}"
+          f" {f'{args.batch}-req tok/s':>11} {f'{args.batch}-req cpu ms/step':>17} {'prefill s':>9}"
           f" {'cpu: proj':>9} {'other fwd':>9} {'lm_head':>7} {'non-model':>9}")
     for row in results.values():
         steps = row["step_ms"]
@@ -297,7 +298,7 @@ def main() -> None:
             parts = []
             for key in ("single_cpu_ms_per_step", "batch_cpu_ms_per_step"):
                 ratios = [a[key] / b[key] for a, b in zip(rounds[(n, "this")], rounds[(n, "against")], strict=True)]
-                parts.append(f"{'1 request' if key.startswith('single') else '8 requests'} "
+                parts.append(f"{'1 request' if key.startswith('single') else f'{args.batch} requests'} "
                              f"{statistics.median(ratios):.3f} ({min(ratios):.3f} - {max(ratios):.3f})")
             print(f"  {n:27} " + ", ".join(parts))
     print(f"\nload average during the rounds: {min(loads):.1f} - {max(loads):.1f}")

@@ -5,11 +5,11 @@ projections (qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536), one threa
 - int8 activations on fbgemm's u8s8 kernel, two passes a row (`quantized_linear.int8_rows_matmul`; where
   `INT8_ACTIVATIONS`),
 - the int8 weight-only op (`aten._weight_int8pack_mm`, bfloat16 activations),
-- dequantizing the int4 weight and a dense matmul, in bfloat16 and in float32.
+- a dense matmul with the int4 layer's dense copy of its weight, in bfloat16 and in float32.
 
 `kvprefix.model.quantized_linear` takes its choices from this: the weight-only ops up to `dense_above_rows` and a
-dense matmul above, in bfloat16 where it is native (AVX512-BF16, AMX), else in float32; int8 layers on the
-int8-activation kernel at every row count where it is exact.
+dense matmul with the kept copy above, in bfloat16 where it is native (AVX512-BF16, AMX), else in float32; int8
+layers on the int8-activation kernel at every row count where it is exact.
 
     python benchmarks/bench_quantized_rows.py [--rows 1,8,32,128,512] [--repeats 20]
 """
@@ -21,7 +21,6 @@ import time
 
 import torch
 
-from kvprefix.model import quantized_linear
 from kvprefix.model.loader import native_bfloat16_cpu
 from kvprefix.model.quantized_linear import INT8_ACTIVATIONS, Int4Linear, Int8Linear
 
@@ -37,16 +36,6 @@ def cpu_ms(fn, repeats: int) -> float:
     return (time.process_time() - start) / repeats * 1e3
 
 
-def layer_dequantized(layer: Int4Linear, dtype: torch.dtype) -> torch.Tensor:
-    """The layer's dequantized weight as its dense path would build it in ``dtype`` (whatever this CPU's is)."""
-    saved = quantized_linear._DENSE
-    quantized_linear._DENSE = dtype
-    try:
-        return layer.dequantize()
-    finally:
-        quantized_linear._DENSE = saved
-
-
 def kernels(w: torch.Tensor) -> dict:
     """name -> a function of the input rows, one per kernel (the layers forced onto it whatever the row count)."""
     int4 = Int4Linear.from_float(w)
@@ -57,9 +46,9 @@ def kernels(w: torch.Tensor) -> dict:
     if INT8_ACTIVATIONS:
         out["int8 activations"] = Int8Linear.from_float(w, int8_activations=True)
     out["int8 weight-only op"] = weight_only
-    for dtype in (torch.bfloat16, torch.float32):  # the dequantization is part of the cost, as in the layer
-        out[f"dequantized {str(dtype).removeprefix('torch.')}"] = (
-            lambda x, dtype=dtype: x.to(dtype) @ layer_dequantized(int4, dtype).t())
+    for dtype in (torch.bfloat16, torch.float32):  # the copy as the layer keeps it on a CPU of that dtype
+        copy = int4.dequantize().to(dtype)
+        out[f"dense copy {str(dtype).removeprefix('torch.')}"] = lambda x, dtype=dtype, copy=copy: x.to(dtype) @ copy.t()
     return out
 
 

@@ -4,7 +4,8 @@ reads).
 ``Int8Linear``: ``w = q * scale`` per output channel. ``Int4Linear``: groups of 32 along the input,
 ``w = (q - 8) * scale + zero``, q in 0..15 (the tinygemm convention). The int4 op and the int8 weight-only op are
 fast only with bfloat16 activations, so those layers compute in bfloat16 and return the caller's dtype, and above
-``dense_above_rows`` rows dequantize for a dense matmul. Where PyTorch's fbgemm u8s8 kernel sums exactly (probed at
+``dense_above_rows`` rows take a dense matmul (an int4 layer keeps its dense copy for it: the int4 op's cost grows
+with every row). Where PyTorch's fbgemm u8s8 kernel sums exactly (probed at
 import: ``INT8_ACTIVATIONS``; x86 with VNNI) an int8 layer runs on it instead, its input in two int8 passes per
 row (``int8_rows_matmul``: the row, then its rounding error), which is as exact as bfloat16 activations, faster on
 a wide matrix such as the lm_head, and batch invariant (docs/model.md).
@@ -128,7 +129,9 @@ class Int8Linear(nn.Module):
 class Int4Linear(nn.Module):
     """y = x @ W.T + bias with W[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g], g = k // 32, q in 0..15."""
 
-    dense_above_rows = 128  # see Int8Linear
+    # Above this many rows the dense copy's matmul is faster than the int4 op, whose cost grows with every row;
+    # below, reading the copy's 4x the bytes costs more (docs/model.md#compact-weights---quantization-cpu).
+    dense_above_rows = 16 if _DENSE == torch.bfloat16 else 128
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  bias: torch.Tensor | None = None) -> None:
@@ -140,11 +143,12 @@ class Int4Linear(nn.Module):
         q, scales, zeros = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, scales, zeros))
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
         self.register_buffer("qweight", packed)
-        # The op's packing is opaque; prefill dequantizes from this copy (two weights a byte: even k low, odd high).
-        q8 = q.to(torch.uint8)
-        self.register_buffer("nibbles", (q8[:, 0::2] | (q8[:, 1::2] << 4)).contiguous())
         # [in // 32, out, 2]: the op's layout of (scale, zero) per group and output channel.
         self.register_buffer("scales_and_zeros", torch.stack([scales.t(), zeros.t()], -1).to(_COMPUTE).contiguous())
+        # The weight as the op computes it (scale and zero in bfloat16, the product in float32), in the dense
+        # path's dtype: batches and prefill multiply by it. Kept, not rebuilt per call: dequantizing costs more
+        # than a 32-row matmul.
+        self.register_buffer("dense", _int4_weight(q, scales, zeros).to(_DENSE))
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     @classmethod
@@ -164,20 +168,18 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = _rows(x, self.in_features)
         if flat.shape[0] > self.dense_above_rows:
-            out = _as(flat, _DENSE) @ self.dequantize().t()
+            out = _as(flat, _DENSE) @ self.dense.t()
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(_as(flat, _COMPUTE), self.qweight, GROUP_SIZE,
                                                              self.scales_and_zeros)
         return _finish(out, self.bias, x, self.out_features)
 
     def dequantize(self) -> torch.Tensor:
-        """The weight [out (padded to 16), in] in the dense path's dtype, computed in float32 as the op does."""
-        q = torch.stack([self.nibbles & 0x0F, self.nibbles >> 4], -1).reshape(self.nibbles.shape[0], -1).float()
-        scales, zeros = self.scales_and_zeros.float().permute(2, 1, 0)  # each [out, in // 32]
-        groups = (q - 8).reshape(q.shape[0], -1, GROUP_SIZE) * scales[..., None] + zeros[..., None]
-        return groups.reshape(q.shape).to(_DENSE)
+        """The weight [out (padded to 16), in] in the dense path's dtype, as the op computes it."""
+        return self.dense
 
     def nbytes(self) -> int:
+        """What a step of up to ``dense_above_rows`` rows reads (not the dense copy)."""
         return _nbytes(self.qweight, self.scales_and_zeros, self.bias)
 
 
