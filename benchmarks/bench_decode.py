@@ -14,6 +14,7 @@ each in turn (the order alternating between rounds) for one single-request run, 
 
     python benchmarks/bench_decode.py [--rounds 3] [--threads 1] [--variants int4,gguf] [--against OTHER/src]
                                       [--prefill-tokens 512 (0: none)] [--batch 8]
+                                      [--shared-prefix 0]
 """
 
 from __future__ import annotations
@@ -144,13 +145,15 @@ def bytes_per_token(model, context: int) -> int:
     return linear_weight_bytes(model) + config.hidden_size * elem + kv
 
 
-def run_round(llm, timer: StepTimer, seed: int, prefill_tokens: int, batch: int) -> dict:
+def run_round(llm, timer: StepTimer, seed: int, prefill_tokens: int, batch: int, shared_prefix: int) -> dict:
     from kvprefix.engine import SamplingParams
 
     vocab = llm.llm_engine.runner.model.config.vocab_size
     gen = torch.Generator().manual_seed(seed)  # fresh prompts every round: no round hits the last one's blocks
     prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist()
                for n in [PROMPT_TOKENS] * (1 + batch) + [prefill_tokens]]
+    shared = torch.randint(0, vocab, (shared_prefix,), generator=gen).tolist()
+    prompts[1:-1] = [shared + p for p in prompts[1:-1]]  # the batch's prompts open alike (a system prompt)
     params = SamplingParams(temperature=0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
     timer.history = []
     out = llm.generate(prompts[0], params)[0]
@@ -173,7 +176,7 @@ def run_round(llm, timer: StepTimer, seed: int, prefill_tokens: int, batch: int)
             "prefill_s": prefill_s}
 
 
-def serve_variant(name: str, threads: int, prefill_tokens: int, batch: int) -> None:
+def serve_variant(name: str, threads: int, prefill_tokens: int, batch: int, shared_prefix: int) -> None:
     """Worker: builds the variant on the kvprefix this process imports, then answers each "round SEED" line on
     stdin with one JSON line."""
     from kvprefix.cache.default_model import default_model_path
@@ -182,26 +185,28 @@ def serve_variant(name: str, threads: int, prefill_tokens: int, batch: int) -> N
     torch.set_num_threads(threads)
     dtype, quantization = VARIANTS[name]
     quantization = dense_quantization() if quantization == "none" else quantization
-    llm = LLM(default_model_path(), dtype=dtype, quantization=quantization, kv_cache_memory=64 * 2**20)
+    llm = LLM(default_model_path(), dtype=dtype, quantization=quantization, kv_cache_memory=256 * 2**20)
     timer = StepTimer(llm)
     llm.generate([1] * PROMPT_TOKENS, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
     model = llm.llm_engine.runner.model
     print(json.dumps({"bytes_per_token": bytes_per_token(model, PROMPT_TOKENS + OUTPUT_TOKENS // 2)}), flush=True)
     for line in sys.stdin:
-        print(json.dumps(run_round(llm, timer, int(line.split()[1]), prefill_tokens, batch)), flush=True)
+        print(json.dumps(run_round(llm, timer, int(line.split()[1]), prefill_tokens, batch, shared_prefix)), flush=True)
 
 
 # ---- the driver --------------------------------------------------------------------------------------------------
 
 
 class Worker:
-    def __init__(self, name: str, tree: str, threads: int, prefill_tokens: int, batch: int, src: str | None) -> None:
+    def __init__(self, name: str, tree: str, threads: int, prefill_tokens: int, batch: int, shared_prefix: int,
+                 src: str | None) -> None:
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
         if src is not None:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.abspath(src), env.get("PYTHONPATH")) if p)
         self.name, self.tree = name, tree
         command = [sys.executable, __file__, "--serve-variant", name, "--threads", str(threads),
-                   "--prefill-tokens", str(prefill_tokens), "--batch", str(batch)]
+                   "--prefill-tokens", str(prefill_tokens), "--batch", str(batch),
+                   "--shared-prefix", str(shared_prefix)]
         self.proc = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.bytes_per_token = self._reply()["bytes_per_token"]
 
@@ -243,12 +248,14 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names of VARIANTS")
     parser.add_argument("--against", metavar="SRC", help="another tree's src/ directory, run side by side")
     parser.add_argument("--batch", type=int, default=BATCH, help="concurrent requests of the batch run")
+    parser.add_argument("--shared-prefix", type=int, default=0,
+                        help="tokens every prompt of the batch run opens with (a shared system prompt)")
     parser.add_argument("--prefill-tokens", type=int, default=PREFILL_TOKENS, help="one prefill per round; 0: none")
     parser.add_argument("--out", default="results/bench_decode.json")
     parser.add_argument("--serve-variant", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_variant:
-        return serve_variant(args.serve_variant, args.threads, args.prefill_tokens, args.batch)
+        return serve_variant(args.serve_variant, args.threads, args.prefill_tokens, args.batch, args.shared_prefix)
     names = args.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
@@ -256,7 +263,7 @@ def main() -> None:
     bandwidth = memory_read_bandwidth(args.threads)
     print(f"memory read bandwidth ({args.threads} thread): {bandwidth / 1e9:.1f} GB/s")
     trees = {"this": None} if args.against is None else {"this": None, "against": args.against}
-    workers = {(n, t): Worker(n, t, args.threads, args.prefill_tokens, args.batch, src) for n in names for t, src in trees.items()}
+    workers = {(n, t): Worker(n, t, args.threads, args.prefill_tokens, args.batch, args.shared_prefix, src) for n in names for t, src in trees.items()}
     rounds, loads = defaultdict(list), []
 
     def summaries() -> dict:
@@ -266,6 +273,7 @@ def main() -> None:
     def write(results: dict, rounds_done: int) -> None:  # after every round: a long run's rounds so far survive
         write_results(args.out, dict(bandwidth_bytes_per_s=bandwidth, threads=args.threads,
                                      prompt_tokens=PROMPT_TOKENS, output_tokens=OUTPUT_TOKENS, batch=args.batch,
+                                     shared_prefix=args.shared_prefix,
                                      prefill_tokens=args.prefill_tokens, against=args.against,
                                      rounds_done=rounds_done, load_averages=loads, results=list(results.values())))
 

@@ -5,7 +5,7 @@ import torch
 from support.paged import Chunk, run_batch
 
 from kvprefix.model import AttentionMetadata, allocate_kv_cache, load_model
-from kvprefix.model.attention import SPLIT_MIN_NEW
+from kvprefix.model.attention import CASCADE_MIN_TOKENS, SPLIT_MIN_NEW
 
 BLOCK = 4
 TOL = 1e-5
@@ -88,6 +88,32 @@ def test_mixed_batch_equals_each_alone(model) -> None:
     for i, logits in enumerate(alone):
         assert (together[i] - logits).abs().max().item() <= TOL
         assert (logits - full_pass(model, specs[i][0])).abs().max().item() <= TOL
+
+
+def test_decodes_sharing_their_first_blocks_equal_each_alone(model) -> None:
+    """Decodes whose block tables open with the same CASCADE_MIN_TOKENS+ tokens of blocks attend to them in one
+    call and to the rest apart (cascade attention): the logits of each, alone and against one full pass."""
+    shared = -(-CASCADE_MIN_TOKENS // BLOCK)  # blocks
+    prefix = prompt(12, shared * BLOCK)
+    seqs = [prefix + prompt(13 + i, n) for i, n in enumerate((5, 9, 2))]
+    own = [[shared + 1 + 4 * i + b for b in range(4)] for i in range(len(seqs))]  # after the shared blocks 1..shared
+    tables = [list(range(1, shared + 1)) + blocks for blocks in own]
+
+    def prepared_cache():
+        kv = fresh_cache(model)
+        run_batch(model, kv, BLOCK, [Chunk(prefix, 0, len(prefix), tables[0])])
+        for tokens, table in zip(seqs, tables, strict=True):
+            run_batch(model, kv, BLOCK, [Chunk(tokens, len(prefix), len(tokens) - 1 - len(prefix), table)])
+        return kv
+
+    decodes = [Chunk(tokens, len(tokens) - 1, 1, table) for tokens, table in zip(seqs, tables, strict=True)]
+    meta, _ = AttentionMetadata.for_chunks([(c.num_computed, 1, c.block_ids) for c in decodes], BLOCK)
+    assert meta.plan(BLOCK).shared is not None  # the batch takes the cascade; one decode alone does not
+    together = run_batch(model, prepared_cache(), BLOCK, decodes)
+    for i, chunk in enumerate(decodes):
+        alone = run_batch(model, prepared_cache(), BLOCK, [chunk])[0]
+        assert (together[i] - alone).abs().max().item() <= TOL
+        assert (alone - full_pass(model, seqs[i])).abs().max().item() <= TOL
 
 
 def test_new_kv_is_written_by_slot(model) -> None:

@@ -41,6 +41,11 @@ KVCache = list[LayerKV]
 # below it one masked call costs less than two calls and their merge (docs/model.md#attention).
 SPLIT_MIN_NEW = 256
 
+# Decodes whose block tables open with the same blocks (a cached prefix they share) attend to those blocks once, all
+# their queries in one call, and to the rest of their contexts apart: cascade attention (as vLLM and FlashInfer name
+# it). CPU, no window, from this many shared tokens.
+CASCADE_MIN_TOKENS = 256
+
 _scratch = threading.local()  # gather buffers, per thread (each engine runs its forwards on one thread)
 
 
@@ -114,14 +119,53 @@ class _Prefill:
 
 
 @dataclass
+class _Decodes:
+    """Single-token sequences attended in one batched call over their blocks (from some block on), padded to the
+    longest."""
+
+    blocks: torch.Tensor  # int64 [D * max_blocks]: their block tables, flattened for index_select
+    seq_lens: torch.Tensor  # int64 [D]: the positions those blocks hold for each
+    _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    _context: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def mask(self, window: int | None, num_keys: int, dtype: torch.dtype) -> torch.Tensor:
+        """Additive [D, 1, 1, keys]: each decode sees its own positions only (and, with a window, recent ones)."""
+        if window not in self._masks:
+            keys = torch.arange(num_keys, device=self.blocks.device)
+            lens = self.seq_lens[:, None]
+            visible = keys[None, :] < lens
+            if window is not None:
+                visible &= keys[None, :] > lens - 1 - window
+            mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, -torch.inf)
+            self._masks[window] = mask[:, None, None, :]
+        return self._masks[window]
+
+    def context(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gather target, keys, values [D, kv_heads, max_blocks * block_size, head_dim]): views of one buffer,
+        built once per step, that every layer gathers the blocks into."""
+        if cache.dtype not in self._context:
+            num, (both_heads, head_dim) = self.seq_lens.numel(), cache.shape[2:]
+            target = _gather_target(cache, self.blocks.numel())
+            context = target.view(num, -1, both_heads, head_dim).transpose(1, 2)
+            heads = both_heads // 2
+            self._context[cache.dtype] = target, context[:, :heads], context[:, heads:]
+        return self._context[cache.dtype]
+
+
+@dataclass
+class _SharedDecodes:
+    """Decodes that all open with ``prefix_blocks``: attended there in one call, and over ``rest`` apart."""
+
+    prefix_blocks: torch.Tensor  # int64 [shared]
+    rest: _Decodes
+
+
+@dataclass
 class _BatchPlan:
     prefills: list[_Prefill]
-    # All single-token sequences are attended in one batched call over their blocks, padded to the longest.
-    decode_tokens: torch.Tensor | None  # int64 [D]: their token indices in the flattened batch
-    decode_blocks: torch.Tensor | None  # int64 [D * max_blocks]: their block tables, flattened for index_select
-    decode_seq_lens: torch.Tensor | None  # int64 [D]
-    _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
-    _decode_context: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    decode_tokens: torch.Tensor | None  # int64 [D]: the decodes' token indices in the flattened batch
+    decodes: _Decodes | None
+    shared: _SharedDecodes | None = None
 
     @classmethod
     def build(cls, meta: AttentionMetadata, block_size: int) -> _BatchPlan:
@@ -135,40 +179,26 @@ class _BatchPlan:
                 num_blocks = cdiv(seq_len, block_size)
                 prefills.append(_Prefill(start, end, seq_len, meta.block_tables[i, :num_blocks]))
         if not decodes:
-            return cls(prefills, None, None, None)
+            return cls(prefills, None, None)
         device = meta.block_tables.device
         lens = [meta.seq_lens[i] for i in decodes]
-        num_blocks = cdiv(max(lens), block_size)
-        rows = torch.tensor(decodes, device=device)
-        return cls(
-            prefills,
-            decode_tokens=torch.tensor([starts[i] for i in decodes], device=device),
-            decode_blocks=meta.block_tables[rows, :num_blocks].flatten(),
-            decode_seq_lens=torch.tensor(lens, device=device),
-        )
+        table = meta.block_tables[torch.tensor(decodes, device=device), : cdiv(max(lens), block_size)]
+        seq_lens = torch.tensor(lens, device=device)
+        shared = _common_blocks(table, min(lens), block_size)
+        cascade = shared * block_size >= CASCADE_MIN_TOKENS and device.type == "cpu"
+        rest = _Decodes(table[:, shared:].flatten(), seq_lens - shared * block_size) if cascade else None
+        return cls(prefills, decode_tokens=torch.tensor([starts[i] for i in decodes], device=device),
+                   decodes=_Decodes(table.flatten(), seq_lens),
+                   shared=_SharedDecodes(table[0, :shared], rest) if cascade else None)
 
-    def decode_mask(self, window: int | None, num_keys: int, dtype: torch.dtype) -> torch.Tensor:
-        """Additive [D, 1, 1, keys]: each decode sees its own positions only (and, with a window, recent ones)."""
-        if window not in self._decode_masks:
-            keys = torch.arange(num_keys, device=self.decode_blocks.device)
-            lens = self.decode_seq_lens[:, None]
-            visible = keys[None, :] < lens
-            if window is not None:
-                visible &= keys[None, :] > lens - 1 - window
-            mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, -torch.inf)
-            self._decode_masks[window] = mask[:, None, None, :]
-        return self._decode_masks[window]
 
-    def decode_context(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(gather target, keys, values [D, kv_heads, max_blocks * block_size, head_dim]): views of one buffer,
-        built once per step, that every layer gathers its decodes' blocks into."""
-        if cache.dtype not in self._decode_context:
-            num, (both_heads, head_dim) = self.decode_tokens.numel(), cache.shape[2:]
-            target = _gather_target(cache, self.decode_blocks.numel())
-            context = target.view(num, -1, both_heads, head_dim).transpose(1, 2)
-            heads = both_heads // 2
-            self._decode_context[cache.dtype] = target, context[:, :heads], context[:, heads:]
-        return self._decode_context[cache.dtype]
+def _common_blocks(table: torch.Tensor, min_len: int, block_size: int) -> int:
+    """How many leading blocks every row of ``table`` (two rows or more) has in common, each row keeping at least
+    its last position after them."""
+    if table.shape[0] < 2:
+        return 0
+    same = (table == table[:1]).all(0).int()
+    return min(int(same.cumprod(0).sum()), (min_len - 1) // block_size)
 
 
 def allocate_kv_cache(
@@ -209,12 +239,12 @@ def paged_attention(
     if not plan.prefills:
         return _decode(q, cache, plan, scale, window)  # q: the decodes' queries, in order
     k, v = kv[:, :kv_heads], kv[:, kv_heads:]
-    if len(plan.prefills) == 1 and plan.decode_tokens is None:
+    if len(plan.prefills) == 1 and plan.decodes is None:
         return _prefill(q, k, v, cache, plan.prefills[0], scale, window)
     out = torch.empty_like(q)
     for p in plan.prefills:
         out[p.start : p.end] = _prefill(q, k, v, cache, p, scale, window)
-    if plan.decode_tokens is not None:
+    if plan.decodes is not None:
         out[plan.decode_tokens] = _decode(q[plan.decode_tokens], cache, plan, scale, window)
     return out
 
@@ -267,30 +297,61 @@ def _after_context(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
         x.transpose(0, 1) for x in _by_kv_head(keys[:context], values[:context])), False, scale)
     own, own_lse = _flash_cpu(query.transpose(0, 1)[None], *(
         x[context:].transpose(0, 1).repeat_interleave(group, 0)[None] for x in (keys, values)), True, scale)
-    # out = own * (1 - w) + seen * w, w = the share of the softmax mass on the context: sigmoid of the lse gap.
-    weight = torch.sigmoid(seen_lse.reshape(heads, num_new, 1) - own_lse.reshape(heads, num_new, 1))
-    out = torch.lerp(own.reshape(heads, num_new, head_dim).float(), seen.reshape(heads, num_new, head_dim).float(),
-                     weight)
-    return out.transpose(0, 1).to(query.dtype)
+    own = own.reshape(heads, num_new, head_dim)
+    seen = seen.reshape(heads, num_new, head_dim)
+    out = _merge(own, own_lse.reshape(heads, num_new), seen, seen_lse.reshape(heads, num_new))
+    return out.transpose(0, 1)
 
 
-def _flash_cpu(query, keys, values, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """PyTorch's CPU flash attention on [1, heads, len, dim] inputs: (output, natural log-sum-exp per query row)."""
+def _merge(own: torch.Tensor, own_lse: torch.Tensor, seen: torch.Tensor, seen_lse: torch.Tensor) -> torch.Tensor:
+    """Attention of the same queries over two disjoint sets of keys, combined: own * (1 - w) + seen * w, w the
+    share of the softmax mass on ``seen``'s keys, sigmoid of the log-sum-exp gap (in float32; own's dtype out)."""
+    weight = torch.sigmoid(seen_lse - own_lse)[..., None]
+    return torch.lerp(own.float(), seen.float(), weight).to(own.dtype)
+
+
+def _flash_cpu(query, keys, values, causal: bool, scale: float,
+               mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch's CPU flash attention on [batch, heads, len, dim] inputs: (output, natural log-sum-exp per query
+    row)."""
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, keys, values, 0.0, causal,
-                                                                          scale=scale)
+                                                                          attn_mask=mask, scale=scale)
     return out, lse
 
 
 def _decode(q, cache, plan: _BatchPlan, scale: float, window: int | None) -> torch.Tensor:
     """q: [D, q_heads, head_dim], the decodes' queries in plan order."""
-    target, keys, values = plan.decode_context(cache)
-    torch.index_select(cache, 0, plan.decode_blocks, out=target)
+    if window is None and plan.shared is not None:
+        return _decode_shared(q, cache, plan.shared, scale)
+    decodes = plan.decodes
+    target, keys, values = decodes.context(cache)
+    torch.index_select(cache, 0, decodes.blocks, out=target)
     num, kv_heads, num_keys, head_dim = keys.shape
     # GQA folded: each KV head's query heads are its query rows, [D, kv_heads, group, dim], so K/V are not repeated.
     query = q.view(num, kv_heads, -1, head_dim)
-    mask = plan.decode_mask(window, num_keys, q.dtype)
+    mask = decodes.mask(window, num_keys, q.dtype)
     out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)
     return out.view(num, -1, head_dim)
+
+
+def _decode_shared(q, cache, shared: _SharedDecodes, scale: float) -> torch.Tensor:
+    """Decodes that share their first blocks: every query of the batch attends to those blocks in one unmasked call
+    (GQA and the batch folded into the query rows), each to the rest of its own context in the batched masked
+    call; the two merged by log-sum-exp. The shared blocks are read once instead of once per decode."""
+    num, heads, head_dim = q.shape
+    prefix = _gather(cache, shared.prefix_blocks).flatten(0, 1)  # [shared tokens, 2 * kv_heads, dim]
+    kv_heads = prefix.shape[1] // 2
+    group = heads // kv_heads
+    folded = q.view(num, kv_heads, group, head_dim).transpose(0, 1).reshape(1, kv_heads, num * group, head_dim)
+    seen, seen_lse = _flash_cpu(folded, prefix[:, :kv_heads].transpose(0, 1)[None],
+                                prefix[:, kv_heads:].transpose(0, 1)[None], False, scale)
+    target, keys, values = shared.rest.context(cache)  # the same scratch buffer: gathered after `seen`
+    torch.index_select(cache, 0, shared.rest.blocks, out=target)
+    own, own_lse = _flash_cpu(q.view(num, kv_heads, group, head_dim), keys, values, False, scale,
+                              shared.rest.mask(None, keys.shape[2], q.dtype))
+    seen = seen.reshape(kv_heads, num, group, head_dim).transpose(0, 1)
+    seen_lse = seen_lse.reshape(kv_heads, num, group).transpose(0, 1)
+    return _merge(own, own_lse, seen, seen_lse).reshape(num, heads, head_dim)
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
