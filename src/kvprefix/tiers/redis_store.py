@@ -226,10 +226,10 @@ class RedisStore:
 
     def claim(self, block_hashes: Sequence[bytes], namespace: str, seconds: float) -> int:
         """Claims the blocks of a run this replica is about to compute, for ``seconds``, in one round trip (per
-        block ``SET <claim key> <token> NX PX``, then ``GET`` to see whose claim stands); returns how many leading
-        blocks another replica claimed first (the caller waits for those and computes the rest). A claim already
-        this store's counts as won; one that does not answer as a string (another client's value) as free. The
-        store down, slow or failing: nothing is claimed and 0 returned."""
+        block ``SET <claim key> <token> NX PX``, ``GET`` to see whose claim stands, ``EXISTS`` of the object);
+        returns how many leading blocks another replica claimed first or wrote since the lookup (the caller waits
+        for those and computes the rest). A claim already this store's counts as won; a value that is not a
+        string (another client's) as free. The store down, slow or failing: nothing is claimed and 0 returned."""
         if not block_hashes or not self._available():
             return 0
         ms = max(1, round(seconds * 1000))
@@ -239,19 +239,18 @@ class RedisStore:
                 key = self.claim_key(namespace, h)
                 pipe.set(key, self.token, nx=True, px=ms)
                 pipe.get(key)
+                pipe.exists(self.key(namespace, h))
             replies = pipe.execute(raise_on_error=False)
         except self._errors as exc:
             self._failed(exc)
             return 0
         self._succeeded()
-        won, holders = replies[0::2], replies[1::2]
+        won, holders, written = replies[0::3], replies[1::3], replies[2::3]
         with self.stats.lock:
             self.stats.claims += sum(1 for w in won if w is True)
-        return next((i for i, holder in enumerate(holders) if not self._others(holder)), len(holders))
-
-    def _others(self, holder) -> bool:
-        """Whether a claim's value (a ``GET`` reply) is another replica's claim."""
-        return isinstance(holder, bytes) and holder != self.token
+        others = [exists == 1 or (isinstance(holder, bytes) and holder != self.token)
+                  for holder, exists in zip(holders, written, strict=True)]
+        return next((i for i, other in enumerate(others) if not other), len(others))
 
     def _get(self, expected: Expected) -> bytes | None:
         """The value at the block's key (None: absent, not a string, or the store failed: counted)."""
