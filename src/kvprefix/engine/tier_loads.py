@@ -13,8 +13,8 @@ A block a tier turned out not to hold (a lookup stopped at it, or it did not loa
 Across replicas (docs/tiers.md#one-computation-per-fleet): the blocks a probe finds nowhere are claimed in the
 shared tier (``BlockStore.claim``) before the request computes them. When another replica claimed the first of them,
 the request waits for it: it keeps its place, is probed again every ``CLAIM_PROBE_SECONDS``, loads what appeared,
-and computes the rest once no claim stands in its way or its deadline passes (about what computing the blocks
-itself would take, plus a margin).
+and computes the rest once no claim stands in its way or its deadline passes (what computing the blocks itself
+would take by this replica's measure, plus half of it and half a second).
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ from kvprefix.tiers.presence import TierPresence
 log = logging.getLogger(__name__)
 CLAIM_PROBE_SECONDS = 0.05  # how often a request waiting on another replica's claims asks the tiers again
 CLAIM_MARGIN_SECONDS = 0.5  # beyond the estimated compute time: the claimant's writes, a probe, a round trip
+CLAIM_WAIT_FACTOR = 1.5  # a wait's share of the estimate: a mean of past steps, and a step under load is slower
 CLAIM_TTL_SECONDS = (1.0, 60.0)  # a claim's floor and cap (a dead claimant delays newcomers at most this long)
-UNMEASURED_SECONDS_PER_BLOCK = 0.05  # assumed before this replica's first prefill is measured
+UNMEASURED_SECONDS_PER_BLOCK = 0.1  # assumed before this replica's first prefill is measured
 
 
 class LoadState(enum.Enum):
@@ -66,7 +67,8 @@ class _Wait:
 
     tier: int  # the tier holding the claims (its stats count the wait)
     start: int
-    deadline: float  # monotonic seconds
+    began: float  # monotonic seconds
+    deadline: float
     next_probe: float = 0.0
 
 
@@ -226,8 +228,9 @@ class TierLoads:
         position = job.first + len(job.sources)  # the first block found nowhere
         if job.held:
             if wait is None:
-                deadline = now + self._compute_seconds(job.held, self._per_block()) + CLAIM_MARGIN_SECONDS
-                wait = self._waits[request.request_id] = _Wait(job.claimer, position, deadline)
+                deadline = now + CLAIM_WAIT_FACTOR * self._compute_seconds(job.held, self._per_block())
+                deadline += CLAIM_MARGIN_SECONDS
+                wait = self._waits[request.request_id] = _Wait(job.claimer, position, now, deadline)
             wait.next_probe = now + CLAIM_PROBE_SECONDS
         elif wait is not None:
             self._stop_waiting(request, "loaded" if position > wait.start else "unclaimed")
@@ -238,6 +241,9 @@ class TierLoads:
             stats = self.stores[wait.tier].stats
             with stats.lock:
                 stats.claim_waits[outcome] += 1
+            now = time.monotonic()
+            log.debug("request %s waited %.3f s (of at most %.3f s) for blocks claimed elsewhere: %s",
+                      request.request_id, now - wait.began, wait.deadline - wait.began, outcome)
 
     @staticmethod
     def _compute_seconds(blocks: int, per_block: float | None) -> float:

@@ -225,8 +225,9 @@ class RedisStore:
         return bool(self._present([block_hash], namespace)[0])
 
     def claim(self, block_hashes: Sequence[bytes], namespace: str, seconds: float) -> int:
-        """Claims the blocks of a run this replica is about to compute, for ``seconds``, in one round trip (per
-        block ``SET <claim key> <token> NX PX``, ``GET`` to see whose claim stands, ``EXISTS`` of the object);
+        """Claims the blocks of a run this replica is about to compute, for ``seconds``, in one round trip and one
+        transaction (per block ``SET <claim key> <token> NX PX``, ``GET`` to see whose claim stands, ``EXISTS`` of
+        the object; ``MULTI``/``EXEC``, so two replicas claiming one run at once do not split it between them);
         returns how many leading blocks another replica claimed first or wrote since the lookup (the caller waits
         for those and computes the rest). A claim already this store's counts as won; a value that is not a
         string (another client's) as free. The store down, slow or failing: nothing is claimed and 0 returned."""
@@ -234,7 +235,7 @@ class RedisStore:
             return 0
         ms = max(1, round(seconds * 1000))
         try:
-            pipe = self.client.pipeline(transaction=False)
+            pipe = self.client.pipeline(transaction=True)
             for h in block_hashes:
                 key = self.claim_key(namespace, h)
                 pipe.set(key, self.token, nx=True, px=ms)
