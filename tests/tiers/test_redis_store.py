@@ -250,7 +250,10 @@ def test_a_full_store_under_noeviction_rejects_writes_counted(tmp_path, caplog) 
         written = [store.store(b) for b in blocks]
         assert written[0] and not written[-1]
         assert store.stats.dropped_writes["rejected"] == written.count(False) and not store.stats.failures
-        assert store.load(expected(blocks[0])) == blocks[0]  # reads go on
+        with server.client() as c:
+            c.config_set("maxmemory", "1mb")  # now below what is used: even a claim's few bytes are refused
+        assert store.claim([b.block_hash for b in blocks[-2:]], blocks[0].namespace, 30) == 0  # nothing claimed
+        assert store.load(expected(blocks[0])) == blocks[0] and not store.stats.failures  # reads go on
     finally:
         server.stop()
 

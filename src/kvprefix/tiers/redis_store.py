@@ -230,7 +230,8 @@ class RedisStore:
         the object; ``MULTI``/``EXEC``, so two replicas claiming one run at once do not split it between them);
         returns how many leading blocks another replica claimed first or wrote since the lookup (the caller waits
         for those and computes the rest). A claim already this store's counts as won; a value that is not a
-        string (another client's) as free. The store down, slow or failing: nothing is claimed and 0 returned."""
+        string (another client's) as free. The store down, slow, failing or refusing (out of memory under
+        ``noeviction``): nothing is claimed and 0 returned."""
         if not block_hashes or not self._available():
             return 0
         ms = max(1, round(seconds * 1000))
@@ -242,6 +243,9 @@ class RedisStore:
                 pipe.get(key)
                 pipe.exists(self.key(namespace, h))
             replies = pipe.execute(raise_on_error=False)
+        except redis_module().ResponseError as exc:  # the transaction refused (OOM under noeviction): no claims
+            log.debug("kv shared tier claims refused: %s", exc)
+            return 0
         except self._errors as exc:
             self._failed(exc)
             return 0
