@@ -90,6 +90,7 @@ def test_a_prefix_sent_to_two_engines_at_once_is_computed_once(make_llm, redis_s
     assert [r[0][0] for r in results] == cold  # the same greedy tokens as computing it
     assert sorted(r[1][0] for r in results) == [0, 192]  # one computed the prefix, the other loaded it
     assert sum(computed(e) for e in engines) == 220 + 28
+    assert sum(e.llm_engine.get_metrics()["kv_shared_hit_tokens"] for e in engines) == 192  # from the shared tier
     for e in engines:
         assert_no_leaks(e)
         e.llm_engine.close()
