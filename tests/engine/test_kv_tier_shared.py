@@ -119,7 +119,7 @@ def test_a_replica_waits_for_the_blocks_another_claimed_then_loads_them(make_llm
     waiting = threading.Thread(target=lambda: result.append(run(second, PROMPTS[1:2])))
     waiting.start()
     waiting.join(0.4)
-    assert waiting.is_alive()  # waits for the claimed blocks, well within its deadline (1.5 x 12 blocks at the
+    assert waiting.is_alive()  # waits for the claimed blocks, well within its deadline (twice 12 blocks at the
     # unmeasured 0.1 s each, + 0.5 s)
     release.set()
     waiting.join(30)
@@ -154,8 +154,8 @@ def test_a_claimant_that_never_writes_delays_a_request_boundedly(make_llm, redis
     waited = time.monotonic() - start
     m = llm.llm_engine.get_metrics()
     assert m[f"kv_shared_claim_waits_{outcome}"] == m["kv_shared_claim_waits"] == 1
-    if outcome == "gave_up":  # the deadline: 1.5 times the 12 blocks' measured compute, plus half a second
-        assert 0.5 + 18 * per_block < waited < 3
+    if outcome == "gave_up":  # the deadline: twice the 12 blocks' measured compute plus 0.5 s, at least 1 s
+        assert max(1.0, 0.5 + 24 * per_block) < waited < 3
     else:  # the claims ran out first: its own, then computed
         assert 0.15 < waited < 0.5 and m["kv_shared_claims"] == 13 + 2
     llm.llm_engine.close()

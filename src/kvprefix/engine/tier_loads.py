@@ -13,8 +13,8 @@ A block a tier turned out not to hold (a lookup stopped at it, or it did not loa
 Across replicas (docs/tiers.md#one-computation-per-fleet): the blocks a probe finds nowhere are claimed in the
 shared tier (``BlockStore.claim``) before the request computes them. When another replica claimed the first of them,
 the request waits for it: it keeps its place, is probed again every ``CLAIM_PROBE_SECONDS``, loads what appeared,
-and computes the rest once no claim stands in its way or its deadline passes (what computing the blocks itself
-would take by this replica's measure, plus half of it and half a second).
+and computes the rest once no claim stands in its way or its deadline passes: as long as it would claim those
+blocks for itself, twice what computing them takes by this replica's measure plus half a second.
 """
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ from kvprefix.tiers.presence import TierPresence
 
 log = logging.getLogger(__name__)
 CLAIM_PROBE_SECONDS = 0.05  # how often a request waiting on another replica's claims asks the tiers again
-CLAIM_MARGIN_SECONDS = 0.5  # beyond the estimated compute time: the claimant's writes, a probe, a round trip
-CLAIM_WAIT_FACTOR = 1.5  # a wait's share of the estimate: a mean of past steps, and a step under load is slower
-CLAIM_TTL_SECONDS = (1.0, 60.0)  # a claim's floor and cap (a dead claimant delays newcomers at most this long)
+# How long a claim is held, and the longest a request waits for another's: twice the estimated compute (a mean of
+# past steps, which prefills under a heavier load exceed) plus the claimant's writes, a probe and a round trip,
+# within a floor and a cap.
+CLAIM_FACTOR, CLAIM_MARGIN_SECONDS, CLAIM_SECONDS = 2.0, 0.5, (1.0, 60.0)
 UNMEASURED_SECONDS_PER_BLOCK = 0.1  # assumed before this replica's first prefill is measured
 
 
@@ -228,8 +229,7 @@ class TierLoads:
         position = job.first + len(job.sources)  # the first block found nowhere
         if job.held:
             if wait is None:
-                deadline = now + CLAIM_WAIT_FACTOR * self._compute_seconds(job.held, self._per_block())
-                deadline += CLAIM_MARGIN_SECONDS
+                deadline = now + self._hold_seconds(job.held, self._per_block())
                 wait = self._waits[request.request_id] = _Wait(job.claimer, position, now, deadline)
             wait.next_probe = now + CLAIM_PROBE_SECONDS
         elif wait is not None:
@@ -246,9 +246,12 @@ class TierLoads:
                       request.request_id, now - wait.began, wait.deadline - wait.began, outcome)
 
     @staticmethod
-    def _compute_seconds(blocks: int, per_block: float | None) -> float:
-        """About how long this replica takes to prefill ``blocks`` blocks."""
-        return blocks * (per_block or UNMEASURED_SECONDS_PER_BLOCK)
+    def _hold_seconds(blocks: int, per_block: float | None) -> float:
+        """How long this replica claims ``blocks`` blocks for, and waits at most for another's claims of them:
+        twice what it takes to prefill them by ``per_block`` (its measure), plus a margin, within bounds."""
+        floor, cap = CLAIM_SECONDS
+        compute = blocks * (per_block or UNMEASURED_SECONDS_PER_BLOCK)
+        return min(cap, max(floor, CLAIM_FACTOR * compute + CLAIM_MARGIN_SECONDS))
 
     def _end(self, job: _Load) -> None:
         if self._jobs.get(job.request.request_id) is job:
@@ -276,8 +279,8 @@ class TierLoads:
     def _find(self, hashes: Sequence[bytes], namespace: str, claim: bool = False,
               per_block: float | None = None) -> tuple[list[int], int, int]:
         """The tier holding each leading block of ``hashes`` (each tier is asked for what the ones before lack);
-        then, if ``claim``, the blocks found nowhere are claimed for about twice the time this replica takes to
-        compute them: how many leading ones of them another replica claimed first, and in which tier."""
+        then, if ``claim``, the blocks found nowhere are claimed (``_hold_seconds``): how many leading ones of them
+        another replica claimed first, and in which tier."""
         sources: list[int] = []
         for k, store in enumerate(self.stores):
             rest = hashes[len(sources):]
@@ -290,8 +293,7 @@ class TierLoads:
         rest = hashes[len(sources):]
         if not claim:
             return sources, 0, 0
-        floor, cap = CLAIM_TTL_SECONDS
-        seconds = min(cap, max(floor, 2 * self._compute_seconds(len(rest), per_block) + CLAIM_MARGIN_SECONDS))
+        seconds = self._hold_seconds(len(rest), per_block)
         held = [store.claim(rest, namespace, seconds) for store in self.stores]
         tier = max(range(len(held)), key=held.__getitem__)
         return sources, held[tier], tier
