@@ -6,8 +6,9 @@ fresh replicas and a router, then the workload at each --concurrency: --prefixes
 --prefix-tokens tokens, each followed by --questions unique 16-token questions, shuffled, sent as token-id
 completions with max_tokens=1 by that many clients. Each run draws new prefixes, so nothing earlier helps it.
 Reported per run: prefix computations per prefix (the prefix tokens computed fleet-wide, i.e. the prefix's full
-blocks minus the cached tokens of every request, over the prefixes' full-block tokens: 1.0 = once per fleet) and
-TTFT p50. Targets (issue 25): 1.0 with the tier one request at a time; without it up to --replicas.
+blocks minus the cached tokens of every request, over the prefixes' full-block tokens: 1.0 = once per fleet), TTFT
+p50, and the requests that waited for blocks another replica had claimed, by outcome (docs/tiers.md#one-computation-
+per-fleet). Target (issue 25): 1.0 with the tier, at any concurrency; without it up to --replicas.
 
     python benchmarks/bench_fleet_shared.py [--replicas 4] [--concurrency 1,4] [--out results/bench_fleet_shared.json]
 """
@@ -22,11 +23,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 from bench_tiers import VOCAB, ttft
 from harness import Process, start_route, start_serve, write_results
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' support package
 from support.redis_server import RedisServer  # noqa: E402
@@ -41,6 +45,16 @@ def fleet(args: argparse.Namespace, tier: list[str]) -> tuple[list[Process], Pro
     router = start_route(["--policy", "round-robin", *[a for r in replicas for a in ("--replica", r.url)]],
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return replicas, router
+
+
+def claim_waits(replicas: list[Process]) -> Counter:
+    """The replicas' waits on other replicas' claims so far, by outcome (``kv_tier_claim_waits_total``)."""
+    out: Counter = Counter()
+    for r in replicas:
+        for family in text_string_to_metric_families(httpx.get(r.url + "/metrics", timeout=10).text):
+            out.update({s.labels["outcome"]: s.value for s in family.samples
+                        if s.name == "kvprefix:kv_tier_claim_waits_total"})
+    return out
 
 
 def workload(router: Process, args: argparse.Namespace, concurrency: int, rng: random.Random) -> dict:
@@ -82,7 +96,10 @@ def main() -> None:
                 replicas, router = fleet(args, tier)
                 try:
                     for c in (int(x) for x in args.concurrency.split(",")):
+                        before = claim_waits(replicas)
                         run = workload(router, args, c, rng)
+                        waits = claim_waits(replicas) - before
+                        run["claim_waits"] = ", ".join(f"{int(n)} {k}" for k, n in sorted(waits.items())) or "0"
                         results[f"{name}, {c} clients"] = run
                         rows.append({"replicas": name, "clients": c, **run})
                         print(rows[-1], flush=True)

@@ -1,5 +1,6 @@
 """`kvprefix serve --kv-shared`: two replicas on one real Redis — a prefix replica A computed is replica B's cached
-tokens on its first request (from the shared tier, the same greedy output as a cold server); Redis killed,
+tokens on its first request (from the shared tier, the same greedy output as a cold server); a prefix both receive
+at the same moment is computed by one of them (claims); Redis killed,
 restarted empty and stopped for good under a serving replica: no request fails, outputs stay right, the counters
 say what happened; with a disk tier too, each tier is asked for what the one before lacks and blocks loaded from
 the shared tier reach the disk; options that cannot be used refuse to start in one line (with tenants, a Redis off loopback
@@ -11,7 +12,9 @@ import json
 import random
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from support.redis_server import RedisServer, needs_redis
@@ -55,13 +58,48 @@ def test_a_prefix_one_replica_computed_is_cached_on_another(tmp_path, default_mo
         assert m["kvprefix:kv_tier_hit_blocks_total{shared}"] == 62
         assert not any(k.startswith(("kvprefix:kv_tier_verify_failures_total", "kvprefix:kv_tier_failures_total"))
                        and v for k, v in m.items())
-        with redis_server.client() as c:  # every key is the replicas' prefix, namespace id and a block hash
-            assert all(k.startswith(b"kvprefix:") and len(k.split(b":")) == 3 for k in c.keys("*"))
+        with redis_server.client() as c:  # every key is the replicas' prefix, namespace id and a block hash (and
+            # ":claim" for a block being computed: b's own last blocks, until its write-behind writes them)
+            assert all(k.startswith(b"kvprefix:") and len(k.removesuffix(b":claim").split(b":")) == 3
+                       for k in c.keys("*"))
     finally:
         for s in (cold, a, b):
             stop_server(s)
     logged = [json.loads(line) for line in b.request_log.read_text().splitlines()]
     assert [r["shared_cached_tokens"] for r in logged] == [62 * 16]
+
+
+@pytest.mark.slow
+def test_a_prefix_two_replicas_receive_at_once_is_computed_once(tmp_path, default_model_dir, redis_server) -> None:
+    cold = start_server(tmp_path)
+    try:
+        expected = [greedy_tokens(cold, PREFIX + q)[0] for q in QUESTIONS[:2]]
+    finally:
+        stop_server(cold)
+    replicas = [start_server(tmp_path, "--kv-shared", redis_server.url) for _ in range(2)]
+    try:
+        together = threading.Barrier(2)
+
+        def send(i: int) -> tuple[list[str], int]:
+            together.wait()
+            return greedy_tokens(replicas[i], PREFIX + QUESTIONS[i])
+
+        with ThreadPoolExecutor(2) as pool:
+            results = list(pool.map(send, range(2)))
+        assert [tokens for tokens, _ in results] == expected
+        assert sorted(cached for _, cached in results) == [0, 62 * 16]  # one computed the prefix, one loaded it
+        m = [r.metrics() for r in replicas]
+        # The one that computed claimed its 64 full blocks; the other its own 2 (it found the prefix's claimed,
+        # waited and loaded them, or found them written already), and any of the prefix's whose write and claim's
+        # end fell between one of its lookups and its claims (it loads those all the same).
+        claims = sorted(x["kvprefix:kv_tier_claims_total{shared}"] for x in m)
+        assert 2 <= claims[0] < 64 and claims[1] == 64
+        waits = [x.get("kvprefix:kv_tier_claim_waits_total{loaded,shared}", 0) for x in m]
+        assert sum(waits) <= 1 and not any(k.startswith("kvprefix:kv_tier_claim_waits_total{gave_up")
+                                           for x in m for k in x)
+    finally:
+        for r in replicas:
+            stop_server(r)
 
 
 @pytest.mark.slow

@@ -99,6 +99,49 @@ def test_objects_carry_the_ttl_asked_for(fresh) -> None:
     assert 3590 < ttls[0] <= 3600 and 50 < ttls[1] <= 60 and ttls[2] == -1
 
 
+def test_claims_go_to_the_first_replica_and_end_with_the_write(fresh) -> None:
+    blocks = chain(4)
+    hashes, ns = [b.block_hash for b in blocks], blocks[0].namespace
+    a, b = RedisStore(fresh.url, SPEC, **FAST), RedisStore(fresh.url, SPEC, **FAST)  # two replicas
+    assert a.claim(hashes[:2], ns, 30) == 0  # a computes blocks 0 and 1
+    assert a.claim(hashes[:2], ns, 30) == 0  # its own claims stand in nobody's way of its own
+    assert b.claim(hashes, ns, 30) == 2  # b waits for 0 and 1, and claims 2 and 3 to compute them
+    assert a.claim(hashes[1:], ns, 30) == 0 and a.claim(hashes[2:], ns, 30) == 2
+    assert (a.stats.claims, b.stats.claims) == (2, 2)
+    with fresh.client() as c:  # beside each object's key, never an object key; the namespace id in it, a token
+        assert c.get(f"kvprefix:{ns}:{hashes[0].hex()}:claim") == a.token != b.token
+        assert 29_000 < c.pttl(a.claim_key(ns, hashes[0])) <= 30_000
+    assert a.store(blocks[0])  # written: its claim is gone in the same round trip
+    with fresh.client() as c:
+        assert c.exists(a.claim_key(ns, hashes[0])) == 0
+    assert b.claim(hashes, ns, 30) == 2  # block 0 written since b's lookup (b loads it), block 1 still a's
+    assert b.lookup(hashes, ns) == 1 and b.claim(hashes[1:], ns, 30) == 1
+    x, y = chain(2, seed=1)
+    with fresh.client() as c:
+        c.set(a.claim_key(ns, x.block_hash), b"another", px=1)  # a claim that ran out
+        c.rpush(a.claim_key(ns, y.block_hash), b"not a claim")  # a value another client put there
+    time.sleep(0.01)
+    assert a.claim([x.block_hash, y.block_hash], ns, 30) == 0  # neither stands in anyone's way
+
+
+def test_claims_are_short_when_asked_and_nothing_while_the_store_is_down(own_server) -> None:
+    blocks = chain(2)
+    hashes, ns = [b.block_hash for b in blocks], blocks[0].namespace
+    a, b = RedisStore(own_server.url, SPEC, **FAST), RedisStore(own_server.url, SPEC, **FAST)
+    assert a.claim(hashes, ns, 0.05) == 0 and b.claim(hashes, ns, 30) == 2
+    time.sleep(0.1)  # a's claims ran out (a replica that died): b's are won
+    assert b.claim(hashes, ns, 30) == 0 and a.claim(hashes, ns, 30) == 2
+    own_server.pause()
+    try:
+        start = time.monotonic()
+        assert a.claim(hashes, ns, 30) == 0 and a.claim(hashes, ns, 30) == 0  # a timeout, then the backoff
+        assert time.monotonic() - start < 1 and a.stats.failures == {"timeout": 1}
+    finally:
+        own_server.resume()
+    own_server.kill()
+    assert RedisStore(own_server.url, SPEC, **FAST).claim(hashes, ns, 30) == 0
+
+
 def corrupted(kind: str, block, other) -> bytes:
     data = bytearray(encode(block))
     if kind == "bit flip":
@@ -207,7 +250,10 @@ def test_a_full_store_under_noeviction_rejects_writes_counted(tmp_path, caplog) 
         written = [store.store(b) for b in blocks]
         assert written[0] and not written[-1]
         assert store.stats.dropped_writes["rejected"] == written.count(False) and not store.stats.failures
-        assert store.load(expected(blocks[0])) == blocks[0]  # reads go on
+        with server.client() as c:
+            c.config_set("maxmemory", "1mb")  # now below what is used: even a claim's few bytes are refused
+        assert store.claim([b.block_hash for b in blocks[-2:]], blocks[0].namespace, 30) == 0  # nothing claimed
+        assert store.load(expected(blocks[0])) == blocks[0] and not store.stats.failures  # reads go on
     finally:
         server.stop()
 

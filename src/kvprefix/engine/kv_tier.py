@@ -19,6 +19,7 @@ import atexit
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -54,7 +55,8 @@ class KVTier:
     """The chain of tiers under one engine's pool: loads into it at admission, writes behind it after each step."""
 
     def __init__(self, stores: list[BlockStore], spec: KVSpec, manager: KVCacheManager, kv_caches: list,
-                 max_queue: int = 256, retention_budget: int | None = None):
+                 max_queue: int = 256, retention_budget: int | None = None,
+                 prefill_seconds_per_block: Callable[[], float | None] = lambda: None):
         self.stores, self.spec, self.manager = stores, spec, manager
         self.retention_budget = stores[0].max_bytes // 2 if retention_budget is None else retention_budget
         self._noted: OrderedDict[bytes, tuple[str, str]] = OrderedDict()  # block hash -> (retention, tenant)
@@ -73,7 +75,8 @@ class KVTier:
             self.presence.track(store.medium, bound)
             store.watch(self.presence)
         self.writers = [WriteBehind(store, max_queue, self.presence) for store in stores]
-        self.loads = TierLoads(stores, manager, self._spans, self._stage_in, self.presence)
+        self.loads = TierLoads(stores, manager, self._spans, self._stage_in, self.presence,
+                               prefill_seconds_per_block, self._writes)
         self._unsubscribe = manager.events.subscribe(self._on_event)
         atexit.register(self.close)
 
@@ -132,6 +135,10 @@ class KVTier:
             self._noted.popitem(last=False)
 
     # ---- loads and writes
+
+    def _writes(self, block_hash: bytes) -> bool:
+        """Whether the block, computed now, will be written below the pool (not when its retention is in memory)."""
+        return self._noted.get(block_hash, (None, ""))[0] != IN_MEMORY
 
     def _spans(self, block_id: int) -> list[memoryview]:
         """Where a block's payload goes, layer by layer: the block itself on CPU, else the host staging block."""
@@ -200,9 +207,11 @@ class KVTier:
 
 
 def open_kv_tier(args, identity: BlockIdentity, config: ModelConfig, dtype: torch.dtype, manager: KVCacheManager,
-                 kv_caches: list) -> KVTier | None:
+                 kv_caches: list, prefill_seconds_per_block: Callable[[], float | None] = lambda: None
+                 ) -> KVTier | None:
     """The chain of tiers ``args`` ask for: the disk (``kv_disk``), then the shared store (``kv_shared``); None
-    for neither. ValueError with one line for a path, size or URL that cannot be used."""
+    for neither (``prefill_seconds_per_block``: the engine's measure, which sizes claims). ValueError with one line
+    for a path, size or URL that cannot be used."""
     if not args.kv_disk and not args.kv_shared:
         return None
     if not args.enable_prefix_caching:
@@ -225,4 +234,4 @@ def open_kv_tier(args, identity: BlockIdentity, config: ModelConfig, dtype: torc
         shared = RedisStore(args.kv_shared, spec, timeout=args.kv_shared_timeout, key_prefix=args.kv_shared_prefix)
         log.info("kv shared tier %s: keys under %r", shared.url.redacted, shared.key_prefix)
         stores.append(shared)
-    return KVTier(stores, spec, manager, kv_caches, args.kv_disk_queue, budget)
+    return KVTier(stores, spec, manager, kv_caches, args.kv_disk_queue, budget, prefill_seconds_per_block)

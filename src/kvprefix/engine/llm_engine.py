@@ -140,7 +140,7 @@ class LLMEngine:
         self.runner = ModelRunner.create(model, num_blocks, self.manager, dtype, device,
                                          LoraLayers(model) if args.enable_lora else None)
         self.kv_tier = open_kv_tier(args, self.identity, self.model_config, dtype, self.manager,
-                                    self.runner.kv_caches)
+                                    self.runner.kv_caches, self.prefill_seconds_per_block)
         self.scheduler.lower_tier = self.kv_tier
         self.sampler = Sampler(args.seed, device)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | self.tokenizer.eos_token_ids
@@ -384,9 +384,12 @@ class LLMEngine:
         pool = [Medium(POOL, self.manager.pool.num_blocks)]
         if self.kv_tier is None:
             return pool
-        per_block = prefill_seconds_per_block(self._prefill_seconds, self.scheduler.num_prompt_tokens_computed,
-                                              self.manager.block_size)
-        return pool + self.kv_tier.media(per_block)
+        return pool + self.kv_tier.media(self.prefill_seconds_per_block())
+
+    def prefill_seconds_per_block(self) -> float | None:
+        """This engine's mean model time to prefill one block (``engine.metrics.prefill_seconds_per_block``)."""
+        return prefill_seconds_per_block(self._prefill_seconds, self.scheduler.num_prompt_tokens_computed,
+                                         self.manager.block_size)
 
     def _count_step(self, sched, sample_rows: list[int]) -> None:
         """The step's tokens into the histogram, as vLLM counts them (the tokens computed, plus the token sampled at

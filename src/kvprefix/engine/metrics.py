@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 
+from kvprefix.tiers.store import BY_LABEL
+
 # Tokens per engine step, as vLLM's iteration_tokens_total histogram buckets them.
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
@@ -57,7 +59,8 @@ def prefill_seconds_per_block(prefill_seconds: float, prompt_tokens_computed: in
 
 def _tier_stats(kv_tier, prefill_seconds_per_block: float | None) -> dict[str, int | float]:
     """``kv_<tier>_*`` for each tier: its counters (hit_tokens: prompt tokens loaded from it), its usage gauges,
-    verification failures, dropped writes and failed calls by reason (``..._verify_failures_<reason>``), and what
+    verification failures, dropped writes and failed calls by reason (``..._verify_failures_<reason>``), waits on
+    other replicas' claims by outcome (``..._claim_waits_<outcome>``), and what
     loading a block from it costs in blocks of prefill (``load_cost``: what the replica tells routers)."""
     out: dict[str, int | float] = {}
     costs = kv_tier.load_costs(prefill_seconds_per_block)
@@ -65,9 +68,8 @@ def _tier_stats(kv_tier, prefill_seconds_per_block: float | None) -> dict[str, i
         stats, name = store.stats, f"kv_{store.name}"
         with stats.lock:
             out |= {f"{name}_{k}": v for k, v in stats.as_dict().items()}
-            out |= {f"{name}_verify_failures_{r}": n for r, n in stats.verify_failures.items()}
-            out |= {f"{name}_dropped_writes_{r}": n for r, n in stats.dropped_writes.items()}
-            out |= {f"{name}_failures_{r}": n for r, n in stats.failures.items()}
+            for key in BY_LABEL:
+                out |= {f"{name}_{key}_{r}": n for r, n in getattr(stats, key).items()}
             out |= stats.load_seconds.flat(f"{name}_load_seconds") | stats.store_seconds.flat(f"{name}_store_seconds")
             out[f"{name}_lookup_tokens"] = stats.lookup_blocks * kv_tier.manager.block_size
         out[f"{name}_hit_tokens"] = kv_tier.hit_tokens[store.name]

@@ -1,5 +1,6 @@
 """Prometheus families of the KV tiers below the pool (``kv_tier_*{tier}``), from the engine's flat metrics
 (``kv_<tier>_<counter>``, ``kv_<tier>_{verify_failures,dropped_writes,failures}_<reason>``,
+``kv_<tier>_claim_waits_<outcome>``,
 ``kv_<tier>_{load,store}_seconds_le_<bucket>``), and vLLM's ``external_prefix_cache_{queries,hits}_total`` over
 all tiers (vLLM counts the tokens its KV connector is asked for and loads under these names)."""
 
@@ -8,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+
+from kvprefix.tiers.store import BY_LABEL
 
 TIERS = ("disk", "shared")
 COUNTERS = {
@@ -18,11 +21,14 @@ COUNTERS = {
     "bytes_written": "Bytes of objects written to the tier",
     "stores": "Blocks written to the tier",
     "evictions": "Objects deleted from the tier to keep its byte budget",
+    "claims": "Blocks this replica claimed in the shared tier before computing them (others wait for them)",
 }
-BY_REASON = {
+BY_LABEL_DOCS = {  # each counted by the label tiers.store.BY_LABEL names
     "verify_failures": "Objects that did not verify (a miss, recomputed; never served), by reason",
     "dropped_writes": "Writes dropped (full queue, full disk, over budget, store down or refusing), by reason",
     "failures": "Calls the tier's store failed (unavailable, timeout): answered as misses or dropped writes",
+    "claim_waits": "Requests that waited for blocks another replica had claimed, by outcome (loaded: they arrived; "
+                   "unclaimed: the claim went away without them; gave_up: past the wait's deadline; aborted)",
 }
 HISTOGRAMS = {
     "load_seconds": "Seconds to load one request's run of blocks from the tier into the pool (read and verify)",
@@ -67,8 +73,8 @@ def tier_families(values: Mapping[str, float], ns_name, labels: list[str], label
         for t in tiers:
             c.add_metric([*label_values, t], float(values.get(f"kv_{t}_{key}", 0)))
         yield c
-    for key, doc in BY_REASON.items():
-        c = CounterMetricFamily(ns_name(f"kv_tier_{key}", False), doc, labels=[*labels, "tier", "reason"])
+    for key, doc in BY_LABEL_DOCS.items():
+        c = CounterMetricFamily(ns_name(f"kv_tier_{key}", False), doc, labels=[*labels, "tier", BY_LABEL[key]])
         for t in tiers:
             prefix = f"kv_{t}_{key}_"
             for k, v in values.items():

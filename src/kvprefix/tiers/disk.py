@@ -121,6 +121,10 @@ class DiskStore:
     def contains(self, block_hash: bytes, namespace: str = "") -> bool:
         return os.path.exists(layout.object_path(self.root, block_hash))
 
+    def claim(self, block_hashes: Sequence[bytes], namespace: str, seconds: float) -> int:
+        """No claims on a directory: replicas sharing one may compute a block twice (and write it once)."""
+        return 0
+
     def lookup(self, block_hashes: Sequence[bytes], namespace: str = "") -> int:
         self.stats.lookups += 1
         self.stats.lookup_blocks += len(block_hashes)

@@ -8,9 +8,14 @@ trip of ``EXISTS``; a load is one ``GET``, fully verified before a byte reaches 
 and expiry (``maxmemory``, its eviction policy, TTLs); at start the store reads them and warns when nothing
 bounds it.
 
+Blocks being computed are claimed (``claim``): a key beside the object's (``<object key>:claim``) set if absent,
+holding this store's random token, expiring on its own; the write of the object deletes it in the same round trip.
+A replica that finds a run claimed by another waits for it instead of computing it too (``engine.tier_loads``).
+
 Failures are misses, never errors: every call has a socket timeout, a failure (refused, timed out, reset) is
-counted in ``stats.failures`` and starts a backoff during which calls return a miss (or drop the write) at once;
-the next call after it reconnects. No exception reaches the caller, and no socket operation waits past the timeout.
+counted in ``stats.failures`` and starts a backoff during which calls return a miss (or drop the write, or claim
+nothing) at once; the next call after it reconnects. No exception reaches the caller, and no socket operation waits
+past the timeout.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import secrets
 import threading
 import time
 from collections.abc import Sequence
@@ -100,6 +106,7 @@ class RedisStore:
         self.spec, self.key_prefix, self.ttl = spec, key_prefix, ttl
         self.stats = TierStats()
         self.max_bytes = 0
+        self.token = secrets.token_hex(8).encode()  # this store's claims (one per replica): random, names nothing
         self._errors = (redis.RedisError, OSError)
         self._backoff, self._max_backoff = backoff, max_backoff
         self._down_until = 0.0  # monotonic time before which calls are misses without trying
@@ -125,6 +132,10 @@ class RedisStore:
     def key(self, namespace: str, block_hash: bytes) -> str:
         """The object's key: the namespace id (public: a hash of the root, never the salt) and the block hash."""
         return f"{self.key_prefix}{namespace}:{block_hash.hex()}"
+
+    def claim_key(self, namespace: str, block_hash: bytes) -> str:
+        """The key of the block's claim: beside its object's key (never one: block hashes hold no colon)."""
+        return f"{self.key(namespace, block_hash)}:claim"
 
     def _available(self) -> bool:
         """False while backing off after a failure (a call then is a miss at once)."""
@@ -213,6 +224,39 @@ class RedisStore:
     def contains(self, block_hash: bytes, namespace: str = "") -> bool:
         return bool(self._present([block_hash], namespace)[0])
 
+    def claim(self, block_hashes: Sequence[bytes], namespace: str, seconds: float) -> int:
+        """Claims the blocks of a run this replica is about to compute, for ``seconds``, in one round trip and one
+        transaction (per block ``SET <claim key> <token> NX PX``, ``GET`` to see whose claim stands, ``EXISTS`` of
+        the object; ``MULTI``/``EXEC``, so two replicas claiming one run at once do not split it between them);
+        returns how many leading blocks another replica claimed first or wrote since the lookup (the caller waits
+        for those and computes the rest). A claim already this store's counts as won; a value that is not a
+        string (another client's) as free. The store down, slow, failing or refusing (out of memory under
+        ``noeviction``): nothing is claimed and 0 returned."""
+        if not block_hashes or not self._available():
+            return 0
+        ms = max(1, round(seconds * 1000))
+        try:
+            pipe = self.client.pipeline(transaction=True)
+            for h in block_hashes:
+                key = self.claim_key(namespace, h)
+                pipe.set(key, self.token, nx=True, px=ms)
+                pipe.get(key)
+                pipe.exists(self.key(namespace, h))
+            replies = pipe.execute(raise_on_error=False)
+        except redis_module().ResponseError as exc:  # the transaction refused (OOM under noeviction): no claims
+            log.debug("kv shared tier claims refused: %s", exc)
+            return 0
+        except self._errors as exc:
+            self._failed(exc)
+            return 0
+        self._succeeded()
+        won, holders, written = replies[0::3], replies[1::3], replies[2::3]
+        with self.stats.lock:
+            self.stats.claims += sum(1 for w in won if w is True)
+        others = [exists == 1 or (isinstance(holder, bytes) and holder != self.token)
+                  for holder, exists in zip(holders, written, strict=True)]
+        return next((i for i, other in enumerate(others) if not other), len(others))
+
     def _get(self, expected: Expected) -> bytes | None:
         """The value at the block's key (None: absent, not a string, or the store failed: counted)."""
         if not self._available():
@@ -275,15 +319,18 @@ class RedisStore:
 
     def store(self, obj: BlockObject, retain_until: float | None = None, tenant: str = "") -> bool:
         """Writes the block once (SET NX; EX: the seconds to ``retain_until`` when a retention gives one, else the
-        store's ``ttl``); False when dropped: the store is down or slow (``unavailable``, ``timeout``), refused it
-        (``rejected``: out of memory under noeviction, or another error reply). A block already there is left as
-        it is (True)."""
+        store's ``ttl``) and deletes its claim in the same round trip; False when dropped: the store is down or
+        slow (``unavailable``, ``timeout``), refused it (``rejected``: out of memory under noeviction, or another
+        error reply). A block already there is left as it is (True)."""
         if not self._available():
             return self._drop("unavailable")
         data = encode(obj)
         ttl = self.ttl if retain_until is None else max(1, math.ceil(retain_until - time.time()))
         try:
-            written = self.client.set(self.key(obj.namespace, obj.block_hash), data, nx=True, ex=ttl)
+            pipe = self.client.pipeline(transaction=False)
+            pipe.set(self.key(obj.namespace, obj.block_hash), data, nx=True, ex=ttl)
+            pipe.delete(self.claim_key(obj.namespace, obj.block_hash))  # whoever waits for it finds the object
+            written = pipe.execute()[0]
         except redis_module().ResponseError as exc:  # OOM under noeviction, a read-only replica, ...
             log.debug("kv shared tier write refused: %s", exc)
             return self._drop("rejected")

@@ -13,6 +13,9 @@ Retention (docs/tiers.md#retention) adds three small things: ``store(obj, retain
 pass a block over in eviction until a time (epoch seconds, kept across restarts by the tier itself), and
 ``retained_bytes(tenant, besides)`` is what a tenant keeps retained now, for its budget. A tier that cannot keep
 room for a write because the rest is retained drops the write (``dropped_writes{retained}``).
+
+Claims (docs/tiers.md#one-computation-per-fleet): ``claim`` marks blocks this replica is about to compute in a store
+other replicas read, and says how many of them another replica is computing already; the engine waits for those.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from typing import Protocol
 from kvprefix.tiers.objects import BlockObject, Expected
 from kvprefix.tiers.presence import TierPresence
 
+# The counters kept by a label, and its name: what Prometheus families and flat metrics carry them as.
+BY_LABEL = {"verify_failures": "reason", "dropped_writes": "reason", "failures": "reason", "claim_waits": "outcome"}
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)  # seconds
 
 
@@ -52,8 +57,8 @@ class Latency:
 
 @dataclass
 class TierStats:
-    """Counters (never reset) of one tier; ``verify_failures``, ``dropped_writes`` and ``failures`` by reason. Writers of
-    several threads take ``lock``."""
+    """Counters (never reset) of one tier; ``verify_failures``, ``dropped_writes`` and ``failures`` by reason,
+    ``claim_waits`` by outcome. Writers of several threads take ``lock``."""
 
     lookups: int = 0  # lookup calls
     lookup_blocks: int = 0  # blocks asked about
@@ -65,6 +70,8 @@ class TierStats:
     verify_failures: Counter = field(default_factory=Counter)
     dropped_writes: Counter = field(default_factory=Counter)
     failures: Counter = field(default_factory=Counter)  # calls the store itself failed (down, timed out): misses
+    claims: int = 0  # blocks this replica claimed to compute them (a shared store: ``RedisStore.claim``)
+    claim_waits: Counter = field(default_factory=Counter)  # requests that waited on another's claims, by outcome
     usage_bytes: int = 0  # gauge: bytes this process counts in the tier
     num_objects: int = 0  # gauge
     load_seconds: Latency = field(default_factory=Latency)  # one request's run of blocks loaded (engine.kv_tier)
@@ -72,11 +79,10 @@ class TierStats:
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def as_dict(self) -> dict[str, int]:
-        out = {k: getattr(self, k) for k in ("lookups", "lookup_blocks", "hit_blocks", "bytes_read",
-                                             "bytes_written", "stores", "evictions", "usage_bytes", "num_objects")}
-        out["verify_failures"] = sum(self.verify_failures.values())
-        out["dropped_writes"] = sum(self.dropped_writes.values())
-        out["failures"] = sum(self.failures.values())
+        out = {k: getattr(self, k) for k in ("lookups", "lookup_blocks", "hit_blocks", "bytes_read", "bytes_written",
+                                             "stores", "evictions", "claims", "usage_bytes", "num_objects")}
+        for key in BY_LABEL:
+            out[key] = sum(getattr(self, key).values())
         return out
 
 
@@ -103,6 +109,12 @@ class BlockStore(Protocol):
     def load_into(self, expected: Expected, spans: Sequence[memoryview]) -> bool:
         """Reads the block's payload into ``spans`` (the caller's memory, in payload order); True only when it
         verifies (on False the spans hold garbage and must not be used)."""
+
+    def claim(self, block_hashes: Sequence[bytes], namespace: str, seconds: float) -> int:
+        """Claims, for ``seconds``, the blocks of a run the tiers do not hold, which this replica is about to
+        compute; returns how many leading blocks of the run another replica claimed first (it is computing them:
+        wait for them). A store others do not read claims nothing and returns 0; the claim of a block ends when the
+        block is stored, or after ``seconds``."""
 
     def store(self, obj: BlockObject, retain_until: float | None = None, tenant: str = "") -> bool:
         """Writes one block (with ``retain_until``: retained, see ``retain``; a block already held is only
