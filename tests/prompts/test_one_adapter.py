@@ -21,6 +21,8 @@ from kvprefix.router.hashing import RequestHasher
 from kvprefix.sim.openai_bodies import read_openai_bodies, read_replica_model, replica_model_for
 from kvprefix.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.slow  # every test asks a real replica (started once, ~3.5 s)
+
 KEYS = {"key-acme": "acme", "key-beta": "beta"}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}

@@ -35,6 +35,7 @@ def route_refusing(replica_url: str, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow  # a real replica and router processes: ~8 s
 def test_the_router_finds_the_replicas_checkpoint_or_names_the_replica(tmp_path, default_model_dir) -> None:
     copy = shutil.copytree(default_model_dir, tmp_path / "copy")
     replica = start_server(tmp_path, "--model", str(copy), "--num-gpu-blocks", "256")
