@@ -151,6 +151,12 @@ class _Decodes:
             self._context[cache.dtype] = target, context[:, :heads], context[:, heads:]
         return self._context[cache.dtype]
 
+    def gather(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values) of this layer's ``cache`` at the blocks, gathered into the step's ``context`` buffer."""
+        target, keys, values = self.context(cache)
+        torch.index_select(cache, 0, self.blocks, out=target)
+        return keys, values
+
 
 @dataclass
 class _SharedDecodes:
@@ -323,13 +329,11 @@ def _decode(q, cache, plan: _BatchPlan, scale: float, window: int | None) -> tor
     """q: [D, q_heads, head_dim], the decodes' queries in plan order."""
     if window is None and plan.shared is not None:
         return _decode_shared(q, cache, plan.shared, scale)
-    decodes = plan.decodes
-    target, keys, values = decodes.context(cache)
-    torch.index_select(cache, 0, decodes.blocks, out=target)
+    keys, values = plan.decodes.gather(cache)
     num, kv_heads, num_keys, head_dim = keys.shape
     # GQA folded: each KV head's query heads are its query rows, [D, kv_heads, group, dim], so K/V are not repeated.
     query = q.view(num, kv_heads, -1, head_dim)
-    mask = decodes.mask(window, num_keys, q.dtype)
+    mask = plan.decodes.mask(window, num_keys, q.dtype)
     out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)
     return out.view(num, -1, head_dim)
 
@@ -345,8 +349,7 @@ def _decode_shared(q, cache, shared: _SharedDecodes, scale: float) -> torch.Tens
     folded = q.view(num, kv_heads, group, head_dim).transpose(0, 1).reshape(1, kv_heads, num * group, head_dim)
     seen, seen_lse = _flash_cpu(folded, prefix[:, :kv_heads].transpose(0, 1)[None],
                                 prefix[:, kv_heads:].transpose(0, 1)[None], False, scale)
-    target, keys, values = shared.rest.context(cache)  # the same scratch buffer: gathered after `seen`
-    torch.index_select(cache, 0, shared.rest.blocks, out=target)
+    keys, values = shared.rest.gather(cache)  # into the same scratch buffer as `prefix`: after `seen` is out
     own, own_lse = _flash_cpu(q.view(num, kv_heads, group, head_dim), keys, values, False, scale,
                               shared.rest.mask(None, keys.shape[2], q.dtype))
     seen = seen.reshape(kv_heads, num, group, head_dim).transpose(0, 1)
