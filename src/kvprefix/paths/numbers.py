@@ -25,21 +25,20 @@ def positive_int(text: str) -> int:
 
 def positive_float(text: str) -> float:
     """A finite number > 0 (seconds, rates, sizes)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0 or math.isinf(value):  # `not >` also refuses NaN
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
+    return _float(text, lambda v: v > 0 and not math.isinf(v), "a positive number")  # `v > 0` also refuses NaN
 
 
 def fraction(text: str) -> float:
     """A number in [0, 1]."""
+    return _float(text, lambda v: 0.0 <= v <= 1.0, "a fraction in [0, 1]")
+
+
+def _float(text: str, valid, expected: str) -> float:
+    """``text`` as a float that ``valid`` accepts, else one message naming what was ``expected``."""
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], got {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], got {text!r}")
+        value = math.nan
+    if not valid(value):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
     return value
