@@ -190,8 +190,9 @@ class _BatchPlan:
         lens = [meta.seq_lens[i] for i in decodes]
         table = meta.block_tables[torch.tensor(decodes, device=device), : cdiv(max(lens), block_size)]
         seq_lens = torch.tensor(lens, device=device)
-        shared = _common_blocks(table, min(lens), block_size)
-        cascade = shared * block_size >= CASCADE_MIN_TOKENS and device.type == "cpu"
+        # CPU only: the cascade's kernel is PyTorch's CPU flash attention (and on CUDA the count would sync)
+        shared = _common_blocks(table, min(lens), block_size) if device.type == "cpu" else 0
+        cascade = shared * block_size >= CASCADE_MIN_TOKENS
         rest = _Decodes(table[:, shared:].flatten(), seq_lens - shared * block_size) if cascade else None
         return cls(prefills, decode_tokens=torch.tensor([starts[i] for i in decodes], device=device),
                    decodes=_Decodes(table.flatten(), seq_lens),
