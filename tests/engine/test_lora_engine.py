@@ -166,7 +166,7 @@ def test_adapter_on_the_builtin_default_model_matches_transformers_peft(tmp_path
     del ours, reference
     adapter = write_random_lora_adapter(str(tmp_path / "smollm2"), str(tmp_path / "adapter"), rank=16, seed=5,
                                         scale=0.05)
-    llm = LLM(enable_lora=True, dtype="float32", device="cpu", num_gpu_blocks=128)
+    llm = LLM(enable_lora=True, dtype="float32", quantization="none", device="cpu", num_gpu_blocks=128)
     prompt = llm.get_tokenizer().encode("The capital of France is")
     outs = llm.generate([prompt, prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
                         lora_request=[None, LoRARequest("smol", 1, adapter)])

@@ -7,6 +7,7 @@ from kvprefix import LLM, SamplingParams
 from kvprefix.cache import default_model as default_model_module
 from kvprefix.cache.default_model import INSTALL_COMMAND, default_model_path
 from kvprefix.cli import main
+from kvprefix.model.quantized_linear import compact_by_default
 
 
 def test_default_model_is_the_wheels_gguf() -> None:
@@ -32,6 +33,8 @@ def test_missing_wheel_says_how_to_install_it(monkeypatch, capsys) -> None:
 def test_default_model_answers_a_factual_question() -> None:
     llm = LLM(num_gpu_blocks=64)
     assert llm.llm_engine.uses_default_model
+    # The default path: the file's own Q4_1 blocks where the CPU runs them natively (docs/model.md).
+    assert llm.llm_engine.quantization == ("gguf" if compact_by_default() else None)
     config = llm.llm_engine.model_config
     assert (config.num_hidden_layers, config.hidden_size, config.num_key_value_heads) == (30, 576, 3)
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],

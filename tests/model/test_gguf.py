@@ -160,6 +160,33 @@ def test_engine_serves_a_gguf_like_its_safetensors_twin_and_roots_hashes_in_its_
     assert chat.prompt.startswith("<|im_start|>user\nHi!")  # the chat template from the file's metadata
 
 
+def test_a_quantized_file_runs_its_own_blocks_by_default(llama_dir, tmp_path) -> None:
+    """No --quantization: a Q4_1 file runs its blocks where the CPU runs them natively; an F32 file, "none", and
+    CUDA stay dense."""
+    from torch import nn
+
+    from kvprefix import LLM
+    from kvprefix.model.quantized_linear import Int4Linear, compact_by_default, resolve_quantization
+
+    q4, f32 = str(tmp_path / "q4.gguf"), str(tmp_path / "f32.gguf")
+    write_gguf(q4, llama_dir, CONFIG, Q.Q4_1)
+    write_gguf(f32, llama_dir, CONFIG, Q.F32)
+    compact = compact_by_default()
+    by_default = LLM(q4, num_gpu_blocks=16).llm_engine
+    assert by_default.quantization == ("gguf" if compact else None)
+    down = by_default.runner.model.model.layers[0].mlp.down_proj
+    assert isinstance(down, Int4Linear if compact else nn.Linear)
+    assert by_default.identity.context.kv_dtype.endswith("+gguf+a8") == compact
+    dense = LLM(q4, quantization="none", num_gpu_blocks=16).llm_engine
+    assert dense.quantization is None and isinstance(dense.runner.model.model.layers[0].mlp.down_proj, nn.Linear)
+    assert "gguf" not in dense.identity.context.kv_dtype
+    assert resolve_quantization(None, f32, "cpu") is None
+    assert resolve_quantization(None, q4, "cuda") is None
+    assert resolve_quantization(None, llama_dir, "cpu") is None  # safetensors: dense
+    with pytest.raises(ValueError, match="runs on device cpu only"):
+        resolve_quantization("gguf", q4, "cuda")
+
+
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
 def test_the_files_own_blocks_give_the_same_greedy_tokens_with_caching_on_and_off(llama_dir, tmp_path, qtype) -> None:
     """--quantization gguf: Q4_1 as int4 layers, Q8_0 as int8 ones (int8 activations where the CPU has them)."""

@@ -296,7 +296,7 @@ def test_engine_outputs_identical_with_caching_on_and_off(tiny_llama_path: str, 
 
 
 def test_engine_refuses_what_it_cannot_run(tiny_llama_path: str) -> None:
-    with pytest.raises(ValueError, match="unsupported quantization 'fp8'; accepted: int8, int4, gguf"):
+    with pytest.raises(ValueError, match="unsupported quantization 'fp8'; accepted: int8, int4, gguf, none"):
         LLM(tiny_llama_path, quantization="fp8")
     with pytest.raises(ValueError, match="quantization 'gguf' needs a .gguf checkpoint"):
         LLM(tiny_llama_path, quantization="gguf")

@@ -30,7 +30,7 @@ from kvprefix.model import ModelConfig, load_model
 from kvprefix.model.batch_invariant import make_batch_invariant, numerics_fingerprint
 from kvprefix.model.loader import default_dtype, resolve_dtype, resolve_model_path
 from kvprefix.model.lora import LoraAdapter, LoraLayers
-from kvprefix.model.quantized_linear import check_quantization, kv_method, quantize_model
+from kvprefix.model.quantized_linear import kv_method, quantize_model, resolve_quantization
 from kvprefix.tokenizer import Tokenizer
 from kvprefix.tokenizer.chat_template import ChatTemplate
 
@@ -82,12 +82,15 @@ class _UserRequest:
 class LLMEngine:
     def __init__(self, args: EngineArgs):
         self.args = args
+        if args.cpu_threads is not None:
+            torch.set_num_threads(args.cpu_threads)
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = default_dtype(device) if args.dtype == "auto" else resolve_dtype(args.dtype)
         self.model_name = args.model or DEFAULT_MODEL_NAME
         self.uses_default_model = args.model is None
         path = default_model_path() if args.model is None else resolve_model_path(args.model)
-        check_quantization(args.quantization, path, device)
+        # What the weights run as: the method asked for, or by default a quantized GGUF's own blocks on CPU.
+        self.quantization = resolve_quantization(args.quantization, path, device)
         self.model_config = ModelConfig.from_path(path)
         self.tokenizer = Tokenizer(path)
         if args.chat_template is not None or args.chat_template_content_format != "auto":
@@ -97,14 +100,14 @@ class LLMEngine:
         # What names the blocks (published to routers): the checkpoint's own bytes, dtype and quantization, and in
         # deterministic mode the numerics its bytes depend on.
         numerics = numerics_fingerprint(device) if args.deterministic else ""
-        self.identity = block_identity(path, str(dtype).removeprefix("torch."), kv_method(args.quantization),
+        self.identity = block_identity(path, str(dtype).removeprefix("torch."), kv_method(self.quantization),
                                        self.tokenizer.chat_template, content_format=self.tokenizer.content_format(),
                                        block_size=args.block_size,
                                        hash_algo=args.prefix_caching_hash_algo, numerics=numerics)
         self.hasher = self.identity.hasher()
         self._template_hashers: dict[str, BlockHasher] = {}  # by template fingerprint, for LLM.chat(chat_template=)
         # First: on CUDA the KV budget is what the weights leave free.
-        model = quantize_model(load_model(path, dtype, device), args.quantization, path)
+        model = quantize_model(load_model(path, dtype, device), self.quantization, path)
         if args.deterministic and args.enable_lora:  # the invariant tiles would wrap the adapters' hooks untested
             raise ValueError("deterministic=True does not serve LoRA adapters yet: choose one")
         if args.deterministic:

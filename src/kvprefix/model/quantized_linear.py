@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from kvprefix.cache.identity import QUANTIZATION_METHODS
+from kvprefix.cache.identity import NO_QUANTIZATION, QUANTIZATION_METHODS
 from kvprefix.model.gguf_loader import _LAYER_NAMES, unpermute_rows
 from kvprefix.model.loader import native_bfloat16_cpu
 from kvprefix.tokenizer.gguf_file import GGUFFile, open_gguf
@@ -90,6 +90,9 @@ class Int8Linear(nn.Module):
     # One row of a projection is faster on the weight-only op (two passes' small ops cost more than they save);
     # ``quantize_model`` sets 0 for the lm_head, where fbgemm is faster from one row (docs/benchmarks.md).
     int8_activations_above_rows = 1
+    # The lm_head keeps the float32 sums of int8 activations as its logits (``quantize_model``): rounded to the
+    # model's bfloat16, this model's near-ties became exact ties (docs/model.md#compact-weights---quantization-cpu).
+    keeps_float32 = False
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
                  int8_activations: bool | None = None) -> None:
@@ -116,7 +119,7 @@ class Int8Linear(nn.Module):
             out = _as(flat, _DENSE) @ self.dequantize().t()
         else:
             out = torch.ops.aten._weight_int8pack_mm(_as(flat, _COMPUTE), self.qweight, self.scales)
-        return _finish(out, self.bias, x, self.out_features)
+        return _finish(out, self.bias, x, self.out_features, self.keeps_float32 and out.dtype == torch.float32)
 
     def dequantize(self) -> torch.Tensor:
         """The weight [out, in] in the dense path's dtype (q fits bfloat16 exactly: one rounding there)."""
@@ -193,10 +196,11 @@ def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x if x.dtype == dtype else x.to(dtype)
 
 
-def _finish(out: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor, out_features: int) -> torch.Tensor:
+def _finish(out: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor, out_features: int,
+            keep_dtype: bool = False) -> torch.Tensor:
     if out.shape[1] != out_features:
         out = out[:, :out_features]  # drops the int4 padding rows
-    if out.dtype != x.dtype:
+    if out.dtype != x.dtype and not keep_dtype:
         out = out.to(x.dtype)  # back to the model's dtype
     if bias is not None:
         out = out + bias
@@ -295,7 +299,7 @@ def quantize_model(model: nn.Module, method: str | None, gguf_path: str | None =
     """
     if method is None:
         return model
-    check_quantization(method, gguf_path, next(model.parameters()).device)
+    resolve_quantization(method, gguf_path or "", next(model.parameters()).device)
     config = model.config
     reader = open_gguf(gguf_path) if method == "gguf" else None  # the file the loader parsed already
     # llama.cpp permutes q/k rows only in "llama" files (Qwen's keep the NeoX rotation): as the loader undoes it.
@@ -324,19 +328,43 @@ def quantize_model(model: nn.Module, method: str | None, gguf_path: str | None =
         model.lm_head = _from_float(method, model.lm_head)
     if isinstance(model.lm_head, Int8Linear):
         model.lm_head.int8_activations_above_rows = 0
+        model.lm_head.keeps_float32 = True
     return model
 
 
-def check_quantization(method: str | None, path: str | None, device: torch.device | str) -> None:
-    """ValueError, before any loading, for a method this build cannot run on ``path`` and ``device``."""
+def resolve_quantization(method: str | None, path: str, device: torch.device | str) -> str | None:
+    """The compact method to serve ``path`` with on ``device`` (None: dense), or a ValueError, before any loading,
+    for one this build cannot run there. ``NO_QUANTIZATION`` asks for dense weights; None is the default: a .gguf
+    file whose projections are stored quantized runs its own blocks ("gguf"), as llama.cpp and Ollama run a file,
+    where ``compact_by_default`` holds; everything else stays dense."""
+    if method == NO_QUANTIZATION:
+        return None
     if method is None:
-        return
+        quantized = torch.device(device).type == "cpu" and path.endswith(".gguf") and _stores_quantized(path)
+        return "gguf" if quantized and compact_by_default() else None
     if method not in QUANTIZATION_METHODS:
-        raise ValueError(f"unsupported quantization {method!r}; accepted: {', '.join(QUANTIZATION_METHODS)}")
+        raise ValueError(f"unsupported quantization {method!r}; accepted: "
+                         f"{', '.join((*QUANTIZATION_METHODS, NO_QUANTIZATION))}")
     if torch.device(device).type != "cpu":
         raise ValueError(f"quantization {method!r} runs on device cpu only (PyTorch's CPU kernels), not {device}")
-    if method == "gguf" and not (path and path.endswith(".gguf")):
+    if method == "gguf" and not path.endswith(".gguf"):
         raise ValueError(f"quantization 'gguf' needs a .gguf checkpoint, got {path!r}")
+    return method
+
+
+def compact_by_default() -> bool:
+    """Whether this CPU runs the compact path as measured (docs/model.md): int8 activations (VNNI), which give the
+    lm_head float32 logits, and native bfloat16 matmuls for prefill. Elsewhere the weight-only op hands back logits
+    rounded to bfloat16, which tips this model's near-ties (its first token for "What is the capital of France?")."""
+    return INT8_ACTIVATIONS and native_bfloat16_cpu()
+
+
+def _stores_quantized(path: str) -> bool:
+    """Whether the GGUF file's first layer keeps its projections in a quantized type (not F32, F16 or BF16)."""
+    dense = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
+    tensors = open_gguf(path).tensors
+    first_layer = (tensors.get(f"blk.0.{name}.weight") for name in _GGUF_NAMES.values())
+    return any(t is not None and t.tensor_type not in dense for t in first_layer)
 
 
 def _from_float(method: str, linear: nn.Module) -> Int4Linear | Int8Linear:

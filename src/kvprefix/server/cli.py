@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 from kvprefix.cache import COLLISION_SAFE_ALGOS, HASH_ALGOS
 from kvprefix.cache.default_model import DEFAULT_MODEL_NAME
-from kvprefix.engine.args import DEFAULT_KV_DISK_SIZE, QUANTIZATION_METHODS
+from kvprefix.engine.args import DEFAULT_KV_DISK_SIZE, NO_QUANTIZATION, QUANTIZATION_METHODS
 from kvprefix.engine.sampling_params import MAX_LOGPROBS
 from kvprefix.paths import ReadableFile, WritableDir, WritableFile, fraction, positive_float, positive_int
 from kvprefix.tiers.redis_store import DEFAULT_KEY_PREFIX, DEFAULT_TIMEOUT
@@ -153,10 +154,14 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     eng.add_argument("--model", default=None,
                      help="checkpoint directory, .gguf file or hub id (default: the built-in SmolLM2-135M-Instruct)")
     eng.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    eng.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
-                     help="CPU: weight-only int8 (per channel), int4 (groups of 32), or gguf (a .gguf model's own "
-                          "blocks); default dense (docs/model.md)")
+    eng.add_argument("--quantization", "-q", default=None, choices=(*QUANTIZATION_METHODS, NO_QUANTIZATION),
+                     help="CPU: weight-only int8 (per channel), int4 (groups of 32), gguf (a .gguf model's own "
+                          "blocks) or none (dense); default: a quantized .gguf file's own blocks on a CPU with "
+                          "VNNI and bfloat16 matmuls, else dense (docs/model.md)")
     eng.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    eng.add_argument("--cpu-threads", type=positive_int, default=None,
+                     help="threads for the CPU ops (default: OMP_NUM_THREADS, else physical cores - 1; "
+                          "docs/model.md#cpu-threads)")
     eng.add_argument("--deterministic", action="store_true",
                      help="batch-invariant numerics: a token's KV, logits and logprobs never depend on batching, "
                           "chunking or cache hits (slower; docs/determinism.md)")
@@ -182,7 +187,6 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
 def prepare(args: argparse.Namespace):
     """Checks the options (a bad one fails in a moment, before torch loads) and returns the engine's arguments and
     the server's config, for one server (``run``) or for every replica of a Ray deployment."""
-    import dataclasses
     import logging
     import socket
 
@@ -273,6 +277,9 @@ def _check_shared(args: argparse.Namespace, tenants: bool) -> None:
 def run(args: argparse.Namespace) -> int:
     engine_args, config = prepare(args)
     from kvprefix.engine import AsyncLLM
+    from kvprefix.engine.cpu_threads import serving_threads
+
+    engine_args = dataclasses.replace(engine_args, cpu_threads=serving_threads(engine_args.cpu_threads))
     from kvprefix.http.connections import timed_protocol
     from kvprefix.http.launch import run_server
     from kvprefix.server.app import create_app
