@@ -9,17 +9,22 @@ row's lm_head) over the peak of the dtype the layers compute in (compact layers:
 stream, as bytes per token (weights, one embedding row, the KV read) per second over the bandwidth. Each path
 (``dequantized``: the file dequantized, dtype auto; ``gguf``: ``--quantization gguf``) at each thread count; a repeat runs
 every path and thread count in turn, the order alternating, and measures the limits again before them; each
-phase's fraction is the median over the repeats of its figure over that repeat's limit.
+phase's fraction is the median over the repeats of its figure over that repeat's limit. ``--busy 0,1`` runs every
+thread count also with that many other processes spinning (a core taken by other work, limits included), to see
+whether the engine's threads wait at barriers the way llama.cpp's do.
 
-    python benchmarks/bench_limits.py [--repeats 3] [--threads 1,2] [--paths dequantized,gguf]
-        [--phases cold,suffix,decode] [--out results/bench_limits.json]
+    python benchmarks/bench_limits.py [--repeats 3] [--threads 1,2] [--busy 0] [--paths dequantized,gguf]
+        [--phases cold,suffix,decode] [--prefill-sizes 1024,4096] [--out results/bench_limits.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
+import subprocess
+import sys
 import time
 from collections import defaultdict
 
@@ -31,6 +36,15 @@ PREFIX_TOKENS = 4064  # the cached prefix of the suffix phases: the cold 4,096's
 PREFILL_SIZES = (1024, 4096)
 DECODE_PROMPT, DECODE_TOKENS = 256, 64
 PATHS = {"dequantized": "none", "gguf": "gguf"}  # name -> --quantization
+
+
+def spinning_processes(n: int) -> contextlib.ExitStack:
+    """``n`` processes spinning in pure Python until ``close()``: other work taking cores, as on a shared machine."""
+    stack = contextlib.ExitStack()
+    for _ in range(n):
+        spinner = stack.enter_context(subprocess.Popen([sys.executable, "-c", "while True: pass"]))
+        stack.callback(spinner.kill)
+    return stack
 
 
 # ---- limits ------------------------------------------------------------------------------------------------------
@@ -157,12 +171,13 @@ class EnginePath:
         return (m.finished_time - m.first_token_time) / (DECODE_TOKENS - 1)
 
 
-def run_phases(path: EnginePath, phases: list[str], timer: AttentionTimer) -> dict[str, dict]:
+def run_phases(path: EnginePath, phases: list[str], timer: AttentionTimer,
+               sizes: tuple[int, ...] = PREFILL_SIZES) -> dict[str, dict]:
     """One repeat of every phase on ``path``: {phase name: {"seconds", "attention_s", "flops" | "bytes"}}."""
     out = {}
     prefix = None
     if "cold" in phases or "suffix" in phases:
-        for n in PREFILL_SIZES:
+        for n in sizes:
             prompt = path.tokens(n)
             wall, attn = path.prefill(prompt, timer, 0)
             out[f"prefill {n} cold"] = {"seconds": wall, "attention_s": attn,
@@ -170,7 +185,7 @@ def run_phases(path: EnginePath, phases: list[str], timer: AttentionTimer) -> di
             if n >= PREFIX_TOKENS:
                 prefix = prompt[:PREFIX_TOKENS]  # cached now: the suffix phases start from it
     if "suffix" in phases:  # the cold phases ran too: they cached the prefix
-        for n in PREFILL_SIZES:
+        for n in sizes:
             wall, attn = path.prefill(prefix + path.tokens(n), timer, PREFIX_TOKENS)
             out[f"prefill {n} after cached {PREFIX_TOKENS}"] = {
                 "seconds": wall, "attention_s": attn, "flops": prefill_flops(path.config, n, PREFIX_TOKENS)}
@@ -187,16 +202,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--busy", default="0", help="numbers of spinning processes to run each setting beside")
     parser.add_argument("--paths", default="dequantized,gguf")
     parser.add_argument("--phases", default="cold,suffix,decode")
+    parser.add_argument("--prefill-sizes", default=",".join(map(str, PREFILL_SIZES)),
+                        help=f"prompt tokens of the prefill phases (suffix needs one of at least {PREFIX_TOKENS})")
     parser.add_argument("--out", default="results/bench_limits.json")
     args = parser.parse_args()
-    threads = [int(t) for t in args.threads.split(",")]
+    settings = [(int(t), int(b)) for t in args.threads.split(",") for b in args.busy.split(",")]
     phases = args.phases.split(",")
     unknown = [p for p in args.paths.split(",") if p not in PATHS] + [p for p in phases
                                                                       if p not in ("cold", "suffix", "decode")]
     if unknown:
         parser.error(f"unknown paths or phases {unknown}; paths: {list(PATHS)}, phases: cold, suffix, decode")
+    sizes = tuple(int(n) for n in args.prefill_sizes.split(","))
+    if "suffix" in phases and max(sizes) < PREFIX_TOKENS:
+        parser.error(f"the suffix phases follow a cached {PREFIX_TOKENS}-token prefix: --prefill-sizes needs one "
+                     f"of at least {PREFIX_TOKENS}")
     isa = torch.backends.cpu.get_cpu_capability()
     print(f"CPU: {cpu_name()} ({os.cpu_count()} cores; PyTorch's CPU capability {isa}; "
           f"bfloat16 native: {torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()})")
@@ -204,56 +226,59 @@ def main() -> None:
     paths = [EnginePath(name, seed=i) for i, name in enumerate(args.paths.split(","))]
     config = paths[0].config
     samples: dict[tuple[str, int, str], list[dict]] = defaultdict(list)
-    limits: dict[int, list[dict]] = defaultdict(list)
+    limits: dict[tuple[int, int], list[dict]] = defaultdict(list)
     loads = []
     for path in paths:  # first calls allocate and pack; not timed
         path.prefill(path.tokens(256), timer, 0)
         path.decode()
     for r in range(args.repeats):
-        for t in threads if r % 2 else threads[::-1]:
+        for t, busy in settings if r % 2 else settings[::-1]:
             # The limits again in every repeat, next to the phases they divide: other processes' load moves both.
             torch.set_num_threads(t)
+            spinning = spinning_processes(busy)
             limit = {"read_bytes_per_s": memory_read_bandwidth(t),
                      **{f"{d}_flops": matmul_peak(config, d) for d in ("bfloat16", "float32", "int8")}}
-            print(f"{t} thread(s): read {limit['read_bytes_per_s'] / 1e9:.1f} GB/s; matmul GFLOP/s on the model's "
+            print(f"{t} thread(s), {busy} busy: read {limit['read_bytes_per_s'] / 1e9:.1f} GB/s; matmul GFLOP/s on the model's "
                   "shapes: " + ", ".join(f"{d} {limit[f'{d}_flops'] / 1e9:.0f}" for d in ("bfloat16", "float32",
                                                                                         "int8")), flush=True)
             for path in paths if r % 2 else paths[::-1]:
-                for phase, result in run_phases(path, phases, timer).items():
+                for phase, result in run_phases(path, phases, timer, sizes).items():
                     if "flops" in result:
                         achieved = sum(result["flops"].values()) / result["seconds"]
                         result["fraction"] = achieved / limit[f"{path.compute_dtype}_flops"]
                     else:
                         result["fraction"] = result["bytes"] / result["seconds"] / limit["read_bytes_per_s"]
-                    samples[(path.name, t, phase)].append(result)
-                    print(f"  {path.name}, {t} thread(s), {phase}: {1000 * result['seconds']:.0f} ms, "
+                    samples[(path.name, t, busy, phase)].append(result)
+                    print(f"  {path.name}, {t} thread(s), {busy} busy, {phase}: {1000 * result['seconds']:.0f} ms, "
                           f"{result['fraction']:.2f} of the limit", flush=True)
-            limits[t].append(limit)
+            spinning.close()
+            limits[(t, busy)].append(limit)
         loads.append(os.getloadavg()[0])
         print(f"repeat {r + 1}/{args.repeats} done, load average {loads[-1]:.1f}", flush=True)
     rows = []
-    for (name, t, phase), results in samples.items():
+    for (name, t, busy, phase), results in samples.items():
         seconds = statistics.median(x["seconds"] for x in results)
         path = next(p for p in paths if p.name == name)
-        row = {"path": name, "threads": t, "phase": phase, "ms": 1000 * seconds,
+        row = {"path": name, "threads": t, "busy": busy, "phase": phase, "ms": 1000 * seconds,
                "fraction": statistics.median(x["fraction"] for x in results)}  # each over its own repeat's limit
         if "flops" in results[0]:
             flops = sum(results[0]["flops"].values())
-            peak = statistics.median(x[f"{path.compute_dtype}_flops"] for x in limits[t])
+            peak = statistics.median(x[f"{path.compute_dtype}_flops"] for x in limits[(t, busy)])
             row.update(GFLOP=flops / 1e9, **{"GFLOP/s": flops / seconds / 1e9},
                        limit=f"{peak / 1e9:.0f} GFLOP/s ({path.compute_dtype})",
                        attention_share=statistics.median(x["attention_s"] / x["seconds"] for x in results),
                        attention_flop_share=results[0]["flops"]["attention"] / flops)
         else:
             nbytes = results[0]["bytes"]
-            bandwidth = statistics.median(x["read_bytes_per_s"] for x in limits[t])
+            bandwidth = statistics.median(x["read_bytes_per_s"] for x in limits[(t, busy)])
             row.update(MB=nbytes / 1e6, **{"GB/s": nbytes / seconds / 1e9}, limit=f"{bandwidth / 1e9:.1f} GB/s read")
         rows.append(row)
-    rows.sort(key=lambda r: (r["phase"], r["path"], r["threads"]))
-    write_results(args.out, {"cpu": cpu_name(), "cpu_capability": isa, "limits": limits, "load_averages": loads,
+    rows.sort(key=lambda r: (r["phase"], r["path"], r["threads"], r["busy"]))
+    write_results(args.out, {"cpu": cpu_name(), "cpu_capability": isa,
+                             "limits": {f"{t} threads, {b} busy": v for (t, b), v in limits.items()}, "load_averages": loads,
                              "repeats": args.repeats, "rows": rows,
                              "samples": {" | ".join(map(str, k)): v for k, v in samples.items()}},
-                  rows, ["phase", "path", "threads", "ms", "GFLOP", "MB", "GFLOP/s", "GB/s", "limit", "fraction",
+                  rows, ["phase", "path", "threads", "busy", "ms", "GFLOP", "MB", "GFLOP/s", "GB/s", "limit", "fraction",
                          "attention_share", "attention_flop_share"],
                   {"ms": ".1f", "GFLOP": ".1f", "MB": ".1f", "GFLOP/s": ".1f", "GB/s": ".2f", "fraction": ".2f",
                    "attention_share": ".2f", "attention_flop_share": ".2f"})
