@@ -1,11 +1,16 @@
-"""Server latency under concurrent streams, this tree against another source tree, interleaved (an A/B).
+"""Server latency under concurrent streams, this tree against another source tree or other options, interleaved
+(an A/B).
 
 Each round starts `kvprefix serve` from one tree, then the other (the order alternates by round), and runs the same
 closed-loop load on each: ``--streams`` clients, each sending streamed chat requests that share one system prompt
-and differ in a short question, one after another. Reports per tree the medians over rounds of TTFT p50 and
-inter-token latency p50/p99 (client side: gaps between content chunks), and the ratios baseline / this.
+and differ in a short question, one after another. Reports per tree the medians over rounds of TTFT p50,
+inter-token latency p50/p99 (client side: gaps between content chunks) and output tokens/s (content chunks over the
+load's wall time), and the ratios baseline / this. ``--this-args`` / ``--baseline-args`` add `kvprefix serve`
+options to each side (with ``--baseline-src .``: one tree, two settings).
 
     python benchmarks/bench_serving_ab.py --baseline-src ../kvprefix-previous --rounds 4 --streams 8
+    python benchmarks/bench_serving_ab.py --baseline-src . --this-args "--cpu-threads 1" \
+        --baseline-args "--cpu-threads 2" --streams 8
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import asyncio
 import itertools
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -45,15 +51,18 @@ async def load(url: str, streams: int, requests_per_stream: int, max_tokens: int
     async with httpx.AsyncClient(timeout=600) as client:
         model = (await client.get(url + "/v1/models")).json()["data"][0]["id"]
         await one_stream(client, url, model, "warm-up", max_tokens)  # caches the system prompt
+        start = time.perf_counter()
 
         async def client_loop(c: int) -> list[dict]:
             return [await one_stream(client, url, model, f"Client {c}, question {i}: where is my order?",
                                      max_tokens) for i in range(requests_per_stream)]
 
         results = [r for rs in await asyncio.gather(*(client_loop(c) for c in range(streams))) for r in rs]
+        wall = time.perf_counter() - start
     gaps = [g for r in results for g in r["gaps"]]
     return {"ttft_p50_ms": 1000 * percentile([r["ttft"] for r in results], 50),
-            "itl_p50_ms": 1000 * percentile(gaps, 50), "itl_p99_ms": 1000 * percentile(gaps, 99)}
+            "itl_p50_ms": 1000 * percentile(gaps, 50), "itl_p99_ms": 1000 * percentile(gaps, 99),
+            "output_tokens_per_s": sum(len(r["gaps"]) + 1 for r in results) / wall}
 
 
 def main() -> None:
@@ -64,6 +73,8 @@ def main() -> None:
     p.add_argument("--requests-per-stream", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--model", default=None, help="checkpoint (default: the built-in model)")
+    p.add_argument("--this-args", default="", help="extra `kvprefix serve` options for this tree")
+    p.add_argument("--baseline-args", default="", help="extra `kvprefix serve` options for the baseline")
     p.add_argument("--out", default="results/bench_serving_ab.json")
     args = p.parse_args()
     trees = {"this": str(Path(__file__).resolve().parents[1] / "src"),
@@ -73,7 +84,7 @@ def main() -> None:
         order = list(trees) if rnd % 2 == 0 else list(reversed(trees))
         for name in order:
             env = {**os.environ, "PYTHONPATH": trees[name]}
-            extra = ["--model", args.model] if args.model else []
+            extra = (["--model", args.model] if args.model else []) + shlex.split(getattr(args, f"{name}_args"))
             server = start_serve(["--max-num-seqs", "64", *extra], env=env)
             try:
                 res = asyncio.run(load(server.url, args.streams, args.requests_per_stream, args.max_tokens))
