@@ -26,7 +26,7 @@ import random
 import statistics
 
 import torch
-from harness import write_results
+from harness import dense_quantization, write_results
 
 from kvprefix import LLM, SamplingParams
 
@@ -77,6 +77,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="checkpoint (default: the built-in default model)")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default="none",
+                        help="none (dense, what docs/determinism.md measured), gguf, int8 or int4")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prefill-tokens", type=int, default=512)
     parser.add_argument("--out", default="results/bench_determinism.json")
@@ -84,7 +86,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.row_classes:
         return row_classes()
-    engines = {mode: LLM(args.model, dtype=args.dtype, device="cpu", deterministic=mode == "on")
+    quantization = dense_quantization() if args.quantization == "none" else args.quantization
+    engines = {mode: LLM(args.model, dtype=args.dtype, quantization=quantization, device="cpu",
+                         deterministic=mode == "on")
                for mode in ("on", "off")}
     rng = random.Random(0)
     prefix = [rng.randrange(1000, 40000) for _ in range(args.prefill_tokens)]
