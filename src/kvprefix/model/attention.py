@@ -46,6 +46,11 @@ SPLIT_MIN_NEW = 256
 # it). CPU, no window, from this many shared tokens.
 CASCADE_MIN_TOKENS = 256
 
+# From this many new tokens a CPU prefill chunk attends in tiles of query rows with plain matmuls (``_tiled``)
+# instead of PyTorch's flash kernel; ``TILE_TOKENS`` query tokens a tile (docs/model.md#paged-attention).
+TILED_MIN_NEW = 512
+TILE_TOKENS = 128
+
 _scratch = threading.local()  # gather buffers, per thread (each engine runs its forwards on one thread)
 
 
@@ -265,6 +270,8 @@ def _prefill(q, k, v, cache, p: _Prefill, scale: float, window: int | None) -> t
     else:
         context = _gather(cache, p.block_ids).flatten(0, 1)[: p.seq_len]
         keys, values = context[:, : k.shape[1]], context[:, k.shape[1] :]
+    if window is None and query.device.type == "cpu" and num_new >= TILED_MIN_NEW:
+        return _tiled(query, keys, values, scale)
     if window is None and num_new == p.seq_len:
         # 4-D inputs take PyTorch's fused CPU attention kernel; 3-D ones the much slower math fallback.
         query, keys, values = (x.transpose(0, 1)[None] for x in (query, keys, values))
@@ -308,6 +315,34 @@ def _after_context(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     seen = seen.reshape(heads, num_new, head_dim)
     out = _merge(own, own_lse.reshape(heads, num_new), seen, seen_lse.reshape(heads, num_new))
     return out.transpose(0, 1)
+
+
+def _tiled(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of a CPU prefill chunk (the last ``new`` of the keys' positions) in tiles of
+    ``TILE_TOKENS`` queries, GQA folded into the rows: scores of a tile against the keys up to its last query in
+    one matmul (float32 scores), the causal mask on the tile's own keys only, a float32 softmax over the whole row,
+    and one matmul with the values. A tile's scores stay in cache; keys after the tile are never computed."""
+    num_new, heads, head_dim = query.shape
+    kv_heads = keys.shape[1]
+    group, context = heads // kv_heads, keys.shape[0] - num_new
+    # GQA folded token by token (a tile's rows are its tokens' query heads): [kv_heads, new * group, dim]
+    folded = query.view(num_new, kv_heads, group, head_dim).transpose(0, 1).reshape(kv_heads, -1, head_dim)
+    keys, values = (x.transpose(0, 1).contiguous() for x in (keys, values))  # [kv_heads, seq, dim]
+    scores_dtype = torch.float32
+    if folded.dtype != scores_dtype:
+        folded, keys = folded.to(scores_dtype), keys.to(scores_dtype)
+    out = torch.empty(kv_heads, num_new * group, head_dim, dtype=values.dtype)
+    tile = min(TILE_TOKENS, num_new)
+    rows = torch.arange(tile * group, device=query.device) // group
+    hidden = torch.arange(tile, device=query.device)[None, :] > rows[:, None]  # a tile's keys after each row
+    for start in range(0, num_new, tile):
+        end = min(start + tile, num_new)
+        top, bottom, seen = start * group, end * group, context + end
+        scores = torch.baddbmm(torch.empty((), dtype=folded.dtype).expand(kv_heads, bottom - top, seen),
+                               folded[:, top:bottom], keys[:, :seen].transpose(1, 2), beta=0, alpha=scale)
+        scores[:, :, context + start : seen].masked_fill_(hidden[: bottom - top, : end - start], -torch.inf)
+        torch.bmm(torch.softmax(scores, -1).to(values.dtype), values[:, :seen], out=out[:, top:bottom])
+    return out.view(kv_heads, num_new, group, head_dim).permute(1, 0, 2, 3).reshape(num_new, heads, head_dim)
 
 
 def _merge(own: torch.Tensor, own_lse: torch.Tensor, seen: torch.Tensor, seen_lse: torch.Tensor) -> torch.Tensor:
