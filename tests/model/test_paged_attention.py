@@ -111,7 +111,7 @@ def test_tiled_attention_in_bfloat16_is_as_close_to_exact_as_the_flash_kernel(mo
     tiled = (attend() - exact).norm() / exact.norm()
     monkeypatch.setattr(attention, "TILED_MIN_NEW", 1 << 30)
     flash = (attend() - exact).norm() / exact.norm()
-    assert tiled <= 2**-8 and tiled <= 1.25 * flash, (tiled, flash)
+    assert tiled <= 2**-8 and tiled <= 1.5 * flash, (tiled, flash)
 
 
 def test_decode_reads_context_from_cache(model) -> None:

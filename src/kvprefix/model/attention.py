@@ -48,8 +48,9 @@ CASCADE_MIN_TOKENS = 256
 
 # From this many new tokens a CPU prefill chunk attends in tiles of query rows with plain matmuls (``_tiled``)
 # instead of PyTorch's flash kernel; ``TILE_TOKENS`` query tokens a tile (docs/model.md#paged-attention).
-TILED_MIN_NEW = 512
+TILED_MIN_NEW = 256
 TILE_TOKENS = 128
+SHIFT_KEYS = 256
 
 _scratch = threading.local()  # gather buffers, per thread (each engine runs its forwards on one thread)
 
@@ -319,29 +320,45 @@ def _after_context(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
 
 def _tiled(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of a CPU prefill chunk (the last ``new`` of the keys' positions) in tiles of
-    ``TILE_TOKENS`` queries, GQA folded into the rows: scores of a tile against the keys up to its last query in
-    one matmul (float32 scores), the causal mask on the tile's own keys only, a float32 softmax over the whole row,
-    and one matmul with the values. A tile's scores stay in cache; keys after the tile are never computed."""
+    ``TILE_TOKENS`` queries, GQA folded into the rows: a tile's scores against the keys up to its last query in one
+    matmul, the causal mask on the tile's own keys only, the softmax over whole rows in place, one matmul with the
+    values. Keys after a tile are never computed, and its scores stay in cache.
+
+    The scores come out of the matmul in the model's dtype. So that rounding them to bfloat16 costs the large
+    weights no precision, each row is shifted inside the matmul (an extra column: -shift on the query, 1 on every
+    key, summed in float32) by its largest score over the first ``SHIFT_KEYS`` keys, which every row of the tile
+    sees (and by no less than 0): the softmax is the same for any shift, and its peak scores land near 0, where
+    bfloat16 is fine."""
     num_new, heads, head_dim = query.shape
-    kv_heads = keys.shape[1]
-    group, context = heads // kv_heads, keys.shape[0] - num_new
-    # GQA folded token by token (a tile's rows are its tokens' query heads): [kv_heads, new * group, dim]
-    folded = query.view(num_new, kv_heads, group, head_dim).transpose(0, 1).reshape(kv_heads, -1, head_dim)
-    keys, values = (x.transpose(0, 1).contiguous() for x in (keys, values))  # [kv_heads, seq, dim]
-    scores_dtype = torch.float32
-    if folded.dtype != scores_dtype:
-        folded, keys = folded.to(scores_dtype), keys.to(scores_dtype)
+    kv_heads, seq_len = keys.shape[1], keys.shape[0]
+    group, context = heads // kv_heads, seq_len - num_new
+    width = head_dim + 2  # the shift's column, and one of zeros to keep the width even (bfloat16 goes in pairs)
+    # GQA folded token by token (a tile's rows are its tokens' query heads): [kv_heads, new * group, width]
+    rows = query.new_zeros(kv_heads, num_new * group, width)
+    rows[..., :head_dim] = query.view(num_new, kv_heads, group, head_dim).transpose(0, 1).reshape(kv_heads, -1,
+                                                                                                   head_dim)
+    extended = keys.new_zeros(kv_heads, seq_len, width)  # [kv_heads, seq, width]: the keys, then 1
+    extended[..., :head_dim] = keys.transpose(0, 1)
+    extended[..., head_dim] = 1
+    values = values.transpose(0, 1).contiguous()
     out = torch.empty(kv_heads, num_new * group, head_dim, dtype=values.dtype)
     tile = min(TILE_TOKENS, num_new)
-    rows = torch.arange(tile * group, device=query.device) // group
-    hidden = torch.arange(tile, device=query.device)[None, :] > rows[:, None]  # a tile's keys after each row
+    later = torch.arange(tile)[None, :] > (torch.arange(tile * group) // group)[:, None]  # a tile's future keys
     for start in range(0, num_new, tile):
         end = min(start + tile, num_new)
         top, bottom, seen = start * group, end * group, context + end
-        scores = torch.baddbmm(torch.empty((), dtype=folded.dtype).expand(kv_heads, bottom - top, seen),
-                               folded[:, top:bottom], keys[:, :seen].transpose(1, 2), beta=0, alpha=scale)
-        scores[:, :, context + start : seen].masked_fill_(hidden[: bottom - top, : end - start], -torch.inf)
-        torch.bmm(torch.softmax(scores, -1).to(values.dtype), values[:, :seen], out=out[:, top:bottom])
+        tile_rows = rows[:, top:bottom]
+        own = torch.bmm(tile_rows[..., :head_dim], extended[:, context + start : seen, :head_dim].transpose(1, 2))
+        shift = own.masked_fill_(later[: bottom - top, : end - start], -torch.inf).amax(-1).clamp_min_(0)
+        if context + start:
+            sample = extended[:, : min(SHIFT_KEYS, context + start), :head_dim]
+            shift = torch.maximum(shift, torch.bmm(tile_rows[..., :head_dim], sample.transpose(1, 2)).amax(-1))
+        tile_rows[..., head_dim] = -shift
+        scores = _buffer("scores", query.dtype, kv_heads * (bottom - top) * seen).view(kv_heads, -1, seen)
+        torch.baddbmm(scores, tile_rows, extended[:, :seen].transpose(1, 2), beta=0, alpha=scale, out=scores)
+        scores[:, :, context + start :].masked_fill_(later[: bottom - top, : end - start], -torch.inf)
+        torch.ops.aten._softmax.out(scores, -1, False, out=scores)  # in place, row by row
+        torch.bmm(scores, values[:, :seen], out=out[:, top:bottom])
     return out.view(kv_heads, num_new, group, head_dim).permute(1, 0, 2, 3).reshape(num_new, heads, head_dim)
 
 
@@ -407,9 +424,14 @@ def _gather_target(cache: torch.Tensor, num_blocks: int) -> torch.Tensor:
     shape = (num_blocks, *cache.shape[1:])
     if cache.device.type != "cpu":
         return torch.empty(shape, dtype=cache.dtype, device=cache.device)
-    size = math.prod(shape)
+    return _buffer("gather", cache.dtype, math.prod(shape)).view(shape)
+
+
+def _buffer(name: str, dtype: torch.dtype, size: int) -> torch.Tensor:
+    """A flat uninitialized CPU tensor of ``size`` elements, a view of this thread's buffer ``name``, which grows
+    as needed and is reused across layers and steps."""
     buffers = _scratch.__dict__.setdefault("buffers", {})
-    buf = buffers.get(cache.dtype)
+    buf = buffers.get((name, dtype))
     if buf is None or buf.numel() < size:
-        buf = buffers[cache.dtype] = torch.empty(size, dtype=cache.dtype)
-    return buf[:size].view(shape)
+        buf = buffers[name, dtype] = torch.empty(size, dtype=dtype)
+    return buf[:size]
