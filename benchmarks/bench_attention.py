@@ -5,10 +5,11 @@ two unmasked calls merged by log-sum-exp, a cold chunk one causal call), and one
 
 Each case is a chunk of ``new`` tokens after ``context`` tokens already in a paged cache (one layer, the model's
 heads); a round times each way once, in alternating order, each way forced on whatever the size thresholds
-(``TILED_MIN_NEW``, ``SPLIT_MIN_NEW``) would pick, to show where they belong. Reports medians, their ratios and
-the largest difference between the tiled and flash outputs.
+(``TILED_MIN_NEW``, ``TILED_MIN_KEYS``, ``SPLIT_MIN_NEW``) would pick, to show where they belong. The tiled way
+is bfloat16's only (in float32 ``tiled`` times the flash kernel). Reports medians, their ratios and the largest
+difference between the tiled and flash outputs.
 
-    python benchmarks/bench_attention.py [--rounds 7] [--threads 1] [--dtypes bfloat16,float32]
+    python benchmarks/bench_attention.py [--rounds 7] [--threads 1] [--dtypes bfloat16]
         [--cases 2048+2048,4064+1024,...] [--out results/bench_attention.json]
 """
 
@@ -47,28 +48,34 @@ def _case(config: ModelConfig, context: int, new: int, dtype: torch.dtype, seed:
 
 
 NEVER = 1 << 30
-WAYS = {"tiled": (NEVER, 1), "flash": (1, NEVER), "masked": (NEVER, NEVER)}  # -> (SPLIT_MIN_NEW, TILED_MIN_NEW)
+WAYS = {  # the thresholds that force each way on
+    "tiled": {"TILED_MIN_NEW": 1, "TILED_MIN_KEYS": 1},
+    "flash": {"TILED_MIN_NEW": NEVER, "SPLIT_MIN_NEW": 1},
+    "masked": {"TILED_MIN_NEW": NEVER, "SPLIT_MIN_NEW": NEVER},
+}
 
 
 def _run(case, way: str, scale: float) -> tuple[float, torch.Tensor]:
     """One call, ``way`` forced on; the step's mask is cached in ``meta`` after the first call, as the engine
     shares it across layers."""
     q, kv, cache, meta = case
-    defaults = attention.SPLIT_MIN_NEW, attention.TILED_MIN_NEW
-    attention.SPLIT_MIN_NEW, attention.TILED_MIN_NEW = WAYS[way]
+    defaults = {name: getattr(attention, name) for name in WAYS[way]}
+    for name, value in WAYS[way].items():
+        setattr(attention, name, value)
     try:
         start = time.perf_counter()
         out = paged_attention(q, kv, cache, meta, scale)
         return time.perf_counter() - start, out
     finally:
-        attention.SPLIT_MIN_NEW, attention.TILED_MIN_NEW = defaults
+        for name, value in defaults.items():
+            setattr(attention, name, value)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--dtypes", default="bfloat16")
     parser.add_argument("--cases", default=CASES, help="context+new tokens, comma-separated")
     parser.add_argument("--out", default="results/bench_attention.json")
     args = parser.parse_args()

@@ -46,9 +46,12 @@ SPLIT_MIN_NEW = 256
 # it). CPU, no window, from this many shared tokens.
 CASCADE_MIN_TOKENS = 256
 
-# From this many new tokens a CPU prefill chunk attends in tiles of query rows with plain matmuls (``_tiled``)
-# instead of PyTorch's flash kernel; ``TILE_TOKENS`` query tokens a tile (docs/model.md#paged-attention).
-TILED_MIN_NEW = 256
+# A bfloat16 CPU prefill chunk of at least TILED_MIN_NEW tokens that sees at least TILED_MIN_KEYS positions attends
+# in tiles of TILE_TOKENS queries with plain matmuls (``_tiled``): there it took 0.66-0.88x the time of PyTorch's
+# flash kernel; over fewer positions, and in float32 (1.2-1.3x), the flash kernel is faster
+# (docs/model.md#paged-attention). SHIFT_KEYS: the keys a tile samples for the shift of its scores.
+TILED_MIN_NEW = 16
+TILED_MIN_KEYS = 1024
 TILE_TOKENS = 128
 SHIFT_KEYS = 256
 
@@ -271,7 +274,8 @@ def _prefill(q, k, v, cache, p: _Prefill, scale: float, window: int | None) -> t
     else:
         context = _gather(cache, p.block_ids).flatten(0, 1)[: p.seq_len]
         keys, values = context[:, : k.shape[1]], context[:, k.shape[1] :]
-    if window is None and query.device.type == "cpu" and num_new >= TILED_MIN_NEW:
+    if (window is None and query.dtype == torch.bfloat16 and query.device.type == "cpu"
+            and num_new >= TILED_MIN_NEW and p.seq_len >= TILED_MIN_KEYS):
         return _tiled(query, keys, values, scale)
     if window is None and num_new == p.seq_len:
         # 4-D inputs take PyTorch's fused CPU attention kernel; 3-D ones the much slower math fallback.
