@@ -49,11 +49,14 @@ CASCADE_MIN_TOKENS = 256
 # A bfloat16 CPU prefill chunk of at least TILED_MIN_NEW tokens that sees at least TILED_MIN_KEYS positions attends
 # in tiles of TILE_TOKENS queries with plain matmuls (``_tiled``): there it took 0.66-0.88x the time of PyTorch's
 # flash kernel; over fewer positions, and in float32 (1.2-1.3x), the flash kernel is faster
-# (docs/model.md#paged-attention). SHIFT_KEYS: the keys a tile samples for the shift of its scores.
+# (docs/model.md#paged-attention). SHIFT_KEYS: the keys a tile samples for the shift of its scores; TILE_SCORES: the
+# most scores one call computes for all KV heads at once (6 MB in bfloat16), past it one head at a time (0.9x the
+# time after 4,064 positions, where a tile's scores for 3 heads would no longer stay in cache).
 TILED_MIN_NEW = 16
 TILED_MIN_KEYS = 1024
 TILE_TOKENS = 128
 SHIFT_KEYS = 256
+TILE_SCORES = 3_000_000
 
 _scratch = threading.local()  # gather buffers, per thread (each engine runs its forwards on one thread)
 
@@ -358,11 +361,16 @@ def _tiled(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale:
             sample = extended[:, : min(SHIFT_KEYS, context + start), :head_dim]
             shift = torch.maximum(shift, torch.bmm(tile_rows[..., :head_dim], sample.transpose(1, 2)).amax(-1))
         tile_rows[..., head_dim] = -shift
-        scores = _buffer("scores", query.dtype, kv_heads * (bottom - top) * seen).view(kv_heads, -1, seen)
-        torch.baddbmm(scores, tile_rows, extended[:, :seen].transpose(1, 2), beta=0, alpha=scale, out=scores)
-        scores[:, :, context + start :].masked_fill_(later[: bottom - top, : end - start], -torch.inf)
-        torch.ops.aten._softmax.out(scores, -1, False, out=scores)  # in place, row by row
-        torch.bmm(scores, values[:, :seen], out=out[:, top:bottom])
+        # All KV heads in one call while their scores fit TILE_SCORES; one head at a time past it.
+        step = kv_heads if kv_heads * (bottom - top) * seen <= TILE_SCORES else 1
+        for head in range(0, kv_heads, step):
+            part = slice(head, head + step)
+            scores = _buffer("scores", query.dtype, step * (bottom - top) * seen).view(step, -1, seen)
+            torch.baddbmm(scores, tile_rows[part], extended[part, :seen].transpose(1, 2), beta=0, alpha=scale,
+                          out=scores)
+            scores[:, :, context + start :].masked_fill_(later[: bottom - top, : end - start], -torch.inf)
+            torch.ops.aten._softmax.out(scores, -1, False, out=scores)  # in place, row by row
+            torch.bmm(scores, values[part, :seen], out=out[part, top:bottom])
     return out.view(kv_heads, num_new, group, head_dim).permute(1, 0, 2, 3).reshape(num_new, heads, head_dim)
 
 
