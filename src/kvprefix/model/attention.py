@@ -47,7 +47,7 @@ SPLIT_MIN_NEW = 256
 CASCADE_MIN_TOKENS = 256
 
 # A bfloat16 CPU prefill chunk of at least TILED_MIN_NEW tokens that sees at least TILED_MIN_KEYS positions attends
-# in tiles of TILE_TOKENS queries with plain matmuls (``_tiled``): there it took 0.66-0.88x the time of PyTorch's
+# in tiles of TILE_TOKENS queries with plain matmuls (``_tiled``): there it took 0.66-0.83x the time of PyTorch's
 # flash kernel; over fewer positions, and in float32 (1.2-1.3x), the flash kernel is faster
 # (docs/model.md#paged-attention). SHIFT_KEYS: the keys a tile samples for the shift of its scores; TILE_SCORES: the
 # most scores one call computes for all KV heads at once (6 MB in bfloat16), past it one head at a time (0.9x the
@@ -58,7 +58,7 @@ TILE_TOKENS = 128
 SHIFT_KEYS = 256
 TILE_SCORES = 3_000_000
 
-_scratch = threading.local()  # gather buffers, per thread (each engine runs its forwards on one thread)
+_scratch = threading.local()  # gather and score buffers, per thread (each engine runs its forwards on one thread)
 
 
 @dataclass
@@ -333,8 +333,8 @@ def _tiled(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale:
 
     The scores come out of the matmul in the model's dtype. So that rounding them to bfloat16 costs the large
     weights no precision, each row is shifted inside the matmul (an extra column: -shift on the query, 1 on every
-    key, summed in float32) by its largest score over the first ``SHIFT_KEYS`` keys, which every row of the tile
-    sees (and by no less than 0): the softmax is the same for any shift, and its peak scores land near 0, where
+    key, summed in float32) by its largest score over the tile's own keys it sees and the first ``SHIFT_KEYS`` keys
+    (and by no less than 0): the softmax is the same for any shift, and its peak scores land near 0, where
     bfloat16 is fine."""
     num_new, heads, head_dim = query.shape
     kv_heads, seq_len = keys.shape[1], keys.shape[0]
