@@ -1,11 +1,15 @@
-"""Prefill attention after earlier context: the two unmasked flash calls merged by log-sum-exp against one call
-with an explicit mask, through ``paged_attention`` on the built-in model's head shapes, interleaved.
+"""Prefill attention on CPU, three ways through ``paged_attention`` on the built-in model's head shapes,
+interleaved: query tiles of plain matmuls (``tiled``), PyTorch's flash kernel (``flash``: after earlier context
+two unmasked calls merged by log-sum-exp, a cold chunk one causal call), and one flash call with an explicit mask
+(``masked``; a cold chunk takes the causal call here too).
 
 Each case is a chunk of ``new`` tokens after ``context`` tokens already in a paged cache (one layer, the model's
-heads); a round times each way once, in alternating order (the masked call is what ``SPLIT_MIN_NEW`` above the
-chunk selects; the split is forced on for chunks below it too, to show why it is the threshold). Reports medians, their ratio and the largest difference between the two outputs.
+heads); a round times each way once, in alternating order, each way forced on whatever the size thresholds
+(``TILED_MIN_NEW``, ``TILED_MIN_KEYS``, ``SPLIT_MIN_NEW``) would pick, to show where they belong. The tiled way
+is bfloat16's only (in float32 ``tiled`` times the flash kernel). Reports medians, their ratios and the largest
+difference between the tiled and flash outputs.
 
-    python benchmarks/bench_attention.py [--rounds 7] [--threads 1] [--dtypes bfloat16,float32]
+    python benchmarks/bench_attention.py [--rounds 7] [--threads 1] [--dtypes bfloat16]
         [--cases 2048+2048,4064+1024,...] [--out results/bench_attention.json]
 """
 
@@ -25,7 +29,7 @@ from kvprefix.model.attention import AttentionMetadata, allocate_kv_cache, paged
 from kvprefix.model.config import ModelConfig
 
 BLOCK_SIZE = 16
-CASES = "64+16,1024+128,1024+256,2048+256,2048+2048,4064+1024,4064+4096"  # context+new
+CASES = "64+16,1024+128,1024+256,2048+256,0+512,0+2048,2048+512,2048+2048,4064+1024,4064+2048,6112+2048"
 
 
 def _case(config: ModelConfig, context: int, new: int, dtype: torch.dtype, seed: int):
@@ -43,25 +47,35 @@ def _case(config: ModelConfig, context: int, new: int, dtype: torch.dtype, seed:
     return q, kv, cache, meta
 
 
-def _run(case, split: bool, scale: float) -> tuple[float, torch.Tensor]:
-    """One call, the two-call split forced on or off; the step's mask is cached in ``meta`` after the first call,
-    as the engine shares it across layers."""
+NEVER = 1 << 30
+WAYS = {  # the thresholds that force each way on
+    "tiled": {"TILED_MIN_NEW": 1, "TILED_MIN_KEYS": 1},
+    "flash": {"TILED_MIN_NEW": NEVER, "SPLIT_MIN_NEW": 1},
+    "masked": {"TILED_MIN_NEW": NEVER, "SPLIT_MIN_NEW": NEVER},
+}
+
+
+def _run(case, way: str, scale: float) -> tuple[float, torch.Tensor]:
+    """One call, ``way`` forced on; the step's mask is cached in ``meta`` after the first call, as the engine
+    shares it across layers."""
     q, kv, cache, meta = case
-    default = attention.SPLIT_MIN_NEW
-    attention.SPLIT_MIN_NEW = 1 if split else 1 << 30
+    defaults = {name: getattr(attention, name) for name in WAYS[way]}
+    for name, value in WAYS[way].items():
+        setattr(attention, name, value)
     try:
         start = time.perf_counter()
         out = paged_attention(q, kv, cache, meta, scale)
         return time.perf_counter() - start, out
     finally:
-        attention.SPLIT_MIN_NEW = default
+        for name, value in defaults.items():
+            setattr(attention, name, value)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--dtypes", default="bfloat16")
     parser.add_argument("--cases", default=CASES, help="context+new tokens, comma-separated")
     parser.add_argument("--out", default="results/bench_attention.json")
     args = parser.parse_args()
@@ -76,19 +90,25 @@ def main() -> None:
         for i, spec in enumerate(args.cases.split(",")):
             context, new = (int(x) for x in spec.split("+"))
             case = _case(config, context, new, dtype, seed=i)
-            times = {True: [], False: []}
+            times = {way: [] for way in WAYS}
             for r in range(args.rounds + 1):  # the first round warms up and is dropped
-                for split in ((True, False) if r % 2 else (False, True)):
-                    seconds, _ = _run(case, split, scale)
+                for way in (list(WAYS) if r % 2 else list(WAYS)[::-1]):
+                    seconds, _ = _run(case, way, scale)
                     if r:
-                        times[split].append(seconds)
-            diff = (_run(case, True, scale)[1].float() - _run(case, False, scale)[1].float()).abs().max().item()
-            split_ms, masked_ms = (statistics.median(times[s]) * 1e3 for s in (True, False))
-            rows.append({"dtype": dtype_name, "context": context, "new": new, "masked ms": masked_ms,
-                         "split ms": split_ms, "split / masked": split_ms / masked_ms, "max abs diff": diff})
-            print(f"  {dtype_name} {context}+{new}: masked {masked_ms:.2f} ms, split {split_ms:.2f} ms", flush=True)
-    write_results(args.out, {"cpu": cpu_name(), "threads": args.threads, "rounds": args.rounds, "rows": rows},
-                  rows, formats={"masked ms": ".2f", "split ms": ".2f", "split / masked": ".2f",
+                        times[way].append(seconds)
+            diff = (_run(case, "tiled", scale)[1].float() - _run(case, "flash", scale)[1].float()).abs().max().item()
+            ms = {way: statistics.median(times[way]) * 1e3 for way in WAYS}
+            flops = 4 * config.head_dim * config.num_attention_heads * (new * context + new * (new + 1) // 2)
+            rows.append({"dtype": dtype_name, "context": context, "new": new,
+                         **{f"{way} ms": ms[way] for way in WAYS}, "tiled / flash": ms["tiled"] / ms["flash"],
+                         "flash / masked": ms["flash"] / ms["masked"],
+                         "tiled GFLOP/s": flops / ms["tiled"] / 1e6, "flash GFLOP/s": flops / ms["flash"] / 1e6,
+                         "max abs diff": diff})
+            print(f"  {dtype_name} {context}+{new}: " + ", ".join(f"{w} {ms[w]:.2f} ms" for w in WAYS), flush=True)
+    write_results(args.out, {"cpu": cpu_name(), "threads": args.threads, "rounds": args.rounds,
+                             "load_average": os.getloadavg()[0], "rows": rows},
+                  rows, formats={**{f"{way} ms": ".2f" for way in WAYS}, "tiled / flash": ".2f",
+                                 "flash / masked": ".2f", "tiled GFLOP/s": ".0f", "flash GFLOP/s": ".0f",
                                  "max abs diff": ".1e"})
 
 

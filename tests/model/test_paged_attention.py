@@ -4,11 +4,19 @@ import pytest
 import torch
 from support.paged import Chunk, run_batch
 
-from kvprefix.model import AttentionMetadata, allocate_kv_cache, load_model
-from kvprefix.model.attention import CASCADE_MIN_TOKENS, SPLIT_MIN_NEW
+from kvprefix.model import AttentionMetadata, allocate_kv_cache, attention, load_model
+from kvprefix.model.attention import (
+    CASCADE_MIN_TOKENS,
+    SPLIT_MIN_NEW,
+    TILE_TOKENS,
+    TILED_MIN_KEYS,
+    LayerKV,
+    paged_attention,
+)
 
 BLOCK = 4
 TOL = 1e-5
+TOL_BF16 = 0.05  # logits of the tiny model in bfloat16 (a missing causal mask moves them by ~1)
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +62,59 @@ def test_long_chunks_after_context_equal_one_pass(model, chunks: list[int]) -> N
         logits = run_batch(model, kv, BLOCK, [Chunk(tokens, done, n, blocks)])[0]
         done += n
     assert (logits - full_pass(model, tokens)).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("chunks", [[TILED_MIN_KEYS + 37], [150, TILED_MIN_KEYS + TILE_TOKENS + 9]])
+def test_tiled_chunks_give_the_logits_of_the_flash_kernel(tiny_llama_path: str, monkeypatch, chunks: list[int]) -> None:
+    """A bfloat16 chunk over TILED_MIN_KEYS positions or more (cold, or after earlier context) attends in query
+    tiles of plain matmuls, the last tile partial: the logits of the flash kernel's path, to bfloat16's rounding."""
+    model = load_model(tiny_llama_path, dtype=torch.bfloat16)
+    tokens = prompt(14, sum(chunks))
+    blocks = list(range(1, 1 + -(-len(tokens) // BLOCK)))
+
+    def logits() -> torch.Tensor:
+        kv, done = allocate_kv_cache(model.config, len(blocks) + 1, BLOCK, torch.bfloat16, "cpu"), 0
+        for n in chunks:
+            out = run_batch(model, kv, BLOCK, [Chunk(tokens, done, n, blocks)])[0]
+            done += n
+        return out
+
+    tiled = logits()
+    monkeypatch.setattr(attention, "TILED_MIN_NEW", 1 << 30)
+    flash = logits()
+    assert (tiled - flash).abs().max().item() <= TOL_BF16, (tiled - flash).abs().max().item()
+
+
+@pytest.mark.parametrize(("context", "new"), [(0, TILED_MIN_KEYS + 50), (TILED_MIN_KEYS, 2 * TILE_TOKENS + 7)])
+def test_tiled_attention_in_bfloat16_is_as_close_to_exact_as_the_flash_kernel(monkeypatch, context: int,
+                                                                               new: int) -> None:
+    """bfloat16 queries and cache on the built-in model's heads (9 query heads on 3 KV heads, dim 64): the tiled
+    path's output against float64 attention, within bfloat16's rounding and no further off than the flash
+    kernel's."""
+    gen = torch.Generator().manual_seed(15)
+    heads, kv_heads, dim, block = 9, 3, 64, 16
+    blocks = list(range(-(-(context + new) // block)))
+    earlier = torch.randn(context, 2 * kv_heads, dim, generator=gen).bfloat16()
+    q = torch.randn(new, heads, dim, generator=gen).bfloat16()
+    kv = torch.randn(new, 2 * kv_heads, dim, generator=gen).bfloat16()
+
+    def attend() -> torch.Tensor:
+        cache = LayerKV(torch.zeros(len(blocks), block, 2 * kv_heads, dim, dtype=torch.bfloat16))
+        cache.kv.view(-1, 2 * kv_heads, dim)[:context] = earlier
+        meta, _ = AttentionMetadata.for_chunks([(context, new, blocks)], block)
+        with torch.inference_mode():  # as the model runs it (its scratch buffers are inference tensors)
+            return paged_attention(q, kv, cache, meta, dim**-0.5).double()
+
+    keys, values = (torch.cat([earlier, kv])[:, part].double().repeat_interleave(heads // kv_heads, 1)
+                    for part in (slice(0, kv_heads), slice(kv_heads, None)))
+    scores = torch.einsum("qhd,khd->hqk", q.double(), keys) * dim**-0.5
+    scores.masked_fill_(torch.arange(context + new)[None, :] > torch.arange(context, context + new)[:, None],
+                        -torch.inf)
+    exact = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+    tiled = (attend() - exact).norm() / exact.norm()
+    monkeypatch.setattr(attention, "TILED_MIN_NEW", 1 << 30)
+    flash = (attend() - exact).norm() / exact.norm()
+    assert tiled <= 2**-8 and tiled <= 1.5 * flash, (tiled, flash)
 
 
 def test_decode_reads_context_from_cache(model) -> None:

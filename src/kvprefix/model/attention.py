@@ -46,7 +46,19 @@ SPLIT_MIN_NEW = 256
 # it). CPU, no window, from this many shared tokens.
 CASCADE_MIN_TOKENS = 256
 
-_scratch = threading.local()  # gather buffers, per thread (each engine runs its forwards on one thread)
+# A bfloat16 CPU prefill chunk of at least TILED_MIN_NEW tokens that sees at least TILED_MIN_KEYS positions attends
+# in tiles of TILE_TOKENS queries with plain matmuls (``_tiled``): there it took 0.66-0.83x the time of PyTorch's
+# flash kernel; over fewer positions, and in float32 (1.2-1.3x), the flash kernel is faster
+# (docs/model.md#paged-attention). SHIFT_KEYS: the keys a tile samples for the shift of its scores; TILE_SCORES: the
+# most scores one call computes for all KV heads at once (6 MB in bfloat16), past it one head at a time (0.9x the
+# time after 4,064 positions, where a tile's scores for 3 heads would no longer stay in cache).
+TILED_MIN_NEW = 16
+TILED_MIN_KEYS = 1024
+TILE_TOKENS = 128
+SHIFT_KEYS = 256
+TILE_SCORES = 3_000_000
+
+_scratch = threading.local()  # gather and score buffers, per thread (each engine runs its forwards on one thread)
 
 
 @dataclass
@@ -265,6 +277,9 @@ def _prefill(q, k, v, cache, p: _Prefill, scale: float, window: int | None) -> t
     else:
         context = _gather(cache, p.block_ids).flatten(0, 1)[: p.seq_len]
         keys, values = context[:, : k.shape[1]], context[:, k.shape[1] :]
+    if (window is None and query.dtype == torch.bfloat16 and query.device.type == "cpu"
+            and num_new >= TILED_MIN_NEW and p.seq_len >= TILED_MIN_KEYS):
+        return _tiled(query, keys, values, scale)
     if window is None and num_new == p.seq_len:
         # 4-D inputs take PyTorch's fused CPU attention kernel; 3-D ones the much slower math fallback.
         query, keys, values = (x.transpose(0, 1)[None] for x in (query, keys, values))
@@ -308,6 +323,55 @@ def _after_context(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     seen = seen.reshape(heads, num_new, head_dim)
     out = _merge(own, own_lse.reshape(heads, num_new), seen, seen_lse.reshape(heads, num_new))
     return out.transpose(0, 1)
+
+
+def _tiled(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of a CPU prefill chunk (the last ``new`` of the keys' positions) in tiles of
+    ``TILE_TOKENS`` queries, GQA folded into the rows: a tile's scores against the keys up to its last query in one
+    matmul, the causal mask on the tile's own keys only, the softmax over whole rows in place, one matmul with the
+    values. Keys after a tile are never computed, and its scores stay in cache.
+
+    The scores come out of the matmul in the model's dtype. So that rounding them to bfloat16 costs the large
+    weights no precision, each row is shifted inside the matmul (an extra column: -shift on the query, 1 on every
+    key, summed in float32) by its largest score over the tile's own keys it sees and the first ``SHIFT_KEYS`` keys
+    (and by no less than 0): the softmax is the same for any shift, and its peak scores land near 0, where
+    bfloat16 is fine."""
+    num_new, heads, head_dim = query.shape
+    kv_heads, seq_len = keys.shape[1], keys.shape[0]
+    group, context = heads // kv_heads, seq_len - num_new
+    width = head_dim + 2  # the shift's column, and one of zeros to keep the width even (bfloat16 goes in pairs)
+    # GQA folded token by token (a tile's rows are its tokens' query heads): [kv_heads, new * group, width]
+    rows = query.new_zeros(kv_heads, num_new * group, width)
+    rows[..., :head_dim] = query.view(num_new, kv_heads, group, head_dim).transpose(0, 1).reshape(kv_heads, -1,
+                                                                                                   head_dim)
+    extended = keys.new_zeros(kv_heads, seq_len, width)  # [kv_heads, seq, width]: the keys, then 1
+    extended[..., :head_dim] = keys.transpose(0, 1)
+    extended[..., head_dim] = 1
+    values = values.transpose(0, 1).contiguous()
+    out = torch.empty(kv_heads, num_new * group, head_dim, dtype=values.dtype)
+    tile = min(TILE_TOKENS, num_new)
+    later = torch.arange(tile)[None, :] > (torch.arange(tile * group) // group)[:, None]  # a tile's future keys
+    for start in range(0, num_new, tile):
+        end = min(start + tile, num_new)
+        top, bottom, seen = start * group, end * group, context + end
+        tile_rows = rows[:, top:bottom]
+        own = torch.bmm(tile_rows[..., :head_dim], extended[:, context + start : seen, :head_dim].transpose(1, 2))
+        shift = own.masked_fill_(later[: bottom - top, : end - start], -torch.inf).amax(-1).clamp_min_(0)
+        if context + start:
+            sample = extended[:, : min(SHIFT_KEYS, context + start), :head_dim]
+            shift = torch.maximum(shift, torch.bmm(tile_rows[..., :head_dim], sample.transpose(1, 2)).amax(-1))
+        tile_rows[..., head_dim] = -shift
+        # All KV heads in one call while their scores fit TILE_SCORES; one head at a time past it.
+        step = kv_heads if kv_heads * (bottom - top) * seen <= TILE_SCORES else 1
+        for head in range(0, kv_heads, step):
+            part = slice(head, head + step)
+            scores = _buffer("scores", query.dtype, step * (bottom - top) * seen).view(step, -1, seen)
+            torch.baddbmm(scores, tile_rows[part], extended[part, :seen].transpose(1, 2), beta=0, alpha=scale,
+                          out=scores)
+            scores[:, :, context + start :].masked_fill_(later[: bottom - top, : end - start], -torch.inf)
+            torch.ops.aten._softmax.out(scores, -1, False, out=scores)  # in place, row by row
+            torch.bmm(scores, values[part, :seen], out=out[part, top:bottom])
+    return out.view(kv_heads, num_new, group, head_dim).permute(1, 0, 2, 3).reshape(num_new, heads, head_dim)
 
 
 def _merge(own: torch.Tensor, own_lse: torch.Tensor, seen: torch.Tensor, seen_lse: torch.Tensor) -> torch.Tensor:
@@ -372,9 +436,14 @@ def _gather_target(cache: torch.Tensor, num_blocks: int) -> torch.Tensor:
     shape = (num_blocks, *cache.shape[1:])
     if cache.device.type != "cpu":
         return torch.empty(shape, dtype=cache.dtype, device=cache.device)
-    size = math.prod(shape)
+    return _buffer("gather", cache.dtype, math.prod(shape)).view(shape)
+
+
+def _buffer(name: str, dtype: torch.dtype, size: int) -> torch.Tensor:
+    """A flat uninitialized CPU tensor of ``size`` elements, a view of this thread's buffer ``name``, which grows
+    as needed and is reused across layers and steps."""
     buffers = _scratch.__dict__.setdefault("buffers", {})
-    buf = buffers.get(cache.dtype)
+    buf = buffers.get((name, dtype))
     if buf is None or buf.numel() < size:
-        buf = buffers[cache.dtype] = torch.empty(size, dtype=cache.dtype)
-    return buf[:size].view(shape)
+        buf = buffers[name, dtype] = torch.empty(size, dtype=dtype)
+    return buf[:size]
