@@ -52,3 +52,23 @@ def test_default_model_answers_with_compact_weights(quantization: str) -> None:
     out = llm.chat([{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
                    SamplingParams(temperature=0, max_tokens=16))
     assert "Paris" in out[0].outputs[0].text, out[0].outputs[0].text
+
+
+@pytest.mark.slow
+def test_a_long_prompt_gives_the_same_tokens_with_caching_on_and_off() -> None:
+    # Counting to 320 (~1,500 tokens: digits are tokens of their own) is past TILED_MIN_KEYS, so in bfloat16 the
+    # chunks attend in tiles (model/attention.py); the cached prefix (1,040 tokens) is not a multiple of
+    # TILE_TOKENS, so the hit's tiles start elsewhere than the cold run's. The model carries on counting.
+    from kvprefix.model.attention import TILE_TOKENS, TILED_MIN_KEYS
+
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    cached = LLM(kv_cache_memory=256 << 20)
+    prompt = cached.get_tokenizer().encode(", ".join(str(i) for i in range(1, 321)) + ",")
+    assert len(prompt) > TILED_MIN_KEYS and 1040 % TILE_TOKENS
+    cached.generate([{"prompt_token_ids": prompt[:1040] + [28] * 30}], greedy, use_tqdm=False)
+    hit = cached.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)[0]
+    assert hit.num_cached_tokens == 1040
+    assert hit.outputs[0].text.startswith(" 321, 322"), hit.outputs[0].text
+    cold = LLM(kv_cache_memory=256 << 20, enable_prefix_caching=False)
+    assert hit.outputs[0].token_ids == cold.generate([{"prompt_token_ids": prompt}], greedy,
+                                                     use_tqdm=False)[0].outputs[0].token_ids
