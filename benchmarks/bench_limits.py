@@ -238,9 +238,9 @@ def main() -> None:
             spinning = spinning_processes(busy)
             limit = {"read_bytes_per_s": memory_read_bandwidth(t),
                      **{f"{d}_flops": matmul_peak(config, d) for d in ("bfloat16", "float32", "int8")}}
-            print(f"{t} thread(s), {busy} busy: read {limit['read_bytes_per_s'] / 1e9:.1f} GB/s; matmul GFLOP/s on the model's "
-                  "shapes: " + ", ".join(f"{d} {limit[f'{d}_flops'] / 1e9:.0f}" for d in ("bfloat16", "float32",
-                                                                                        "int8")), flush=True)
+            rates = ", ".join(f"{d} {limit[f'{d}_flops'] / 1e9:.0f}" for d in ("bfloat16", "float32", "int8"))
+            print(f"{t} thread(s), {busy} busy: read {limit['read_bytes_per_s'] / 1e9:.1f} GB/s; matmul GFLOP/s on "
+                  f"the model's shapes: {rates}", flush=True)
             for path in paths if r % 2 else paths[::-1]:
                 for phase, result in run_phases(path, phases, timer, sizes).items():
                     if "flops" in result:
@@ -275,11 +275,12 @@ def main() -> None:
         rows.append(row)
     rows.sort(key=lambda r: (r["phase"], r["path"], r["threads"], r["busy"]))
     write_results(args.out, {"cpu": cpu_name(), "cpu_capability": isa,
-                             "limits": {f"{t} threads, {b} busy": v for (t, b), v in limits.items()}, "load_averages": loads,
+                             "limits": {f"{t} threads, {b} busy": v for (t, b), v in limits.items()},
+                             "load_averages": loads,
                              "repeats": args.repeats, "rows": rows,
                              "samples": {" | ".join(map(str, k)): v for k, v in samples.items()}},
-                  rows, ["phase", "path", "threads", "busy", "ms", "GFLOP", "MB", "GFLOP/s", "GB/s", "limit", "fraction",
-                         "attention_share", "attention_flop_share"],
+                  rows, ["phase", "path", "threads", "busy", "ms", "GFLOP", "MB", "GFLOP/s", "GB/s", "limit",
+                         "fraction", "attention_share", "attention_flop_share"],
                   {"ms": ".1f", "GFLOP": ".1f", "MB": ".1f", "GFLOP/s": ".1f", "GB/s": ".2f", "fraction": ".2f",
                    "attention_share": ".2f", "attention_flop_share": ".2f"})
     print(f"load average during the repeats: {min(loads):.1f} - {max(loads):.1f}")

@@ -18,8 +18,8 @@ class EngineArgs:
     ``max_position_embeddings``. ``tenant_kv_reserve`` > 0: that fraction of the cache is reserved per tenant
     (docs/security.md). ``share_inflight_prefixes``: wait (bounded) for prompt blocks a running request is computing.
     ``scheduling_policy``: "fcfs" or "cache_aware" (most cached first, bounded by ``max_wait_steps``;
-    docs/engine.md). ``quantization`` (CPU only): "int8", "int4" or "gguf" compact weights, "none" dense; None: a quantized .gguf
-    file's own blocks where the CPU runs them natively, else dense (docs/model.md).
+    docs/engine.md). ``quantization`` (CPU only): "int8", "int4" or "gguf" compact weights, "none" dense; None: a
+    quantized .gguf file's own blocks where the CPU runs them natively, else dense (docs/model.md).
     ``kv_disk``: a directory for the persistent KV tier, at most ``kv_disk_size`` (bytes, or "20GiB"), writes
     queued up to ``kv_disk_queue`` blocks (docs/tiers.md). ``kv_shared``: a ``redis://`` URL for the shared tier
     (keys under ``kv_shared_prefix``, each call bounded by ``kv_shared_timeout`` seconds). ``kv_retention``: what

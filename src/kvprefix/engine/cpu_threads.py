@@ -1,7 +1,8 @@
-"""How many threads a `kvprefix serve` process gives PyTorch's CPU ops (``EngineArgs.cpu_threads``): ``--cpu-threads``, else ``OMP_NUM_THREADS``, else one
-per physical core the process may run on, less one. The core left over runs the rest of the process (the event
-loop, tokenizer, tier writers) and whatever shares the machine: the ops' OpenMP threads wait for each other at
-every op, spinning, so one thread losing its core stalls all of them (docs/model.md#cpu-threads)."""
+"""How many threads a `kvprefix serve` process gives PyTorch's CPU ops (``EngineArgs.cpu_threads``):
+``--cpu-threads``, else ``OMP_NUM_THREADS``, else one per physical core the process may run on, less one. The core
+left over runs the rest of the process (the event loop, tokenizer, tier writers) and whatever shares the machine:
+the ops' OpenMP threads wait for each other at every op, spinning, so one thread losing its core stalls all of them
+(docs/model.md#cpu-threads)."""
 
 from __future__ import annotations
 
