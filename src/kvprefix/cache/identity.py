@@ -95,6 +95,7 @@ def namespace_id(root: bytes) -> str:
 
 QUANTIZATION_METHODS = ("int8", "int4", "gguf")  # compact weights (kvprefix.model.quantized_linear)
 NO_QUANTIZATION = "none"  # asks for dense weights where a quantized GGUF would run compact by default
+QUANTIZATION_CHOICES = (*QUANTIZATION_METHODS, NO_QUANTIZATION)  # what --quantization accepts
 IDENTITY_VERSION = 1  # of BlockIdentity.to_dict (docs/hashing.md)
 _CONTEXT_FIELDS = ("model", "revision", "tokenizer", "chat_template", "kv_dtype")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvprefix.cache.identity import NO_QUANTIZATION, QUANTIZATION_METHODS  # noqa: F401  (the CLI's choices)
+from kvprefix.cache.identity import QUANTIZATION_CHOICES  # noqa: F401  (the CLI's --quantization choices)
 from kvprefix.tiers.redis_store import DEFAULT_KEY_PREFIX, DEFAULT_TIMEOUT
 
 DEFAULT_KV_DISK_SIZE = "10GiB"

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from kvprefix.cache.identity import NO_QUANTIZATION, QUANTIZATION_METHODS
+from kvprefix.cache.identity import NO_QUANTIZATION, QUANTIZATION_CHOICES, QUANTIZATION_METHODS
 from kvprefix.model.gguf_loader import _LAYER_NAMES, unpermute_rows
 from kvprefix.model.loader import native_bfloat16_cpu
 from kvprefix.tokenizer.gguf_file import GGUFFile, open_gguf
@@ -343,8 +343,7 @@ def resolve_quantization(method: str | None, path: str, device: torch.device | s
         quantized = torch.device(device).type == "cpu" and path.endswith(".gguf") and _stores_quantized(path)
         return "gguf" if quantized and compact_by_default() else None
     if method not in QUANTIZATION_METHODS:
-        raise ValueError(f"unsupported quantization {method!r}; accepted: "
-                         f"{', '.join((*QUANTIZATION_METHODS, NO_QUANTIZATION))}")
+        raise ValueError(f"unsupported quantization {method!r}; accepted: {', '.join(QUANTIZATION_CHOICES)}")
     if torch.device(device).type != "cpu":
         raise ValueError(f"quantization {method!r} runs on device cpu only (PyTorch's CPU kernels), not {device}")
     if method == "gguf" and not path.endswith(".gguf"):

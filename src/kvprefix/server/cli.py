@@ -8,7 +8,7 @@ import json
 
 from kvprefix.cache import COLLISION_SAFE_ALGOS, HASH_ALGOS
 from kvprefix.cache.default_model import DEFAULT_MODEL_NAME
-from kvprefix.engine.args import DEFAULT_KV_DISK_SIZE, NO_QUANTIZATION, QUANTIZATION_METHODS
+from kvprefix.engine.args import DEFAULT_KV_DISK_SIZE, QUANTIZATION_CHOICES
 from kvprefix.engine.sampling_params import MAX_LOGPROBS
 from kvprefix.paths import ReadableFile, WritableDir, WritableFile, fraction, positive_float, positive_int
 from kvprefix.tiers.redis_store import DEFAULT_KEY_PREFIX, DEFAULT_TIMEOUT
@@ -154,7 +154,7 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     eng.add_argument("--model", default=None,
                      help="checkpoint directory, .gguf file or hub id (default: the built-in SmolLM2-135M-Instruct)")
     eng.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    eng.add_argument("--quantization", "-q", default=None, choices=(*QUANTIZATION_METHODS, NO_QUANTIZATION),
+    eng.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_CHOICES,
                      help="CPU: weight-only int8 (per channel), int4 (groups of 32), gguf (a .gguf model's own "
                           "blocks) or none (dense); default: a quantized .gguf file's own blocks on a CPU with "
                           "VNNI and bfloat16 matmuls, else dense (docs/model.md)")
