@@ -4,7 +4,8 @@ log-probabilities are apart: 100 chat prompts x 64 greedy tokens (ignore_eos), t
 Paths: ``float32`` (the GGUF file dequantized, float32: the path the transformers parity tests hold), ``auto`` (the
 file dequantized, dtype auto: ``--quantization none``), ``gguf`` (``--quantization gguf``, dtype auto: the file's own
 Q4_1 blocks, the default where the CPU runs them natively) and, with ``--peer``, ``llama.cpp`` (its llama-server
-on the same file, built by ``peers/llama_server.py``, one thread, greedy). kvprefix paths run in this process, ``--max-num-seqs`` requests at a time.
+on the same file, built by ``peers/llama_server.py``, one thread, greedy). kvprefix paths run in this process,
+``--max-num-seqs`` requests at a time.
 For every pair of paths (the earlier one as the reference): prompts whose 64 tokens are identical, mean tokens
 equal before the first difference, and, over the positions before the first difference (same context, same
 token), the mean |log p - log p_reference| of that token and the mean signed difference.
