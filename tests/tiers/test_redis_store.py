@@ -115,6 +115,8 @@ def test_claims_go_to_the_first_replica_and_end_with_the_write(fresh) -> None:
     with fresh.client() as c:
         assert c.exists(a.claim_key(ns, hashes[0])) == 0
     assert b.claim(hashes, ns, 30) == 2  # block 0 written since b's lookup (b loads it), block 1 still a's
+    with fresh.client() as c:  # no claim of b's is left on the written block, and none counted
+        assert c.exists(b.claim_key(ns, hashes[0])) == 0 and b.stats.claims == 2
     assert b.lookup(hashes, ns) == 1 and b.claim(hashes[1:], ns, 30) == 1
     x, y = chain(2, seed=1)
     with fresh.client() as c:

@@ -251,11 +251,23 @@ class RedisStore:
             return 0
         self._succeeded()
         won, holders, written = replies[0::3], replies[1::3], replies[2::3]
+        self._unclaim([h for h, w, exists in zip(block_hashes, won, written, strict=True) if w is True and exists == 1],
+                      namespace)
         with self.stats.lock:
-            self.stats.claims += sum(1 for w in won if w is True)
+            self.stats.claims += sum(1 for w, exists in zip(won, written, strict=True) if w is True and exists != 1)
         others = [exists == 1 or (isinstance(holder, bytes) and holder != self.token)
                   for holder, exists in zip(holders, written, strict=True)]
         return next((i for i, other in enumerate(others) if not other), len(others))
+
+    def _unclaim(self, block_hashes: Sequence[bytes], namespace: str) -> None:
+        """Deletes the claims just won on blocks written since the lookup (their write deleted the claim before
+        this replica set its own): a claim on a written block would only outlive the work it stood for."""
+        if not block_hashes:
+            return
+        try:
+            self.client.delete(*(self.claim_key(namespace, h) for h in block_hashes))
+        except self._errors as exc:
+            self._failed(exc)
 
     def _get(self, expected: Expected) -> bytes | None:
         """The value at the block's key (None: absent, not a string, or the store failed: counted)."""
