@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from kvprefix.cache.identity import NO_QUANTIZATION, QUANTIZATION_CHOICES, QUANTIZATION_METHODS
+from kvprefix.model import int4_q8
 from kvprefix.model.gguf_loader import _LAYER_NAMES, unpermute_rows
 from kvprefix.model.loader import native_bfloat16_cpu
 from kvprefix.tokenizer.gguf_file import GGUFFile, open_gguf
@@ -76,9 +77,13 @@ INT8_ACTIVATIONS = _probe_int8_activations()
 
 
 def kv_method(method: str | None) -> str | None:
-    """``method`` as the block identity names it (``cache.identity.kv_label``): with "+a8" where the layers quantize
-    activations to int8, which computes other KV than the weight-only kernels (docs/hashing.md)."""
-    return None if method is None else method + ("+a8" if INT8_ACTIVATIONS else "")
+    """``method`` as the block identity names it (``cache.identity.kv_label``): with "+a8" where the int8 layers
+    quantize activations to int8, and "+q8" where the int4 layers run on the native kernel (int8 activation
+    groups): each computes other KV than the weight-only kernels (docs/hashing.md)."""
+    if method is None:
+        return None
+    native = method in ("int4", "gguf") and int4_q8.kernel() is not None
+    return method + ("+a8" if INT8_ACTIVATIONS else "") + ("+q8" if native else "")
 
 
 class Int8Linear(nn.Module):
@@ -144,10 +149,15 @@ class Int4Linear(nn.Module):
             raise ValueError(f"int4 weights need an input dimension divisible by {GROUP_SIZE}, got {self.in_features}")
         pad = -self.out_features % _N_ALIGN
         q, scales, zeros = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, scales, zeros))
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
-        self.register_buffer("qweight", packed)
-        # [in // 32, out, 2]: the op's layout of (scale, zero) per group and output channel.
-        self.register_buffer("scales_and_zeros", torch.stack([scales.t(), zeros.t()], -1).to(_COMPUTE).contiguous())
+        if int4_q8.kernel() is not None:  # the native kernel's form (docs/model.md#native-kernels)
+            nibbles, scale_zero = int4_q8.pack(q, scales, zeros)
+            self.register_buffer("nibbles", nibbles)
+            self.register_buffer("scale_zero", scale_zero)
+        else:  # PyTorch's int4 op's: packed q, and [in // 32, out, 2] (scale, zero) per group and output channel
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+            self.register_buffer("qweight", packed)
+            self.register_buffer("scales_and_zeros",
+                                 torch.stack([scales.t(), zeros.t()], -1).to(_COMPUTE).contiguous())
         # The weight as the op computes it (scale and zero in bfloat16, the product in float32), in the dense
         # path's dtype: batches and prefill multiply by it. Kept, not rebuilt per call: dequantizing costs more
         # than a 32-row matmul.
@@ -172,6 +182,8 @@ class Int4Linear(nn.Module):
         flat = _rows(x, self.in_features)
         if flat.shape[0] > self.dense_above_rows:
             out = _as(flat, _DENSE) @ self.dense.t()
+        elif hasattr(self, "nibbles"):
+            out = int4_q8.matmul(flat, self.nibbles, self.scale_zero)
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(_as(flat, _COMPUTE), self.qweight, GROUP_SIZE,
                                                              self.scales_and_zeros)
@@ -183,6 +195,8 @@ class Int4Linear(nn.Module):
 
     def nbytes(self) -> int:
         """What a step of up to ``dense_above_rows`` rows reads (not the dense copy)."""
+        if hasattr(self, "nibbles"):
+            return _nbytes(self.nibbles, self.scale_zero, self.bias)
         return _nbytes(self.qweight, self.scales_and_zeros, self.bias)
 
 

@@ -1,0 +1,83 @@
+"""Int4 weights against int8 activation groups on the native kernel ``kernels/q4_q8.c`` (llama.cpp's Q4 x Q8
+idea): a decode step's rows quantized per group of 32 (``d = max|x| / 127``), summed in int32 on the CPU's u8 x s8
+dot products, the weight read once at its 20 bytes a group. About twice PyTorch's int4 op on one row
+(docs/model.md#native-kernels). ``kernel()`` is None where it cannot be built or does not agree with
+``reference_matmul`` on a probe; callers then keep PyTorch's op."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+
+import torch
+
+from kvprefix.model.native_kernels import load
+
+log = logging.getLogger(__name__)
+GROUP = 32  # inputs per group: the weights' and the activations' alike
+
+
+def pack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's form of W = (q - 8) * scale + zero (q [n, k] in 0..15; scale, zero [n, k / 32], used as
+    bfloat16): nibbles uint8 [n, k / 32, 16], byte j element j low and j + 16 high (GGUF's order), and scale_zero
+    int32 [n, k / 32], the scale's bfloat16 bits low and the zero's high."""
+    n, k = q.shape
+    groups = q.reshape(n, k // GROUP, GROUP).to(torch.uint8)
+    nibbles = (groups[..., :16] | (groups[..., 16:] << 4)).contiguous()
+    scale, zero = (_bf16_bits(t) for t in (scales, zeros))
+    return nibbles, (scale | (zero << 16)).contiguous()
+
+
+def matmul(x: torch.Tensor, nibbles: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
+    """x [rows, k] (bfloat16 or float32) @ W.T as float32 [rows, n], on ``kernel()`` (which must be there)."""
+    x = x if x.dtype in (torch.bfloat16, torch.float32) and x.is_contiguous() else x.float().contiguous()
+    rows, k = x.shape
+    n = nibbles.shape[0]
+    out = torch.empty(rows, n, dtype=torch.float32)
+    if kernel()(x.data_ptr(), x.dtype == torch.bfloat16, rows, k, nibbles.data_ptr(), scale_zero.data_ptr(), n,
+                out.data_ptr(), torch.get_num_threads()):
+        raise MemoryError(f"q4_q8 kernel: no scratch memory for {rows} rows of {k}")
+    return out
+
+
+def reference_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """What the kernel computes, in float64 (its float rounding aside): x quantized per group of 32 as it does,
+    each group's scale * d * (sum(q * qx) - 8 * sum(qx)) + zero * sum(x)."""
+    n, k = q.shape
+    xg = x.double().reshape(x.shape[0], 1, k // GROUP, GROUP)
+    d = xg.abs().amax(-1) / 127
+    inv = torch.where(d > 0, 127 / xg.abs().amax(-1), torch.zeros_like(d)).float()  # as the kernel, in float32
+    qx = torch.round(xg.float() * inv[..., None]).double()  # round half to even, as nearbyintf
+    qg = q.double().reshape(1, n, k // GROUP, GROUP)
+    ints = (qg * qx).sum(-1) - 8 * qx.sum(-1)
+    scale, zero = (t.to(torch.bfloat16).double()[None] for t in (scales, zeros))
+    return (ints * scale * d.float().double() + zero * xg.sum(-1)).sum(-1)
+
+
+@functools.cache
+def kernel():
+    """The kernel's entry point, or None: not built, or wrong on a probe (the C source's every branch: whole blocks
+    of 8 groups and a tail, tiles of 4 rows and a remainder) against ``reference_matmul``."""
+    lib = load("q4_q8")
+    if lib is None:
+        return None
+    fn = lib.kvp_q4_q8_matmul
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (24, 11 * GROUP), generator=generator)
+    scales, zeros = torch.rand(24, 11, generator=generator) / 8, torch.randn(24, 11, generator=generator) / 8
+    x = torch.randn(5, 11 * GROUP, generator=generator)
+    nibbles, scale_zero = pack(q, scales, zeros)
+    out = torch.empty(5, 24)
+    fn(x.data_ptr(), 0, 5, 11 * GROUP, nibbles.data_ptr(), scale_zero.data_ptr(), 24, out.data_ptr(), 1)
+    if not torch.allclose(out.double(), reference_matmul(x, q, scales, zeros), rtol=1e-4, atol=1e-4):
+        log.warning("native kernel q4_q8 disagrees with its reference on a probe: PyTorch's int4 op instead")
+        return None
+    return fn
+
+
+def _bf16_bits(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF

@@ -1,0 +1,86 @@
+"""The project's C kernels (``model/kernels/*.c``), compiled on first use by the machine's C compiler for its own
+CPU (``-march=native``: VNNI, AVX2 or plain C, whichever it has) and cached under ``~/.cache/kvprefix/kernels``
+by source, compiler and CPU, then loaded with ctypes. PyTorch has no int4 x int8 matrix-vector kernel; this is
+ours (docs/model.md#native-kernels). Where no compiler builds one, or ``KVPREFIX_NATIVE_KERNELS=0``, ``load``
+returns None and callers keep PyTorch's ops (logged once)."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+SOURCES = Path(__file__).with_name("kernels")
+# -ffp-contract=off: the float steps are the source's own (its fmaf), not the compiler's choice of contractions.
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC")
+OPENMP = "-fopenmp"  # where the compiler has it: the kernels split outputs over PyTorch's thread count
+DISABLE_ENV = "KVPREFIX_NATIVE_KERNELS"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvprefix" / "kernels"
+
+
+@functools.cache
+def load(name: str) -> ctypes.CDLL | None:
+    """The compiled kernel library ``kernels/<name>.c`` (built once per source, compiler and CPU), or None."""
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        log.info("native kernel %s off (%s=0): PyTorch's ops instead", name, DISABLE_ENV)
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        log.warning("no C compiler (cc, or $CC) to build the native kernel %s: PyTorch's slower ops instead "
+                    "(docs/model.md#native-kernels)", name)
+        return None
+    source = SOURCES / f"{name}.c"
+    try:
+        return ctypes.CDLL(str(_built(compiler, source)))
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("native kernel %s not built (%s): PyTorch's slower ops instead", name, exc)
+        return None
+
+
+def _built(compiler: str, source: Path) -> Path:
+    """The shared library of ``source`` in the cache (compiled there first when absent), keyed by the source, the
+    compiler's version and the CPU. Written under a temporary name and renamed: concurrent builders never see half
+    a file."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\0".join([source.read_text(), version, " ".join(FLAGS), _cpu()]).encode()).hexdigest()
+    target = cache_dir() / f"{source.stem}-{key[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        for extra in ([OPENMP], []):
+            done = subprocess.run([compiler, *FLAGS, *extra, "-o", partial, str(source)], capture_output=True,
+                                  text=True, timeout=120)
+            if done.returncode == 0:
+                break
+        else:
+            raise OSError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+    log.info("built native kernel %s", target)
+    return target
+
+
+def _cpu() -> str:
+    """What ``-march=native`` compiles for: the CPU's model and flags (Linux), else the machine's name."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            first = f.read().split("\n\n")[0]  # every processor's entry alike
+        return "\n".join(line for line in first.splitlines() if line.startswith(("model name", "flags", "Features")))
+    except OSError:
+        return platform.machine() + platform.processor()
