@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from kvprefix.cache import cdiv
+from kvprefix.model import native_attention
 from kvprefix.model.batch_invariant import invariant_attention
 from kvprefix.model.config import ModelConfig
 
@@ -394,6 +395,10 @@ def _decode(q, cache, plan: _BatchPlan, scale: float, window: int | None) -> tor
     """q: [D, q_heads, head_dim], the decodes' queries in plan order."""
     if window is None and plan.shared is not None:
         return _decode_shared(q, cache, plan.shared, scale)
+    if window is None and native_attention.supports(q, cache):
+        decodes = plan.decodes
+        table = decodes.blocks.view(decodes.seq_lens.numel(), -1)
+        return native_attention.decode_attention(q, cache, table, decodes.seq_lens, scale)
     keys, values = plan.decodes.gather(cache)
     num, kv_heads, num_keys, head_dim = keys.shape
     # GQA folded: each KV head's query heads are its query rows, [D, kv_heads, group, dim], so K/V are not repeated.
