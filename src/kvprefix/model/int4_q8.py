@@ -29,13 +29,14 @@ def pack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[to
     return nibbles, (scale | (zero << 16)).contiguous()
 
 
-def matmul(x: torch.Tensor, nibbles: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
-    """x [rows, k] (bfloat16 or float32) @ W.T as float32 [rows, n], on ``kernel()`` (which must be there)."""
+def matmul(x: torch.Tensor, nibbles: torch.Tensor, scale_zero: torch.Tensor, fn=None) -> torch.Tensor:
+    """x [rows, k] (bfloat16 or float32) @ W.T as float32 [rows, n], on ``fn`` (a ``bind``-ing; default
+    ``kernel()``, which must be there)."""
     x = x if x.dtype in (torch.bfloat16, torch.float32) and x.is_contiguous() else x.float().contiguous()
     rows, k = x.shape
     n = nibbles.shape[0]
     out = torch.empty(rows, n, dtype=torch.float32)
-    if kernel()(x.data_ptr(), x.dtype == torch.bfloat16, rows, k, nibbles.data_ptr(), scale_zero.data_ptr(), n,
+    if (fn or kernel())(x.data_ptr(), x.dtype == torch.bfloat16, rows, k, nibbles.data_ptr(), scale_zero.data_ptr(), n,
                 out.data_ptr(), torch.get_num_threads()):
         raise MemoryError(f"q4_q8 kernel: no scratch memory for {rows} rows of {k}")
     return out
@@ -55,25 +56,34 @@ def reference_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zer
     return (ints * scale * d.float().double() + zero * xg.sum(-1)).sum(-1)
 
 
-@functools.cache
-def kernel():
-    """The kernel's entry point, or None: not built, or wrong on a probe (the C source's every branch: whole blocks
-    of 8 groups and a tail, tiles of 4 rows and a remainder) against ``reference_matmul``."""
-    lib = load("q4_q8")
-    if lib is None:
-        return None
+def bind(lib: ctypes.CDLL):
+    """The kernel's entry point in ``lib`` (a build of ``kernels/q4_q8.c``), with its C signature."""
     fn = lib.kvp_q4_q8_matmul
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                    ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     fn.restype = ctypes.c_int
+    return fn
+
+
+def agrees(fn) -> bool:
+    """Whether ``fn`` matches ``reference_matmul`` on a probe that takes the C source's every branch: whole blocks
+    of 8 groups and a tail, tiles of 4 rows and a remainder."""
     generator = torch.Generator().manual_seed(0)
     q = torch.randint(0, 16, (24, 11 * GROUP), generator=generator)
     scales, zeros = torch.rand(24, 11, generator=generator) / 8, torch.randn(24, 11, generator=generator) / 8
     x = torch.randn(5, 11 * GROUP, generator=generator)
-    nibbles, scale_zero = pack(q, scales, zeros)
-    out = torch.empty(5, 24)
-    fn(x.data_ptr(), 0, 5, 11 * GROUP, nibbles.data_ptr(), scale_zero.data_ptr(), 24, out.data_ptr(), 1)
-    if not torch.allclose(out.double(), reference_matmul(x, q, scales, zeros), rtol=1e-4, atol=1e-4):
+    out = matmul(x, *pack(q, scales, zeros), fn=fn)
+    return torch.allclose(out.double(), reference_matmul(x, q, scales, zeros), rtol=1e-4, atol=1e-4)
+
+
+@functools.cache
+def kernel():
+    """The kernel's entry point, or None: not built, or not ``agrees``-ing."""
+    lib = load("q4_q8")
+    if lib is None:
+        return None
+    fn = bind(lib)
+    if not agrees(fn):
         log.warning("native kernel q4_q8 disagrees with its reference on a probe: PyTorch's int4 op instead")
         return None
     return fn

@@ -19,14 +19,15 @@ DTYPES = (torch.bfloat16, torch.float32)  # the kernel's: q, cache and out alike
 
 
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, fn=None) -> torch.Tensor:
     """q [D, heads, dim] attending to the first ``seq_lens[d]`` positions of its blocks ``block_table[d]`` of
-    ``cache`` [blocks, block_size, 2 * kv_heads, dim] (K heads, then V heads): [D, heads, dim], q's dtype."""
+    ``cache`` [blocks, block_size, 2 * kv_heads, dim] (K heads, then V heads): [D, heads, dim], q's dtype. On
+    ``fn`` (a ``bind``-ing; default ``kernel()``, which must be there)."""
     num, heads, dim = q.shape
     block_size, kv_heads = cache.shape[1], cache.shape[2] // 2
     q, table, lens = q.contiguous(), block_table.contiguous(), seq_lens.contiguous()
     out = torch.empty_like(q)
-    failed = kernel()(q.data_ptr(), cache.data_ptr(), table.data_ptr(), table.shape[1], lens.data_ptr(), num, heads,
+    failed = (fn or kernel())(q.data_ptr(), cache.data_ptr(), table.data_ptr(), table.shape[1], lens.data_ptr(), num, heads,
                       kv_heads, dim, block_size, scale, q.dtype == torch.bfloat16, out.data_ptr(),
                       torch.get_num_threads())
     if failed:
@@ -56,28 +57,39 @@ def supports(q: torch.Tensor, cache: torch.Tensor) -> bool:
             and heads % kv_heads == 0 and heads // kv_heads <= 16 and kernel() is not None)
 
 
-@functools.cache
-def kernel():
-    """The kernel's entry point, or None: not built, or wrong on a probe (both dtypes, a partial last block, two
-    decodes of different lengths) against ``reference_attention``."""
-    lib = load("decode_attention")
-    if lib is None:
-        return None
+def bind(lib: ctypes.CDLL):
+    """The kernel's entry point in ``lib`` (a build of ``kernels/decode_attention.c``), with its C signature."""
     fn = lib.kvp_decode_attention
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                    ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float,
                    ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     fn.restype = ctypes.c_int
+    return fn
+
+
+def agrees(fn) -> bool:
+    """Whether ``fn`` matches ``reference_attention`` on a probe: both dtypes, a partial last block, two decodes
+    of different lengths."""
     generator = torch.Generator().manual_seed(0)
     for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
         cache = torch.randn(6, 4, 4, 16, generator=generator).to(dtype)
         q = torch.randn(2, 6, 16, generator=generator).to(dtype)
         table, lens = torch.tensor([[5, 0, 3], [2, 4, 1]]), torch.tensor([11, 6])
-        out = torch.empty_like(q)
-        fn(q.data_ptr(), cache.data_ptr(), table.data_ptr(), 3, lens.data_ptr(), 2, 6, 2, 16, 4, 0.25,
-           dtype == torch.bfloat16, out.data_ptr(), 1)
+        out = decode_attention(q, cache, table, lens, 0.25, fn=fn)
         if not torch.allclose(out.double(), reference_attention(q, cache, table, lens, 0.25), rtol=tolerance,
                               atol=tolerance):
-            log.warning("native decode attention disagrees with its reference on a probe: PyTorch's path instead")
-            return None
+            return False
+    return True
+
+
+@functools.cache
+def kernel():
+    """The kernel's entry point, or None: not built, or not ``agrees``-ing."""
+    lib = load("decode_attention")
+    if lib is None:
+        return None
+    fn = bind(lib)
+    if not agrees(fn):
+        log.warning("native decode attention disagrees with its reference on a probe: PyTorch's path instead")
+        return None
     return fn

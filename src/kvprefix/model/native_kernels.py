@@ -40,21 +40,26 @@ def load(name: str) -> ctypes.CDLL | None:
         log.warning("no C compiler (cc, or $CC) to build the native kernel %s: PyTorch's slower ops instead "
                     "(docs/model.md#native-kernels)", name)
         return None
-    source = SOURCES / f"{name}.c"
     try:
-        return ctypes.CDLL(str(_built(compiler, source)))
+        path = build(name, compiler)
+        try:
+            return ctypes.CDLL(str(path))
+        except OSError:  # a damaged file in the cache: built again, once
+            path.unlink(missing_ok=True)
+            return ctypes.CDLL(str(build(name, compiler)))
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("native kernel %s not built (%s): PyTorch's slower ops instead", name, exc)
         return None
 
 
-def _built(compiler: str, source: Path) -> Path:
-    """The shared library of ``source`` in the cache (compiled there first when absent), keyed by the source, the
-    compiler's version and the CPU. Written under a temporary name and renamed: concurrent builders never see half
-    a file."""
+def build(name: str, compiler: str, flags: tuple[str, ...] = FLAGS) -> Path:
+    """The shared library of ``kernels/<name>.c`` in the cache (compiled there first when absent), keyed by the
+    source, the compiler's version, the flags and the CPU. Written under a temporary name and renamed: concurrent
+    builders never see half a file. OSError when the compiler fails."""
+    source = SOURCES / f"{name}.c"
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([source.read_text(), version, " ".join(FLAGS), _cpu()]).encode()).hexdigest()
-    target = cache_dir() / f"{source.stem}-{key[:16]}.so"
+    key = hashlib.sha256("\0".join([source.read_text(), version, " ".join(flags), _cpu()]).encode()).hexdigest()
+    target = cache_dir() / f"{name}-{key[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -62,7 +67,7 @@ def _built(compiler: str, source: Path) -> Path:
     os.close(fd)
     try:
         for extra in ([OPENMP], []):
-            done = subprocess.run([compiler, *FLAGS, *extra, "-o", partial, str(source)], capture_output=True,
+            done = subprocess.run([compiler, *flags, *extra, "-o", partial, str(source)], capture_output=True,
                                   text=True, timeout=120)
             if done.returncode == 0:
                 break

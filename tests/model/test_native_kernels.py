@@ -1,0 +1,177 @@
+"""The native kernels (model/kernels/*.c) against their float64 references on every branch of the C source: the
+build for this CPU and the portable builds (AVX2 without VNNI where the CPU has AVX2; plain C anywhere), each
+row or decode independent of the batch and of the thread count, and PyTorch's ops kept where none builds."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvprefix.model import int4_q8, native_attention, native_kernels
+from kvprefix.model.native_kernels import FLAGS
+from kvprefix.model.quantized_linear import INT8_ACTIVATIONS, Int4Linear, kv_method
+
+COMPILER = shutil.which(os.environ.get("CC", "cc"))
+needs_compiler = pytest.mark.skipif(COMPILER is None, reason="no C compiler")
+
+
+def cpu_has(flag: str) -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return flag in f.read().split()
+    except OSError:
+        return False
+
+
+# The build this process uses (-march=native), AVX2 without VNNI (maddubs), and plain C (no SIMD path).
+BUILDS = [
+    pytest.param(FLAGS, id="native"),
+    pytest.param(tuple(f if f != "-march=native" else "-march=haswell" for f in FLAGS), id="avx2",
+                 marks=pytest.mark.skipif(not cpu_has("avx2"), reason="CPU without AVX2")),
+    pytest.param(tuple(f if f != "-march=native" else "-march=x86-64" for f in FLAGS), id="plain-c",
+                 marks=pytest.mark.skipif(not cpu_has("sse2"), reason="not x86")),
+]
+
+
+def bound(name: str, flags: tuple[str, ...], module):
+    import ctypes
+
+    return module.bind(ctypes.CDLL(str(native_kernels.build(name, COMPILER, flags))))
+
+
+def int4_case(rows: int, k: int, n: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=gen)
+    scales = torch.rand(n, k // 32, generator=gen) / 8 + 1e-3
+    zeros = torch.randn(n, k // 32, generator=gen) / 8
+    x = torch.randn(rows, k, generator=gen) * torch.logspace(-1, 1, k)  # columns of different scales
+    return x, q, scales, zeros
+
+
+@needs_compiler
+@pytest.mark.parametrize("flags", BUILDS)
+def test_q4_q8_matches_its_reference_and_each_row_is_its_own(flags) -> None:
+    fn = bound("q4_q8", flags, int4_q8)
+    for k in (32, 96, 256, 288, 576):  # a tail only, whole blocks only, both
+        for rows in (1, 3, 4, 5, 9):  # tiles of 4 rows and remainders
+            x, q, scales, zeros = int4_case(rows, k, 24, seed=k + rows)
+            packed = int4_q8.pack(q, scales, zeros)
+            for inputs in (x, x.bfloat16()):
+                out = int4_q8.matmul(inputs, *packed, fn=fn)
+                expected = int4_q8.reference_matmul(inputs.float(), q, scales, zeros)
+                torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4)
+                alone = torch.cat([int4_q8.matmul(inputs[r : r + 1], *packed, fn=fn) for r in range(rows)])
+                assert torch.equal(out, alone)
+
+
+@needs_compiler
+def test_q4_q8_error_is_within_half_an_activation_step_and_free_of_the_thread_count() -> None:
+    """Each input rounds by at most half its group's step d: the product moves by at most
+    sum(|q - 8| * scale * d / 2) (the zero's term is on the float sum), which the kernel keeps to."""
+    x, q, scales, zeros = int4_case(6, 576, 40, seed=3)
+    fn = int4_q8.kernel()
+    assert fn is not None
+    out = int4_q8.matmul(x, *int4_q8.pack(q, scales, zeros))
+    w = ((q - 8) * scales.bfloat16().double().repeat_interleave(32, 1)
+         + zeros.bfloat16().double().repeat_interleave(32, 1))
+    exact = x.double() @ w.t()
+    step = (x.double().abs().reshape(6, -1, 32).amax(-1) / 127).repeat_interleave(32, 1)  # d per input
+    centred = ((q - 8).abs() * scales.bfloat16().double().repeat_interleave(32, 1))
+    limit = (step / 2) @ centred.t() + 1e-4 * exact.abs()
+    assert ((out.double() - exact).abs() <= limit).all()
+    assert (out.double() - exact).abs().max() > 0  # rounded: not the float product
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(int4_q8.matmul(x, *int4_q8.pack(q, scales, zeros)), out)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def attention_case(decodes: int, heads: int, kv_heads: int, dim: int, lens: list[int], dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    block_size, blocks = 16, 64
+    cache = torch.randn(blocks, block_size, 2 * kv_heads, dim, generator=gen).to(dtype)
+    q = (torch.randn(decodes, heads, dim, generator=gen) * 2).to(dtype)
+    width = max(-(-n // block_size) for n in lens)
+    table = torch.stack([torch.randperm(blocks, generator=gen)[:width] for _ in range(decodes)])
+    return q, cache, table, torch.tensor(lens)
+
+
+@needs_compiler
+@pytest.mark.parametrize("flags", BUILDS)
+def test_decode_attention_matches_its_reference_and_each_decode_is_its_own(flags) -> None:
+    fn = bound("decode_attention", flags, native_attention)
+    shapes = [(9, 3, 64), (4, 4, 128), (8, 1, 48), (6, 2, 20)]  # GQA 3, MHA, MQA; dims specialized, SIMD, scalar
+    for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 8e-3)):
+        for i, (heads, kv_heads, dim) in enumerate(shapes):
+            q, cache, table, lens = attention_case(3, heads, kv_heads, dim, [1, 37, 300], dtype, seed=i)
+            out = native_attention.decode_attention(q, cache, table, lens, dim**-0.5, fn=fn)
+            expected = native_attention.reference_attention(q, cache, table, lens, dim**-0.5)
+            torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
+            for d in range(3):
+                alone = native_attention.decode_attention(q[d : d + 1], cache, table[d : d + 1], lens[d : d + 1],
+                                                          dim**-0.5, fn=fn)
+                assert torch.equal(alone[0], out[d])
+
+
+@needs_compiler
+def test_decode_attention_is_free_of_the_thread_count_and_of_extreme_scores() -> None:
+    q, cache, table, lens = attention_case(4, 9, 3, 64, [5, 64, 129, 700], torch.float32, seed=9)
+    q[0] *= 1e4  # scores far beyond exp's range: the max subtracted first, one position takes it all
+    out = native_attention.decode_attention(q, cache, table, lens, 0.125)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), native_attention.reference_attention(q, cache, table, lens, 0.125),
+                               rtol=1e-5, atol=1e-5)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(native_attention.decode_attention(q, cache, table, lens, 0.125), out)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_no_compiler_or_a_failing_one_keeps_pytorchs_ops(monkeypatch, tmp_path, caplog) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    assert native_kernels.load.__wrapped__("q4_q8") is None
+    assert "no C compiler" in caplog.text
+    monkeypatch.setenv("CC", shutil.which("false") or "/bin/false")  # runs, fails
+    assert native_kernels.load.__wrapped__("q4_q8") is None
+    assert "not built" in caplog.text and not list(tmp_path.rglob("*.so"))  # nothing half-written left
+
+
+@needs_compiler
+def test_a_build_is_cached_and_a_damaged_one_rebuilt(tmp_path) -> None:
+    """Each in a fresh process (one that holds a library loaded must not see it overwritten)."""
+    code = "from kvprefix.model import native_kernels; print(native_kernels.load('q4_q8') is not None)"
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+
+    def loads() -> bool:
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        return out.stdout.split() == ["True"]
+
+    assert loads()
+    (built,) = tmp_path.rglob("q4_q8-*.so")
+    stamp = built.stat().st_mtime_ns
+    assert loads() and built.stat().st_mtime_ns == stamp  # cached: not compiled again
+    built.write_bytes(b"not a shared library")
+    assert loads() and built.read_bytes()[:4] == b"\x7fELF"  # rebuilt in its place
+
+
+def test_switched_off_the_model_runs_on_pytorchs_ops() -> None:
+    """KVPREFIX_NATIVE_KERNELS=0: the int4 layers keep PyTorch's packed weights, decode attention PyTorch's path,
+    and the block identity says so."""
+    code = ("import torch\n"
+            "from kvprefix.model.quantized_linear import Int4Linear, kv_method\n"
+            "from kvprefix.model import native_attention\n"
+            "layer = Int4Linear.from_float(torch.randn(32, 64))\n"
+            "print(hasattr(layer, 'qweight'), hasattr(layer, 'nibbles'), kv_method('gguf'), native_attention.kernel())")
+    env = {**os.environ, "KVPREFIX_NATIVE_KERNELS": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", "False", "gguf+a8" if INT8_ACTIVATIONS else "gguf", "None"]
+    if int4_q8.kernel() is not None:
+        assert kv_method("gguf").endswith("+q8") and hasattr(Int4Linear.from_float(torch.randn(32, 64)), "nibbles")
