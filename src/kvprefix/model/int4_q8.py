@@ -30,14 +30,14 @@ def pack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[to
 
 
 def matmul(x: torch.Tensor, nibbles: torch.Tensor, scale_zero: torch.Tensor, fn=None) -> torch.Tensor:
-    """x [rows, k] (bfloat16 or float32) @ W.T as float32 [rows, n], on ``fn`` (a ``bind``-ing; default
-    ``kernel()``, which must be there)."""
-    x = x if x.dtype in (torch.bfloat16, torch.float32) and x.is_contiguous() else x.float().contiguous()
+    """x [rows, k] @ W.T as [rows, n] in x's dtype (bfloat16 or float32; other dtypes computed in float32), on
+    ``fn`` (a ``bind``-ing; default ``kernel()``, which must be there)."""
+    if x.dtype not in (torch.bfloat16, torch.float32) or not x.is_contiguous():
+        x = x.float().contiguous()
     rows, k = x.shape
-    n = nibbles.shape[0]
-    out = torch.empty(rows, n, dtype=torch.float32)
-    if (fn or kernel())(x.data_ptr(), x.dtype == torch.bfloat16, rows, k, nibbles.data_ptr(), scale_zero.data_ptr(), n,
-                out.data_ptr(), torch.get_num_threads()):
+    out = torch.empty(rows, nibbles.shape[0], dtype=x.dtype)
+    if (fn or kernel())(x.data_ptr(), x.dtype == torch.bfloat16, rows, k, nibbles.data_ptr(), scale_zero.data_ptr(),
+                        nibbles.shape[0], out.data_ptr(), torch.get_num_threads()):
         raise MemoryError(f"q4_q8 kernel: no scratch memory for {rows} rows of {k}")
     return out
 

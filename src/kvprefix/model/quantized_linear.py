@@ -2,7 +2,8 @@
 reads).
 
 ``Int8Linear``: ``w = q * scale`` per output channel. ``Int4Linear``: groups of 32 along the input,
-``w = (q - 8) * scale + zero``, q in 0..15 (the tinygemm convention). The int4 op and the int8 weight-only op are
+``w = (q - 8) * scale + zero``, q in 0..15 (the tinygemm convention), on the native int4 x int8 kernel
+(``int4_q8``) where it is built, else PyTorch's int4 op. The int4 op and the int8 weight-only op are
 fast only with bfloat16 activations, so those layers compute in bfloat16 and return the caller's dtype, and above
 ``dense_above_rows`` rows take a dense matmul (an int4 layer keeps its dense copy for it: the int4 op's cost grows
 with every row). Where PyTorch's fbgemm u8s8 kernel sums exactly (probed at
@@ -149,7 +150,8 @@ class Int4Linear(nn.Module):
             raise ValueError(f"int4 weights need an input dimension divisible by {GROUP_SIZE}, got {self.in_features}")
         pad = -self.out_features % _N_ALIGN
         q, scales, zeros = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, scales, zeros))
-        if int4_q8.kernel() is not None:  # the native kernel's form (docs/model.md#native-kernels)
+        self.native = int4_q8.kernel() is not None  # a plain attribute: read on every call
+        if self.native:  # the native kernel's form (docs/model.md#native-kernels)
             nibbles, scale_zero = int4_q8.pack(q, scales, zeros)
             self.register_buffer("nibbles", nibbles)
             self.register_buffer("scale_zero", scale_zero)
@@ -182,7 +184,7 @@ class Int4Linear(nn.Module):
         flat = _rows(x, self.in_features)
         if flat.shape[0] > self.dense_above_rows:
             out = _as(flat, _DENSE) @ self.dense.t()
-        elif hasattr(self, "nibbles"):
+        elif self.native:
             out = int4_q8.matmul(flat, self.nibbles, self.scale_zero)
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(_as(flat, _COMPUTE), self.qweight, GROUP_SIZE,
@@ -195,7 +197,7 @@ class Int4Linear(nn.Module):
 
     def nbytes(self) -> int:
         """What a step of up to ``dense_above_rows`` rows reads (not the dense copy)."""
-        if hasattr(self, "nibbles"):
+        if self.native:
             return _nbytes(self.nibbles, self.scale_zero, self.bias)
         return _nbytes(self.qweight, self.scales_and_zeros, self.bias)
 

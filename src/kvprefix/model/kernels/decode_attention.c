@@ -13,6 +13,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "bf16.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define KVP_SIMD 1
@@ -22,22 +24,14 @@
 #define MAX_GROUP 16
 
 static inline float load_one(const void *p, int bf16, int64_t i) {
-    if (!bf16) return ((const float *)p)[i];
-    union { uint32_t u; float f; } v = {(uint32_t)((const uint16_t *)p)[i] << 16};
-    return v.f;
+    return bf16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
 static inline void store_one(void *p, int bf16, int64_t i, float f) {
-    if (!bf16) {
+    if (bf16)
+        ((uint16_t *)p)[i] = float_to_bf16(f);
+    else
         ((float *)p)[i] = f;
-        return;
-    }
-    union { float f; uint32_t u; } v = {f};
-    if ((v.u & 0x7F800000u) == 0x7F800000u && (v.u & 0x7FFFFFu)) {
-        ((uint16_t *)p)[i] = (uint16_t)((v.u >> 16) | 0x40);  /* NaN stays NaN */
-        return;
-    }
-    ((uint16_t *)p)[i] = (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
 }
 
 /* exp(x) for x <= 0: 2^n * p(r), r = x - n ln 2 in [-ln2/2, ln2/2], p a degree-6 Taylor polynomial. */

@@ -6,16 +6,19 @@
  * Each row of x is quantized per group: d = max|x| / 127, qx = round(x / d), and
  *   sum(w * x) over a group ~ scale * d * (sum(q * qx) - 8 * sum(qx)) + zero * sum(x),
  * the zero's term on the float sum, so only (q - 8), centred, meets the rounding of x.
- * Layout (kvprefix.model.native_q4 packs it): the groups of a channel run in blocks of 8 and a tail of up to 7.
+ * Layout (kvprefix.model.int4_q8 packs it): the groups of a channel run in blocks of 8 and a tail of up to 7.
  *   nibbles[n][g][16]: byte j holds element j in its low nibble, j + 16 in its high one (GGUF's order);
  *   scale_zero[n][g]: scale's bfloat16 bits low, zero's high.
  * A row's quantized values run, in a block, per pair of groups (a, b): a's 0-15, b's 0-15, a's 16-31, b's 16-31
  * (a 32-byte load of the pair's nibbles masks to the first half, shifts to the second); in the tail, in order.
- * Every output is computed by one thread in one fixed order whatever the thread or row count: a row's result never
- * depends on the other rows. Returns 0, or -1 without scratch memory. */
+ * out [rows][n] is x's dtype (bfloat16 rounded to nearest even from the float32 sum). Every output is computed by
+ * one thread in one fixed order whatever the thread or row count: a row's result never depends on the other rows.
+ * Returns 0, or -1 without scratch memory. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+
+#include "bf16.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define KVP_SIMD 1
@@ -24,7 +27,6 @@
 #define GROUP 32
 #define BLOCK 8
 
-static inline float bf16_bits(uint32_t bits) { union { uint32_t u; float f; } v = {bits << 16}; return v.f; }
 
 /* A row's statistics per group. */
 typedef struct { float *d, *xsum; int32_t *qsum; } RowStats;
@@ -40,7 +42,7 @@ static void quantize_row(const void *x, int bf16, int64_t k, int8_t *qx, RowStat
     for (int64_t g = 0; g < groups; g++) {
         float v[GROUP], amax = 0.0f, sum = 0.0f;
         for (int i = 0; i < GROUP; i++) {
-            v[i] = bf16 ? bf16_bits(((const uint16_t *)x)[g * GROUP + i]) : ((const float *)x)[g * GROUP + i];
+            v[i] = bf16 ? bf16_to_float(((const uint16_t *)x)[g * GROUP + i]) : ((const float *)x)[g * GROUP + i];
             amax = fmaxf(amax, fabsf(v[i]));
             sum += v[i];
         }
@@ -90,13 +92,14 @@ static inline int32_t hsum_int(__m256i v) {
 
 /* The float terms of one group from its integer sum. */
 static inline float group_value(int32_t sum, uint32_t scale_zero, float d, float xsum, int32_t qsum, float acc) {
-    acc = fmaf((float)(sum - 8 * qsum), bf16_bits(scale_zero & 0xFFFF) * d, acc);
-    return fmaf(bf16_bits(scale_zero >> 16), xsum, acc);
+    acc = fmaf((float)(sum - 8 * qsum), bf16_to_float(scale_zero & 0xFFFF) * d, acc);
+    return fmaf(bf16_to_float(scale_zero >> 16), xsum, acc);
 }
 
 /* Outputs of one channel for ``tile`` (1..TILE) rows: its groups against each row's quantized values. */
 static inline void dot_rows(const int tile, const uint8_t *nibbles, const uint32_t *scale_zero, int64_t groups,
-                            const int8_t *const *qx, const RowStats *s, float *out, int64_t stride) {
+                            const int8_t *const *qx, const RowStats *s, void *out, int bf16, int64_t at,
+                            int64_t stride) {
     const int64_t blocked = groups / BLOCK * BLOCK;
     float total[TILE];
 #ifdef KVP_SIMD
@@ -154,11 +157,16 @@ static inline void dot_rows(const int tile, const uint8_t *nibbles, const uint32
         }
     }
 #endif
-    for (int r = 0; r < tile; r++) out[r * stride] = total[r];
+    for (int r = 0; r < tile; r++) {
+        if (bf16)
+            ((uint16_t *)out)[at + r * stride] = float_to_bf16(total[r]);
+        else
+            ((float *)out)[at + r * stride] = total[r];
+    }
 }
 
 int kvp_q4_q8_matmul(const void *x, int bf16, int64_t rows, int64_t k, const uint8_t *nibbles,
-                     const uint32_t *scale_zero, int64_t n, float *out, int threads) {
+                     const uint32_t *scale_zero, int64_t n, void *out, int threads) {
     const int64_t groups = k / GROUP;
     int8_t *qx = malloc((size_t)(rows * k));
     float *stats = malloc(sizeof(float) * (size_t)(rows * groups * 3));
@@ -180,12 +188,11 @@ int kvp_q4_q8_matmul(const void *x, int bf16, int64_t rows, int64_t k, const uin
                 s[t] = stats_of(stats, rows, groups, r + t);
             }
             const uint8_t *w = nibbles + j * groups * 16;
-            float *o = out + r * n + j;
             switch (tile) {  /* constant tiles: each specialized */
-                case 1: dot_rows(1, w, scale_zero + j * groups, groups, x, s, o, n); break;
-                case 2: dot_rows(2, w, scale_zero + j * groups, groups, x, s, o, n); break;
-                case 3: dot_rows(3, w, scale_zero + j * groups, groups, x, s, o, n); break;
-                default: dot_rows(TILE, w, scale_zero + j * groups, groups, x, s, o, n);
+                case 1: dot_rows(1, w, scale_zero + j * groups, groups, x, s, out, bf16, r * n + j, n); break;
+                case 2: dot_rows(2, w, scale_zero + j * groups, groups, x, s, out, bf16, r * n + j, n); break;
+                case 3: dot_rows(3, w, scale_zero + j * groups, groups, x, s, out, bf16, r * n + j, n); break;
+                default: dot_rows(TILE, w, scale_zero + j * groups, groups, x, s, out, bf16, r * n + j, n);
             }
         }
     }
