@@ -177,3 +177,11 @@ def test_switched_off_the_model_runs_on_pytorchs_ops() -> None:
     assert out.split() == ["True", "False", "gguf+a8" if INT8_ACTIVATIONS else "gguf", "None"]
     if int4_q8.kernel() is not None:
         assert kv_method("gguf").endswith("+q8") and hasattr(Int4Linear.from_float(torch.randn(32, 64)), "nibbles")
+
+
+def test_a_cache_folder_that_cannot_be_made_falls_back_to_the_temp_directory(monkeypatch, tmp_path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # its kvprefix/kernels cannot be made under a file
+    folder = native_kernels.cache_dir()
+    assert not str(folder).startswith(str(blocker)) and folder.name.startswith("kvprefix-kernels-")

@@ -26,7 +26,14 @@ DISABLE_ENV = "KVPREFIX_NATIVE_KERNELS"
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvprefix" / "kernels"
+    """``$XDG_CACHE_HOME/kvprefix/kernels`` (``~/.cache`` by default), or a folder of this user's under the temp
+    directory where that cannot be made (a read-only home)."""
+    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvprefix" / "kernels"
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        return home
+    except OSError:
+        return Path(tempfile.gettempdir()) / f"kvprefix-kernels-{os.getuid()}"
 
 
 @functools.cache

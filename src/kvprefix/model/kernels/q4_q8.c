@@ -168,6 +168,7 @@ static inline void dot_rows(const int tile, const uint8_t *nibbles, const uint32
 int kvp_q4_q8_matmul(const void *x, int bf16, int64_t rows, int64_t k, const uint8_t *nibbles,
                      const uint32_t *scale_zero, int64_t n, void *out, int threads) {
     const int64_t groups = k / GROUP;
+    if (rows == 0 || n == 0) return 0;
     int8_t *qx = malloc((size_t)(rows * k));
     float *stats = malloc(sizeof(float) * (size_t)(rows * groups * 3));
     if (qx == NULL || stats == NULL) {
