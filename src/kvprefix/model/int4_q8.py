@@ -1,6 +1,6 @@
 """Int4 weights against int8 activation groups on the native kernel ``kernels/q4_q8.c`` (llama.cpp's Q4 x Q8
-idea): a decode step's rows quantized per group of 32 (``d = max|x| / 127``), summed in int32 on the CPU's u8 x s8
-dot products, the weight read once at its 20 bytes a group. About twice PyTorch's int4 op on one row
+idea, with a second pass for what the first rounds off): a decode step's rows quantized per group of 32, summed in
+int32 on the CPU's u8 x s8 dot products, the weight read once at its 20 bytes a group. About twice PyTorch's int4 op on one row
 (docs/model.md#native-kernels). ``kernel()`` is None where it cannot be built or does not agree with
 ``reference_matmul`` on a probe; callers then keep PyTorch's op."""
 
@@ -43,17 +43,21 @@ def matmul(x: torch.Tensor, nibbles: torch.Tensor, scale_zero: torch.Tensor, fn=
 
 
 def reference_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
-    """What the kernel computes, in float64 (its float rounding aside): x quantized per group of 32 as it does,
-    each group's scale * d * (sum(q * qx) - 8 * sum(qx)) + zero * sum(x)."""
+    """What the kernel computes, in float64 (its float rounding aside): x quantized per group of 32 in its two
+    passes (``scaled = x * 127 / max|x|``, ``qx = round(scaled)``, ``qe = min(round((scaled - qx) * 256), 127)``),
+    each group's scale * d / 256 * (sum(q * v) - 8 * sum(v)) + zero * sum(x), v = 256 * qx + qe."""
     n, k = q.shape
-    xg = x.double().reshape(x.shape[0], 1, k // GROUP, GROUP)
-    d = xg.abs().amax(-1) / 127
-    inv = torch.where(d > 0, 127 / xg.abs().amax(-1), torch.zeros_like(d)).float()  # as the kernel, in float32
-    qx = torch.round(xg.float() * inv[..., None]).double()  # round half to even, as nearbyintf
-    qg = q.double().reshape(1, n, k // GROUP, GROUP)
-    ints = (qg * qx).sum(-1) - 8 * qx.sum(-1)
+    xg = x.float().reshape(x.shape[0], 1, k // GROUP, GROUP)
+    amax = xg.abs().amax(-1)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))  # float32 steps, as the kernel's
+    scaled = xg * inv[..., None]
+    qx = torch.round(scaled)  # half to even, as nearbyintf
+    qe = torch.round((scaled - qx) * 256).clamp(max=127)
+    v = (256 * qx + qe).double()
+    ints = (q.double().reshape(1, n, k // GROUP, GROUP) * v).sum(-1) - 8 * v.sum(-1)
     scale, zero = (t.to(torch.bfloat16).double()[None] for t in (scales, zeros))
-    return (ints * scale * d.float().double() + zero * xg.sum(-1)).sum(-1)
+    d = (amax / 127 / 256).double()
+    return (ints * scale * d + zero * xg.double().sum(-1)).sum(-1)
 
 
 def bind(lib: ctypes.CDLL):
