@@ -1,6 +1,6 @@
 """The native kernels (model/kernels/*.c) against their float64 references on every branch of the C source: the
-build for this CPU and the portable builds (AVX2 without VNNI where the CPU has AVX2; plain C anywhere), each
-row or decode independent of the batch and of the thread count, and PyTorch's ops kept where none builds."""
+build for this CPU and the portable builds (AVX2 where the CPU has it; plain C anywhere), each decode independent
+of the batch and of the thread count, and PyTorch's ops kept where none builds."""
 
 import os
 import shutil
@@ -10,9 +10,8 @@ import sys
 import pytest
 import torch
 
-from kvprefix.model import int4_q8, native_attention, native_kernels
+from kvprefix.model import native_attention, native_kernels
 from kvprefix.model.native_kernels import FLAGS
-from kvprefix.model.quantized_linear import INT8_ACTIVATIONS, Int4Linear, kv_method
 
 COMPILER = shutil.which(os.environ.get("CC", "cc"))
 needs_compiler = pytest.mark.skipif(COMPILER is None, reason="no C compiler")
@@ -26,7 +25,7 @@ def cpu_has(flag: str) -> bool:
         return False
 
 
-# The build this process uses (-march=native), AVX2 without VNNI (maddubs), and plain C (no SIMD path).
+# The build this process uses (-march=native), AVX2 (Haswell's), and plain C (no SIMD path).
 BUILDS = [
     pytest.param(FLAGS, id="native"),
     pytest.param(tuple(f if f != "-march=native" else "-march=haswell" for f in FLAGS), id="avx2",
@@ -40,55 +39,6 @@ def bound(name: str, flags: tuple[str, ...], module):
     import ctypes
 
     return module.bind(ctypes.CDLL(str(native_kernels.build(name, COMPILER, flags))))
-
-
-def int4_case(rows: int, k: int, n: int, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randint(0, 16, (n, k), generator=gen)
-    scales = torch.rand(n, k // 32, generator=gen) / 8 + 1e-3
-    zeros = torch.randn(n, k // 32, generator=gen) / 8
-    x = torch.randn(rows, k, generator=gen) * torch.logspace(-1, 1, k)  # columns of different scales
-    return x, q, scales, zeros
-
-
-@needs_compiler
-@pytest.mark.parametrize("flags", BUILDS)
-def test_q4_q8_matches_its_reference_and_each_row_is_its_own(flags) -> None:
-    fn = bound("q4_q8", flags, int4_q8)
-    for k in (32, 96, 256, 288, 576):  # a tail only, whole blocks only, both
-        for rows in (1, 3, 4, 5, 9):  # tiles of 4 rows and remainders
-            x, q, scales, zeros = int4_case(rows, k, 24, seed=k + rows)
-            packed = int4_q8.pack(q, scales, zeros)
-            for inputs in (x, x.bfloat16()):
-                out = int4_q8.matmul(inputs, *packed, fn=fn)
-                assert out.dtype == inputs.dtype
-                expected = int4_q8.reference_matmul(inputs.float(), q, scales, zeros)
-                tolerance = 1e-4 if inputs.dtype == torch.float32 else 2**-8  # bfloat16 out: rounded once
-                torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
-                alone = torch.cat([int4_q8.matmul(inputs[r : r + 1], *packed, fn=fn) for r in range(rows)])
-                assert torch.equal(out, alone)
-
-
-@needs_compiler
-def test_q4_q8_error_is_within_its_second_pass_and_free_of_the_thread_count() -> None:
-    """Two passes leave each input off by at most d / 256 (d = its group's max|x| / 127; half of that but where
-    the second pass clamps): the product moves by at most sum(|q - 8| * scale * d / 256) (the zero's term is on
-    the float sum), which the kernel keeps to, about 128x tighter than one pass's bound."""
-    x, q, scales, zeros = int4_case(6, 576, 40, seed=3)
-    assert int4_q8.kernel() is not None
-    out = int4_q8.matmul(x, *int4_q8.pack(q, scales, zeros))
-    scale, zero = (t.bfloat16().double().repeat_interleave(32, 1) for t in (scales, zeros))
-    exact = x.double() @ ((q - 8) * scale + zero).t()
-    step = (x.double().abs().reshape(6, -1, 32).amax(-1) / 127).repeat_interleave(32, 1)  # d per input
-    limit = (step / 256) @ ((q - 8).abs() * scale).t() + 1e-5 * (1 + exact.abs())  # + float32's own rounding
-    error = (out.double() - exact).abs()
-    assert (error <= limit).all() and error.max() > 0  # rounded: not the float product
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        assert torch.equal(int4_q8.matmul(x, *int4_q8.pack(q, scales, zeros)), out)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def attention_case(decodes: int, heads: int, kv_heads: int, dim: int, lens: list[int], dtype, seed: int):
@@ -137,17 +87,17 @@ def test_decode_attention_is_free_of_the_thread_count_and_of_extreme_scores() ->
 def test_no_compiler_or_a_failing_one_keeps_pytorchs_ops(monkeypatch, tmp_path, caplog) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    assert native_kernels.load.__wrapped__("q4_q8") is None
+    assert native_kernels.load.__wrapped__("decode_attention") is None
     assert "no C compiler" in caplog.text
     monkeypatch.setenv("CC", shutil.which("false") or "/bin/false")  # runs, fails
-    assert native_kernels.load.__wrapped__("q4_q8") is None
+    assert native_kernels.load.__wrapped__("decode_attention") is None
     assert "not built" in caplog.text and not list(tmp_path.rglob("*.so"))  # nothing half-written left
 
 
 @needs_compiler
 def test_a_build_is_cached_and_a_damaged_one_rebuilt(tmp_path) -> None:
     """Each in a fresh process (one that holds a library loaded must not see it overwritten)."""
-    code = "from kvprefix.model import native_kernels; print(native_kernels.load('q4_q8') is not None)"
+    code = "from kvprefix.model import native_kernels; print(native_kernels.load('decode_attention') is not None)"
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
 
     def loads() -> bool:
@@ -155,26 +105,20 @@ def test_a_build_is_cached_and_a_damaged_one_rebuilt(tmp_path) -> None:
         return out.stdout.split() == ["True"]
 
     assert loads()
-    (built,) = tmp_path.rglob("q4_q8-*.so")
+    (built,) = tmp_path.rglob("decode_attention-*.so")
     stamp = built.stat().st_mtime_ns
     assert loads() and built.stat().st_mtime_ns == stamp  # cached: not compiled again
     built.write_bytes(b"not a shared library")
     assert loads() and built.read_bytes()[:4] == b"\x7fELF"  # rebuilt in its place
 
 
-def test_switched_off_the_model_runs_on_pytorchs_ops() -> None:
-    """KVPREFIX_NATIVE_KERNELS=0: the int4 layers keep PyTorch's packed weights, decode attention PyTorch's path,
-    and the block identity says so."""
-    code = ("import torch\n"
-            "from kvprefix.model.quantized_linear import Int4Linear, kv_method\n"
-            "from kvprefix.model import native_attention\n"
-            "layer = Int4Linear.from_float(torch.randn(32, 64))\n"
-            "print(hasattr(layer, 'qweight'), hasattr(layer, 'nibbles'), kv_method('gguf'), native_attention.kernel())")
+def test_switched_off_decodes_take_pytorchs_path() -> None:
+    """KVPREFIX_NATIVE_KERNELS=0: no kernel, and a model's decode attention goes through PyTorch's gather."""
+    code = ("from kvprefix.model import native_attention, native_kernels\n"
+            "print(native_kernels.load('decode_attention'), native_attention.kernel())")
     env = {**os.environ, "KVPREFIX_NATIVE_KERNELS": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["True", "False", "gguf+a8" if INT8_ACTIVATIONS else "gguf", "None"]
-    if int4_q8.kernel() is not None:
-        assert kv_method("gguf").endswith("+q8") and hasattr(Int4Linear.from_float(torch.randn(32, 64)), "nibbles")
+    assert out.split() == ["None", "None"]
 
 
 def test_a_cache_folder_that_cannot_be_made_falls_back_to_the_temp_directory(monkeypatch, tmp_path) -> None:

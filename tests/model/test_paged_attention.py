@@ -4,7 +4,7 @@ import pytest
 import torch
 from support.paged import Chunk, run_batch
 
-from kvprefix.model import AttentionMetadata, allocate_kv_cache, attention, load_model
+from kvprefix.model import AttentionMetadata, allocate_kv_cache, attention, load_model, native_attention
 from kvprefix.model.attention import (
     CASCADE_MIN_TOKENS,
     SPLIT_MIN_NEW,
@@ -117,7 +117,17 @@ def test_tiled_attention_in_bfloat16_is_as_close_to_exact_as_the_flash_kernel(mo
     assert tiled <= 2**-8 and tiled <= 1.5 * flash, (tiled, flash)
 
 
-def test_decode_reads_context_from_cache(model) -> None:
+@pytest.fixture(params=["native", "pytorch"])
+def decode_path(request, monkeypatch) -> str:
+    """Decodes on the native kernel (where built) or on PyTorch's gather and masked attention."""
+    if request.param == "native" and native_attention.kernel() is None:
+        pytest.skip("the native decode attention is not built here (no C compiler)")
+    if request.param == "pytorch":
+        monkeypatch.setattr(native_attention, "supports", lambda q, cache: False)
+    return request.param
+
+
+def test_decode_reads_context_from_cache(model, decode_path) -> None:
     tokens = prompt(1, 13)
     blocks = [7, 3, 11, 1]
     kv = fresh_cache(model)
@@ -126,7 +136,7 @@ def test_decode_reads_context_from_cache(model) -> None:
     assert (logits - full_pass(model, tokens)).abs().max().item() <= TOL
 
 
-def test_mixed_batch_equals_each_alone(model) -> None:
+def test_mixed_batch_equals_each_alone(model, decode_path) -> None:
     """A prefill chunk after a cached prefix, a fresh prefill and decodes of different lengths in one batch."""
     specs = [  # (tokens, cached before this step, new this step, blocks)
         (prompt(2, 15), 6, 9, [40, 12, 33, 8]),

@@ -2,8 +2,7 @@
 reads).
 
 ``Int8Linear``: ``w = q * scale`` per output channel. ``Int4Linear``: groups of 32 along the input,
-``w = (q - 8) * scale + zero``, q in 0..15 (the tinygemm convention), on the native int4 x int8 kernel
-(``int4_q8``) where it is built, else PyTorch's int4 op. The int4 op and the int8 weight-only op are
+``w = (q - 8) * scale + zero``, q in 0..15 (the tinygemm convention). The int4 op and the int8 weight-only op are
 fast only with bfloat16 activations, so those layers compute in bfloat16 and return the caller's dtype, and above
 ``dense_above_rows`` rows take a dense matmul (an int4 layer keeps its dense copy for it: the int4 op's cost grows
 with every row). Where PyTorch's fbgemm u8s8 kernel sums exactly (probed at
@@ -24,7 +23,6 @@ import torch
 from torch import nn
 
 from kvprefix.cache.identity import NO_QUANTIZATION, QUANTIZATION_CHOICES, QUANTIZATION_METHODS
-from kvprefix.model import int4_q8
 from kvprefix.model.gguf_loader import _LAYER_NAMES, unpermute_rows
 from kvprefix.model.loader import native_bfloat16_cpu
 from kvprefix.tokenizer.gguf_file import GGUFFile, open_gguf
@@ -78,13 +76,9 @@ INT8_ACTIVATIONS = _probe_int8_activations()
 
 
 def kv_method(method: str | None) -> str | None:
-    """``method`` as the block identity names it (``cache.identity.kv_label``): with "+a8" where the int8 layers
-    quantize activations to int8, and "+q8" where the int4 layers run on the native kernel (int8 activation
-    groups): each computes other KV than the weight-only kernels (docs/hashing.md)."""
-    if method is None:
-        return None
-    native = method in ("int4", "gguf") and int4_q8.kernel() is not None
-    return method + ("+a8" if INT8_ACTIVATIONS else "") + ("+q8" if native else "")
+    """``method`` as the block identity names it (``cache.identity.kv_label``): with "+a8" where the layers quantize
+    activations to int8, which computes other KV than the weight-only kernels (docs/hashing.md)."""
+    return None if method is None else method + ("+a8" if INT8_ACTIVATIONS else "")
 
 
 class Int8Linear(nn.Module):
@@ -150,16 +144,10 @@ class Int4Linear(nn.Module):
             raise ValueError(f"int4 weights need an input dimension divisible by {GROUP_SIZE}, got {self.in_features}")
         pad = -self.out_features % _N_ALIGN
         q, scales, zeros = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, scales, zeros))
-        self.native = int4_q8.kernel() is not None  # a plain attribute: read on every call
-        if self.native:  # the native kernel's form (docs/model.md#native-kernels)
-            nibbles, scale_zero = int4_q8.pack(q, scales, zeros)
-            self.register_buffer("nibbles", nibbles)
-            self.register_buffer("scale_zero", scale_zero)
-        else:  # PyTorch's int4 op's: packed q, and [in // 32, out, 2] (scale, zero) per group and output channel
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
-            self.register_buffer("qweight", packed)
-            self.register_buffer("scales_and_zeros",
-                                 torch.stack([scales.t(), zeros.t()], -1).to(_COMPUTE).contiguous())
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+        self.register_buffer("qweight", packed)
+        # [in // 32, out, 2]: the op's layout of (scale, zero) per group and output channel.
+        self.register_buffer("scales_and_zeros", torch.stack([scales.t(), zeros.t()], -1).to(_COMPUTE).contiguous())
         # The weight as the op computes it (scale and zero in bfloat16, the product in float32), in the dense
         # path's dtype: batches and prefill multiply by it. Kept, not rebuilt per call: dequantizing costs more
         # than a 32-row matmul.
@@ -184,8 +172,6 @@ class Int4Linear(nn.Module):
         flat = _rows(x, self.in_features)
         if flat.shape[0] > self.dense_above_rows:
             out = _as(flat, _DENSE) @ self.dense.t()
-        elif self.native:
-            out = int4_q8.matmul(flat, self.nibbles, self.scale_zero)
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(_as(flat, _COMPUTE), self.qweight, GROUP_SIZE,
                                                              self.scales_and_zeros)
@@ -197,8 +183,6 @@ class Int4Linear(nn.Module):
 
     def nbytes(self) -> int:
         """What a step of up to ``dense_above_rows`` rows reads (not the dense copy)."""
-        if self.native:
-            return _nbytes(self.nibbles, self.scale_zero, self.bias)
         return _nbytes(self.qweight, self.scales_and_zeros, self.bias)
 
 

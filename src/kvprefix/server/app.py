@@ -106,7 +106,7 @@ def _log_startup(engine: EngineClient, info: ModelInfo, config: ServerConfig) ->
     log.info("serving model %s (max_model_len %d tokens)", info.name, info.max_model_len)
     if engine.uses_default_model:
         log.info("the built-in default model: SmolLM2-135M-Instruct (Q4_1 GGUF); --model serves another")
-    # dtype, then the compact method where there is one: "bfloat16+gguf+a8+q8" runs a GGUF file's own blocks.
+    # dtype, then the compact method where there is one: "bfloat16+gguf+a8" runs a GGUF file's own blocks.
     log.info("weights and KV: %s (--dtype; --quantization, none for dense weights)", engine.identity.context.kv_dtype)
     log.info(
         "prefix cache: %s, block size %d tokens (the minimum shareable prefix; only full blocks are cached), "
