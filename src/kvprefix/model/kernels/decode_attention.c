@@ -1,20 +1,19 @@
 /* Attention of decode queries (one new token each) straight over their paged KV blocks: no gather of the context
  * into a contiguous copy, no mask over padding, each key and value read once for all the query heads of its KV
- * head (GQA). PyTorch's CPU kernels need the gathered copy and spend ~300 us a layer at 1,000 positions of this
- * model, ~8x the bytes' time (docs/model.md#native-kernels).
+ * head (GQA). PyTorch's path (the gather, then its flash kernel with a padding mask) takes 2-3x as long on the
+ * built-in model (docs/model.md#native-kernels).
  *
  * q, out: [decodes][heads][dim]; cache: [blocks][block_size][2 * kv_heads][dim] (K heads, then V heads), all
  * bfloat16 when bf16, else float32; block_table: [decodes][max_blocks] (int64); seq_lens: [decodes] (int64).
- * Per (decode, KV head): scores in float32, softmax with the max subtracted (exp as expf to ~2 ulp: a polynomial
- * on the reduced argument), then the weighted values, normalized once; out rounded to nearest even when bf16.
+ * Per (decode, KV head): scores in float32, a softmax with the max subtracted (exp as a degree-6 polynomial on the
+ * reduced argument, ~2 ulp), then the weighted values, normalized once; out rounded to nearest even when bf16.
  * Each (decode, KV head) is one thread's, in one fixed order: a decode's result never depends on the batch or on
- * the thread count. Returns 0, or -1 without scratch memory. */
+ * the thread count. Returns 0; -1 without scratch memory; -2 for a head size over MAX_DIM or more than MAX_GROUP
+ * query heads a KV head. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-
-#include "bf16.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define KVP_SIMD 1
@@ -22,6 +21,18 @@
 
 #define MAX_DIM 256
 #define MAX_GROUP 16
+
+/* bfloat16 is a float32's top 16 bits; rounding to it is to nearest even, as PyTorch's (NaN kept NaN). */
+static inline float bf16_to_float(uint32_t bits) {
+    union { uint32_t u; float f; } v = {bits << 16};
+    return v.f;
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    union { float f; uint32_t u; } v = {f};
+    if ((v.u & 0x7F800000u) == 0x7F800000u && (v.u & 0x7FFFFFu)) return (uint16_t)((v.u >> 16) | 0x40);
+    return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
+}
 
 static inline float load_one(const void *p, int bf16, int64_t i) {
     return bf16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
@@ -87,8 +98,8 @@ static inline float hsum(__m256 v) {
 
 /* One decode's query heads [h * group, (h + 1) * group) against KV head h over its seq_len positions. */
 static inline void attend(const void *q, const void *cache, const int64_t *table, int64_t seq_len, int64_t heads,
-                   int64_t kv_heads, int64_t dim, int64_t block_size, int64_t h, float scale, int bf16, void *out,
-                   float *scores) {
+                          int64_t kv_heads, int64_t dim, int64_t block_size, int64_t h, float scale, int bf16,
+                          void *out, float *scores) {
     const int64_t group = heads / kv_heads, row = 2 * kv_heads * dim, size = bf16 ? 2 : 4;
     float query[MAX_GROUP][MAX_DIM], acc[MAX_GROUP][MAX_DIM], top[MAX_GROUP], total[MAX_GROUP];
     for (int64_t g = 0; g < group; g++) {
