@@ -95,6 +95,7 @@ def test_no_compiler_or_a_failing_one_keeps_pytorchs_ops(monkeypatch, tmp_path, 
 
 
 @needs_compiler
+@pytest.mark.slow
 def test_a_build_is_cached_and_a_damaged_one_rebuilt(tmp_path) -> None:
     """Each in a fresh process (one that holds a library loaded must not see it overwritten)."""
     code = "from kvprefix.model import native_kernels; print(native_kernels.load('decode_attention') is not None)"
@@ -112,6 +113,7 @@ def test_a_build_is_cached_and_a_damaged_one_rebuilt(tmp_path) -> None:
     assert loads() and built.read_bytes()[:4] == b"\x7fELF"  # rebuilt in its place
 
 
+@pytest.mark.slow
 def test_switched_off_decodes_take_pytorchs_path() -> None:
     """KVPREFIX_NATIVE_KERNELS=0: no kernel, and a model's decode attention goes through PyTorch's gather."""
     code = ("from kvprefix.model import native_attention, native_kernels\n"
