@@ -1,6 +1,6 @@
 """The native kernels (model/kernels/*.c) against their float64 references on every branch of the C source: the
-build for this CPU and the portable builds (AVX2 where the CPU has it; plain C anywhere), each decode independent
-of the batch and of the thread count, and PyTorch's ops kept where none builds."""
+build for this CPU and the portable builds (AVX2 where the CPU has it; plain C anywhere), each row or decode
+independent of the batch and of the thread count, and PyTorch's ops kept where none builds."""
 
 import os
 import shutil
@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from kvprefix.model import native_attention, native_kernels
+from kvprefix.model import native_attention, native_kernels, native_norm
 from kvprefix.model.native_kernels import FLAGS
 
 COMPILER = shutil.which(os.environ.get("CC", "cc"))
@@ -84,6 +84,27 @@ def test_decode_attention_is_free_of_the_thread_count_and_of_extreme_scores() ->
         torch.set_num_threads(threads)
 
 
+@needs_compiler
+@pytest.mark.parametrize("flags", BUILDS)
+def test_rms_norm_keeps_pytorchs_roundings_and_each_row_is_its_own(flags) -> None:
+    """float32 to its rounding; bfloat16 element for element but where the squares' sum, added in another order,
+    moves the last step's rounding (one bfloat16 step, rarely)."""
+    fn = bound("rms_norm", flags, native_norm)
+    gen = torch.Generator().manual_seed(5)
+    for size in (576, 37, 8):  # vector lanes only, a remainder, one vector
+        x = torch.randn(200, size, generator=gen) * torch.logspace(-2, 2, size)
+        weight = torch.rand(size, generator=gen) * 2
+        out = native_norm.rms_norm(x, weight, 1e-5, fn=fn)
+        torch.testing.assert_close(out, native_norm.reference_rms_norm(x, weight, 1e-5), rtol=1e-6, atol=1e-6)
+        xb, wb = x.bfloat16(), weight.bfloat16()
+        got, expected = native_norm.rms_norm(xb, wb, 1e-5, fn=fn), native_norm.reference_rms_norm(xb, wb, 1e-5)
+        differ = got != expected
+        assert differ.float().mean() < 1e-3  # a near-tie in the rounding, not a different formula
+        torch.testing.assert_close(got.float(), expected.float(), rtol=2**-7, atol=0)
+        alone = torch.cat([native_norm.rms_norm(xb[r : r + 1], wb, 1e-5, fn=fn) for r in range(0, 200, 37)])
+        assert torch.equal(alone, got[::37])
+
+
 def test_no_compiler_or_a_failing_one_keeps_pytorchs_ops(monkeypatch, tmp_path, caplog) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
@@ -114,13 +135,13 @@ def test_a_build_is_cached_and_a_damaged_one_rebuilt(tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_switched_off_decodes_take_pytorchs_path() -> None:
-    """KVPREFIX_NATIVE_KERNELS=0: no kernel, and a model's decode attention goes through PyTorch's gather."""
-    code = ("from kvprefix.model import native_attention, native_kernels\n"
-            "print(native_kernels.load('decode_attention'), native_attention.kernel())")
+def test_switched_off_the_model_takes_pytorchs_ops() -> None:
+    """KVPREFIX_NATIVE_KERNELS=0: no kernel, and a model's norms and decode attention go through PyTorch's ops."""
+    code = ("from kvprefix.model import native_attention, native_kernels, native_norm\n"
+            "print(native_kernels.load('decode_attention'), native_attention.kernel(), native_norm.kernel())")
     env = {**os.environ, "KVPREFIX_NATIVE_KERNELS": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["None", "None"]
+    assert out.split() == ["None", "None", "None"]
 
 
 def test_a_cache_folder_that_cannot_be_made_falls_back_to_the_temp_directory(monkeypatch, tmp_path) -> None:

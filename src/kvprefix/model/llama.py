@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvprefix.model import native_norm
 from kvprefix.model.attention import AttentionMetadata, KVCache, LayerKV, paged_attention
 from kvprefix.model.config import ModelConfig
 from kvprefix.model.rope import RotaryEmbedding, apply_rotary_
@@ -21,6 +22,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if native_norm.supports(x, self.weight):  # one pass, the same roundings (docs/model.md#native-kernels)
+            return native_norm.rms_norm(x, self.weight, self.eps)
         # The reference's rounding: normalize in float32, round to the model dtype, then scale. The fused kernel
         # without a weight equals the first step; in float32 the weight can join it.
         if x.dtype == torch.float32:

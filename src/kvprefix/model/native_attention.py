@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 
 import torch
 
-from kvprefix.model.native_kernels import load
+from kvprefix.model.native_kernels import probed
 
-log = logging.getLogger(__name__)
 DTYPES = (torch.bfloat16, torch.float32)  # the kernel's: q, cache and out alike
 
 
@@ -87,11 +85,4 @@ def agrees(fn) -> bool:
 @functools.cache
 def kernel():
     """The kernel's entry point, or None: not built, or not ``agrees``-ing."""
-    lib = load("decode_attention")
-    if lib is None:
-        return None
-    fn = bind(lib)
-    if not agrees(fn):
-        log.warning("native decode attention disagrees with its reference on a probe: PyTorch's path instead")
-        return None
-    return fn
+    return probed("decode_attention", bind, agrees)

@@ -59,6 +59,19 @@ def load(name: str) -> ctypes.CDLL | None:
         return None
 
 
+def probed(name: str, bind, agrees):
+    """The entry point of ``kernels/<name>.c`` (``bind(library)``), or None: not built, or not ``agrees(fn)`` with
+    its reference on a probe (logged: its callers keep PyTorch's path)."""
+    lib = load(name)
+    if lib is None:
+        return None
+    fn = bind(lib)
+    if not agrees(fn):
+        log.warning("native kernel %s disagrees with its reference on a probe: PyTorch's path instead", name)
+        return None
+    return fn
+
+
 def build(name: str, compiler: str, flags: tuple[str, ...] = FLAGS) -> Path:
     """The shared library of ``kernels/<name>.c`` in the cache (compiled there first when absent), keyed by the
     source, the compiler's version, the flags and the CPU. Written under a temporary name and renamed: concurrent
