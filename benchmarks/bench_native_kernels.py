@@ -84,11 +84,13 @@ def attention_errors(config: ModelConfig, context: int = 1000) -> list[dict]:
         q = torch.randn(1, heads, dim, generator=gen).to(dtype)
         table = torch.randperm(blocks, generator=gen)[None]
         meta = AttentionMetadata.for_chunks([(context - 1, 1, table[0].tolist())], block)[0]
-        exact = native_attention.reference_attention(q, cache, table, torch.tensor([context]), dim**-0.5)
+        lens = torch.tensor([context])
+        exact = native_attention.reference_attention(q, cache, table, lens, dim**-0.5)
+        native = native_attention.decode_attention(q, cache, table, lens, dim**-0.5)  # float32 too, called directly
+        with without(native_attention):
+            pytorch = attention._decode(q, cache, meta.plan(block), dim**-0.5, None)
         row = {"dtype": str(dtype).removeprefix("torch."), "positions": context}
-        for side in ("native", "pytorch"):
-            with contextlib.nullcontext() if side == "native" else without(native_attention):
-                out = attention._decode(q, cache, meta.plan(block), dim**-0.5, None)
+        for side, out in (("native", native), ("pytorch", pytorch)):
             row[f"{side} error"] = float((out.double() - exact).norm() / exact.norm())
         rows.append(row)
     return rows

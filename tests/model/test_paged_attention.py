@@ -119,9 +119,12 @@ def test_tiled_attention_in_bfloat16_is_as_close_to_exact_as_the_flash_kernel(mo
 
 @pytest.fixture(params=["native", "pytorch"])
 def decode_path(request, monkeypatch) -> str:
-    """Decodes on the native kernel (where built) or on PyTorch's gather and masked attention."""
+    """Decodes on the native kernel (where built; in float32 too, which the engine keeps on PyTorch's path) or on
+    PyTorch's gather and masked attention."""
     if request.param == "native" and native_attention.kernel() is None:
         pytest.skip("the native decode attention is not built here (no C compiler)")
+    if request.param == "native":
+        monkeypatch.setattr(native_attention, "DTYPES", (torch.bfloat16, torch.float32))
     if request.param == "pytorch":
         monkeypatch.setattr(native_attention, "supports", lambda q, cache: False)
     return request.param

@@ -12,12 +12,13 @@ import torch.nn.functional as F
 
 from kvprefix.model.native_kernels import probed
 
-DTYPES = (torch.bfloat16, torch.float32)
+# As decode attention (native_attention.DTYPES): float32 stays on PyTorch's ops, the transformers parity path.
+DTYPES = (torch.bfloat16,)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fn=None) -> torch.Tensor:
-    """RMSNorm of x's last dimension (x contiguous, x and weight one of ``DTYPES``), in x's dtype, on ``fn`` (a
-    ``bind``-ing; default ``kernel()``, which must be there)."""
+    """RMSNorm of x's last dimension (x contiguous, x and weight both bfloat16 or both float32), in x's dtype, on
+    ``fn`` (a ``bind``-ing; default ``kernel()``, which must be there)."""
     out = torch.empty_like(x)
     size = x.shape[-1]
     (fn or kernel())(x.data_ptr(), weight.data_ptr(), x.numel() // size, size, eps, x.dtype == torch.bfloat16,
@@ -34,7 +35,7 @@ def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the kernel runs this call: built, on CPU, x contiguous, x and weight of one of its dtypes."""
+    """Whether the kernel runs this call: built, on CPU, x contiguous, x and weight bfloat16 (``DTYPES``)."""
     return (x.device.type == "cpu" and x.dtype in DTYPES and weight.dtype == x.dtype and x.is_contiguous()
             and kernel() is not None)
 
