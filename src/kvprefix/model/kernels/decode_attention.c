@@ -14,6 +14,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "bf16.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define KVP_SIMD 1
@@ -21,22 +23,6 @@
 
 #define MAX_DIM 256
 #define MAX_GROUP 16
-
-/* bfloat16 is a float32's top 16 bits; rounding to it is to nearest even, as PyTorch's (NaN kept NaN). */
-static inline float bf16_to_float(uint32_t bits) {
-    union { uint32_t u; float f; } v = {bits << 16};
-    return v.f;
-}
-
-static inline uint16_t float_to_bf16(float f) {
-    union { float f; uint32_t u; } v = {f};
-    if ((v.u & 0x7F800000u) == 0x7F800000u && (v.u & 0x7FFFFFu)) return (uint16_t)((v.u >> 16) | 0x40);
-    return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
-}
-
-static inline float load_one(const void *p, int bf16, int64_t i) {
-    return bf16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
 
 static inline void store_one(void *p, int bf16, int64_t i, float f) {
     if (bf16)
@@ -103,7 +89,7 @@ static inline void attend(const void *q, const void *cache, const int64_t *table
     const int64_t group = heads / kv_heads, row = 2 * kv_heads * dim, size = bf16 ? 2 : 4;
     float query[MAX_GROUP][MAX_DIM], acc[MAX_GROUP][MAX_DIM], top[MAX_GROUP], total[MAX_GROUP];
     for (int64_t g = 0; g < group; g++) {
-        for (int64_t i = 0; i < dim; i++) query[g][i] = load_one(q, bf16, (h * group + g) * dim + i) * scale;
+        for (int64_t i = 0; i < dim; i++) query[g][i] = load_element(q, bf16, (h * group + g) * dim + i) * scale;
         top[g] = -INFINITY;
         total[g] = 0.0f;
         memset(acc[g], 0, sizeof(float) * (size_t)dim);
@@ -123,7 +109,7 @@ static inline void attend(const void *q, const void *cache, const int64_t *table
 #endif
             {
                 s = 0.0f;
-                for (int64_t i = 0; i < dim; i++) s = fmaf(query[g][i], load_one(key, bf16, i), s);
+                for (int64_t i = 0; i < dim; i++) s = fmaf(query[g][i], load_element(key, bf16, i), s);
             }
             scores[g * seq_len + t] = s;
             top[g] = fmaxf(top[g], s);
@@ -160,7 +146,7 @@ static inline void attend(const void *q, const void *cache, const int64_t *table
                 continue;
             }
 #endif
-            for (int64_t i = 0; i < dim; i++) acc[g][i] = fmaf(p, load_one(value, bf16, i), acc[g][i]);
+            for (int64_t i = 0; i < dim; i++) acc[g][i] = fmaf(p, load_element(value, bf16, i), acc[g][i]);
         }
     }
     for (int64_t g = 0; g < group; g++) {

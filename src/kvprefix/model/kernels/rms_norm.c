@@ -9,26 +9,12 @@
  * Each row is one thread's (OpenMP at PyTorch's thread count): a row's result never depends on the others. */
 #include <math.h>
 #include <stdint.h>
+
+#include "bf16.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define KVP_SIMD 1
 #endif
-
-static inline float bf16_to_float(uint16_t bits) {
-    union { uint32_t u; float f; } v = {(uint32_t)bits << 16};
-    return v.f;
-}
-
-/* Rounded to nearest even, as PyTorch's conversion (NaN kept NaN). */
-static inline uint16_t float_to_bf16(float f) {
-    union { float f; uint32_t u; } v = {f};
-    if ((v.u & 0x7F800000u) == 0x7F800000u && (v.u & 0x7FFFFFu)) return (uint16_t)((v.u >> 16) | 0x40);
-    return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
-}
-
-static inline float load(const void *p, int bf16, int64_t i) {
-    return bf16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
 
 /* sum(x * x) over a row: eight lane sums (element i in lane i % 8), then lanes 0+4, 1+5, ... added pairwise. */
 static float sum_of_squares(const void *x, int bf16, int64_t size) {
@@ -48,9 +34,15 @@ static float sum_of_squares(const void *x, int bf16, int64_t size) {
     _mm256_storeu_ps(lanes, acc);
 #else
     for (; i + 8 <= size; i += 8)
-        for (int l = 0; l < 8; l++) lanes[l] = fmaf(load(x, bf16, i + l), load(x, bf16, i + l), lanes[l]);
+        for (int l = 0; l < 8; l++) {
+            const float v = load_element(x, bf16, i + l);
+            lanes[l] = fmaf(v, v, lanes[l]);
+        }
 #endif
-    for (; i < size; i++) lanes[i % 8] = fmaf(load(x, bf16, i), load(x, bf16, i), lanes[i % 8]);
+    for (; i < size; i++) {
+        const float v = load_element(x, bf16, i);
+        lanes[i % 8] = fmaf(v, v, lanes[i % 8]);
+    }
     return ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
 }
 
@@ -61,12 +53,12 @@ void kvp_rms_norm(const void *x, const void *weight, int64_t rows, int64_t size,
         const char *row = (const char *)x + r * size * (bf16 ? 2 : 4);
         const float scale = 1.0f / sqrtf(sum_of_squares(row, bf16, size) / (float)size + eps);
         for (int64_t i = 0; i < size; i++) {
-            const float normed = load(row, bf16, i) * scale;
+            const float normed = load_element(row, bf16, i) * scale;
             if (bf16)
                 ((uint16_t *)out)[r * size + i] =
-                    float_to_bf16(bf16_to_float(float_to_bf16(normed)) * load(weight, 1, i));
+                    float_to_bf16(bf16_to_float(float_to_bf16(normed)) * load_element(weight, 1, i));
             else
-                ((float *)out)[r * size + i] = normed * load(weight, 0, i);
+                ((float *)out)[r * size + i] = normed * load_element(weight, 0, i);
         }
     }
 }
