@@ -1,5 +1,5 @@
-/* bfloat16 <-> float32 for the kernels (each includes it): a bfloat16 is a float32's top 16 bits; rounding to it is to nearest even,
- * as PyTorch's conversion (NaN kept NaN). */
+/* bfloat16 <-> float32 for the kernels (each includes it): a bfloat16 is a float32's top 16 bits; rounding to it
+ * is to nearest even, as PyTorch's conversion (NaN kept NaN). */
 #ifndef KVP_BF16_H
 #define KVP_BF16_H
 #include <stdint.h>
