@@ -25,13 +25,14 @@ def cpu_has(flag: str) -> bool:
         return False
 
 
-# The build this process uses (-march=native), AVX2 (Haswell's), and plain C (no SIMD path).
+# The build this process uses (-march=native), AVX2 (Haswell's), and plain C (no SIMD path); the portable two
+# compile apiece, so they run in the slow lane.
 BUILDS = [
     pytest.param(FLAGS, id="native"),
     pytest.param(tuple(f if f != "-march=native" else "-march=haswell" for f in FLAGS), id="avx2",
-                 marks=pytest.mark.skipif(not cpu_has("avx2"), reason="CPU without AVX2")),
+                 marks=[pytest.mark.slow, pytest.mark.skipif(not cpu_has("avx2"), reason="CPU without AVX2")]),
     pytest.param(tuple(f if f != "-march=native" else "-march=x86-64" for f in FLAGS), id="plain-c",
-                 marks=pytest.mark.skipif(not cpu_has("sse2"), reason="not x86")),
+                 marks=[pytest.mark.slow, pytest.mark.skipif(not cpu_has("sse2"), reason="not x86")]),
 ]
 
 
