@@ -142,7 +142,8 @@ def main() -> None:
                 times[side].append(seconds(case[side], 3) / config.num_hidden_layers)
         native, pytorch = (statistics.median(times[s]) for s in ("native", "pytorch"))
         rows.append({"positions": case["positions"], "decodes": case["decodes"], "native us": native * 1e6,
-                     "pytorch us": pytorch * 1e6, "ratio": native / pytorch, "native GB/s": case["bytes"] / native / 1e9})
+                     "pytorch us": pytorch * 1e6, "ratio": native / pytorch,
+                     "native GB/s": case["bytes"] / native / 1e9})
         print(f"[{i + 1}/{len(cases)}] {case['positions']} positions x {case['decodes']}: {rows[-1]['ratio']:.2f}x",
               flush=True)
     errors, norms = attention_errors(config), norm_rows(config, args.rounds)

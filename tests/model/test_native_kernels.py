@@ -2,6 +2,7 @@
 build for this CPU and the portable builds (AVX2 where the CPU has it; plain C anywhere), each row or decode
 independent of the batch and of the thread count, and PyTorch's ops kept where none builds."""
 
+import ctypes
 import os
 import shutil
 import subprocess
@@ -37,8 +38,7 @@ BUILDS = [
 
 
 def bound(name: str, flags: tuple[str, ...], module):
-    import ctypes
-
+    """``name``'s kernel built with ``flags``, bound by ``module`` (not the build this process uses)."""
     return module.bind(ctypes.CDLL(str(native_kernels.build(name, COMPILER, flags))))
 
 

@@ -1,8 +1,7 @@
 """Decode attention on the native kernel ``kernels/decode_attention.c``: each decode's query heads straight over
-its paged KV blocks (no gathered copy, no padding mask), a KV head's keys and values read once for its query heads:
-0.33-0.49x the time of PyTorch's gather and masked attention on the built-in model (docs/model.md#native-kernels).
-``kernel()`` is None where it cannot be built or disagrees with ``reference_attention`` on a probe; callers then
-keep PyTorch's path."""
+its paged KV blocks (no gathered copy, no padding mask), a KV head's keys and values read once for its query heads,
+where PyTorch's path gathers the blocks and masks the padding (docs/model.md#native-kernels). ``kernel()`` is None
+where it cannot be built or disagrees with ``reference_attention`` on a probe; callers then keep PyTorch's path."""
 
 from __future__ import annotations
 
@@ -27,9 +26,9 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Te
     block_size, kv_heads = cache.shape[1], cache.shape[2] // 2
     q, table, lens = q.contiguous(), block_table.contiguous(), seq_lens.contiguous()
     out = torch.empty_like(q)
-    failed = (fn or kernel())(q.data_ptr(), cache.data_ptr(), table.data_ptr(), table.shape[1], lens.data_ptr(), num, heads,
-                      kv_heads, dim, block_size, scale, q.dtype == torch.bfloat16, out.data_ptr(),
-                      torch.get_num_threads())
+    failed = (fn or kernel())(q.data_ptr(), cache.data_ptr(), table.data_ptr(), table.shape[1], lens.data_ptr(),
+                              num, heads, kv_heads, dim, block_size, scale, q.dtype == torch.bfloat16,
+                              out.data_ptr(), torch.get_num_threads())
     if failed == -1:
         raise MemoryError(f"decode attention kernel: no scratch memory for {int(lens.max())} positions")
     if failed:
