@@ -5,10 +5,13 @@ run, medians reported:
   time a layer, bfloat16, 64-4,000 positions, 1-8 decodes with blocks of their own; and the error of both against
   float64 attention at 1,000 positions, bfloat16 and float32;
 - RMSNorm (``kernels/rms_norm.c`` against PyTorch's ops, the model's ``RMSNorm`` module either way): time a call,
-  bfloat16, 1 and 1,024 rows; and the share of elements whose bfloat16 result differs.
+  bfloat16, 1 and 1,024 rows; and the share of elements whose bfloat16 result differs;
+- the int4 matmul (``kernels/int4_matmul.c`` against PyTorch's int4 op, ``Int4Linear`` either way): time a pass
+  through one model's worth of projections (30 layers' qkv, o, gate_up and down, random int4 weights: streamed
+  from memory, as in a decode step), 1, 4 and 16 rows; and the error of both against float64.
 
     python benchmarks/bench_native_kernels.py [--rounds 5] [--threads 1] [--contexts 64,256,1000,4000]
-        [--decodes 1,8] [--out results/bench_native_kernels.json]
+        [--decodes 1,8] [--int4-rows 1,4,16] [--out results/bench_native_kernels.json]
 """
 
 from __future__ import annotations
@@ -22,9 +25,10 @@ import torch
 from harness import cpu_name, table, write_results
 
 from kvprefix.cache.default_model import default_model_path
-from kvprefix.model import AttentionMetadata, attention, native_attention, native_norm
+from kvprefix.model import AttentionMetadata, attention, native_attention, native_int4, native_norm
 from kvprefix.model.config import ModelConfig
 from kvprefix.model.llama import RMSNorm
+from kvprefix.model.quantized_linear import Int4Linear
 
 
 def seconds(fn, calls: int) -> float:
@@ -36,13 +40,13 @@ def seconds(fn, calls: int) -> float:
 
 @contextlib.contextmanager
 def without(module):
-    """``module``'s kernel unused meanwhile (its ``supports`` says no): PyTorch's path."""
-    saved = module.supports
-    module.supports = lambda *args: False
+    """``module``'s kernel absent meanwhile (its ``kernel()`` gives None): PyTorch's path."""
+    saved = module.kernel
+    module.kernel = lambda: None
     try:
         yield
     finally:
-        module.supports = saved
+        module.kernel = saved
 
 
 def attention_cases(config: ModelConfig, contexts: list[int], decodes_options: list[int]) -> list[dict]:
@@ -118,17 +122,68 @@ def norm_rows(config: ModelConfig, rounds: int) -> list[dict]:
     return rows
 
 
+def int4_layers(config: ModelConfig, seed: int = 2) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(q, scales, zeros) of every projection of the model, random, as the decoder stacks them."""
+    hidden, inter, dim = config.hidden_size, config.intermediate_size, config.head_dim
+    qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * dim
+    gen = torch.Generator().manual_seed(seed)
+    layers = []
+    for _ in range(config.num_hidden_layers):
+        for n, k in ((qkv, hidden), (hidden, config.num_attention_heads * dim), (2 * inter, hidden), (hidden, inter)):
+            layers.append((torch.randint(0, 16, (n, k), generator=gen), torch.rand(n, k // 32, generator=gen) / 64,
+                           torch.randn(n, k // 32, generator=gen) / 64))
+    return layers
+
+
+def int4_rows(config: ModelConfig, rounds: int, rows_options: list[int]) -> tuple[list[dict], list[dict]]:
+    """(times, errors): a pass through every projection with the kernel and with PyTorch's op, and each side's
+    relative error (norm) against float64 on the first layer's gate_up."""
+    parts = int4_layers(config)
+    native = [Int4Linear(*p) for p in parts]
+    with without(native_int4):
+        pytorch = [Int4Linear(*p) for p in parts]
+    packed_bytes = sum(layer.nbytes() for layer in native)
+    gen = torch.Generator().manual_seed(3)
+    times_rows = []
+    for rows in rows_options:
+        inputs = {k: torch.randn(rows, k, generator=gen).bfloat16() for k in {layer.in_features for layer in native}}
+        sides = {"native": native, "pytorch": pytorch}
+
+        def step(layers, inputs=inputs) -> None:
+            for layer in layers:
+                layer(inputs[layer.in_features])
+
+        for layers in sides.values():
+            step(layers)  # warm
+        times: dict[str, list[float]] = {"native": [], "pytorch": []}
+        for _ in range(rounds):
+            for side, layers in sides.items():
+                times[side].append(seconds(lambda layers=layers: step(layers), 3))
+        n, p = (statistics.median(times[s]) for s in ("native", "pytorch"))
+        times_rows.append({"rows": rows, "native ms": n * 1e3, "pytorch ms": p * 1e3, "ratio": n / p,
+                           "native GB/s": packed_bytes / n / 1e9, "pytorch GB/s": packed_bytes / p / 1e9})
+    q, scales, zeros = parts[2]
+    x = torch.randn(4, q.shape[1], generator=gen).bfloat16()
+    exact = native_int4.reference_matmul(x, q, scales, zeros)
+    errors = [{"rows": 4, **{f"{side} error": float((layers[2](x).double() - exact).norm() / exact.norm())
+                             for side, layers in (("native", native), ("pytorch", pytorch))}}]
+    return times_rows, errors
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5, help="alternations of the two sides; medians reported")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--contexts", default="64,256,1000,4000", help="positions per decode")
     parser.add_argument("--decodes", default="1,8", help="decodes per call")
+    parser.add_argument("--int4-rows", default="1,4,16", help="rows per int4 matmul")
     parser.add_argument("--out", default="results/bench_native_kernels.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if native_attention.kernel() is None or native_norm.kernel() is None:
         raise SystemExit("the native kernels are not built here (a C compiler?): nothing to compare")
+    if native_int4.kernel() is None:
+        print("no native int4 kernel here (it needs AVX512-BF16): its comparison is left out")
     config = ModelConfig.from_path(default_model_path())
     cases = attention_cases(config, [int(c) for c in args.contexts.split(",")],
                             [int(d) for d in args.decodes.split(",")])
@@ -147,6 +202,14 @@ def main() -> None:
         print(f"[{i + 1}/{len(cases)}] {case['positions']} positions x {case['decodes']}: {rows[-1]['ratio']:.2f}x",
               flush=True)
     errors, norms = attention_errors(config), norm_rows(config, args.rounds)
+    int4_times, int4_errors = [], []
+    if native_int4.kernel() is not None:
+        int4_times, int4_errors = int4_rows(config, args.rounds, [int(r) for r in args.int4_rows.split(",")])
+        print("int4 matmul: a pass through every projection (ms); GB/s: the packed weights read")
+        print(table(int4_times, formats={"native ms": ".2f", "pytorch ms": ".2f", "ratio": ".2f",
+                                         "native GB/s": ".1f", "pytorch GB/s": ".1f"}))
+        print("int4 matmul against float64, relative error (norm):")
+        print(table(int4_errors, formats={"native error": ".2e", "pytorch error": ".2e"}) + "\n")
     print("decode attention against float64, relative error (norm):")
     print(table(errors, formats={"native error": ".2e", "pytorch error": ".2e"}))
     print("\nRMSNorm, microseconds a call (the model's module):")
@@ -154,7 +217,8 @@ def main() -> None:
     print("\ndecode attention: microseconds a layer; ratio = native / PyTorch time (below 1: the kernel faster); "
           "GB/s: the K and V read")
     write_results(args.out, {"cpu": cpu_name(), "threads": args.threads, "rounds": args.rounds, "attention": rows,
-                             "attention_errors": errors, "rms_norm": norms}, rows,
+                             "attention_errors": errors, "rms_norm": norms, "int4": int4_times,
+                             "int4_errors": int4_errors}, rows,
                   formats={"native us": ".1f", "pytorch us": ".1f", "ratio": ".2f", "native GB/s": ".1f"})
     print(f"CPU: {cpu_name()}, {args.threads} thread(s)")
 

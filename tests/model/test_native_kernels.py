@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from kvprefix.model import native_attention, native_kernels, native_norm
+from kvprefix.model import native_attention, native_int4, native_kernels, native_norm
 from kvprefix.model.native_kernels import FLAGS
 
 COMPILER = shutil.which(os.environ.get("CC", "cc"))
@@ -106,6 +106,53 @@ def test_rms_norm_keeps_pytorchs_roundings_and_each_row_is_its_own(flags) -> Non
         assert torch.equal(alone, got[::37])
 
 
+def int4_case(n: int, k: int, rows: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=gen)
+    scales = torch.rand(n, k // 32, generator=gen) / 16 + 1e-3
+    zeros = torch.randn(n, k // 32, generator=gen) / 16
+    x = (torch.randn(rows, k, generator=gen) * torch.logspace(-1, 1, k)).bfloat16()
+    return x, q, scales, zeros
+
+
+@needs_compiler
+@pytest.mark.skipif(native_int4.kernel() is None, reason="no AVX512-BF16 (the int4 kernel's only path)")
+def test_int4_matmul_matches_its_reference_and_each_row_is_its_own() -> None:
+    """To the bfloat16 rounding of its output (the float32 sums' own error is far below it), for one and several
+    tiles and groups and for rows within and beyond one pass over a tile (4); a row alone equals itself in a
+    batch, on one thread or two."""
+    for i, (n, k) in enumerate([(16, 32), (48, 96), (576, 1536)]):
+        x, q, scales, zeros = int4_case(n, k, 9, seed=i)
+        packed, scales_and_zeros = native_int4.pack(q, scales, zeros)
+        out = native_int4.int4_matmul(x, packed, scales_and_zeros, n)
+        expected = native_int4.reference_matmul(x, q, scales, zeros)
+        torch.testing.assert_close(out.double(), expected, rtol=2**-8, atol=1e-5 * float(expected.abs().max()))
+        for r in range(9):
+            assert torch.equal(native_int4.int4_matmul(x[r : r + 1], packed, scales_and_zeros, n)[0], out[r])
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(2)
+            assert torch.equal(native_int4.int4_matmul(x, packed, scales_and_zeros, n), out)
+        finally:
+            torch.set_num_threads(threads)
+
+
+@needs_compiler
+@pytest.mark.skipif(native_int4.kernel() is None, reason="no AVX512-BF16 (the int4 kernel's only path)")
+def test_int4_matmul_refuses_shapes_it_does_not_take() -> None:
+    x, q, scales, zeros = int4_case(32, 64, 1, seed=0)
+    packed, scales_and_zeros = native_int4.pack(q, scales, zeros)
+    with pytest.raises(ValueError, match="multiples of 16 and 32"):
+        native_int4.int4_matmul(x, packed, scales_and_zeros, 24)
+
+
+@needs_compiler
+@pytest.mark.parametrize("flags", BUILDS[1:])
+def test_int4_matmul_has_no_portable_path_so_layers_keep_pytorchs_op(flags) -> None:
+    """Without AVX512-BF16 the build says so and ``bind`` gives None (``probed``: PyTorch's op, logged)."""
+    assert native_int4.bind(ctypes.CDLL(str(native_kernels.build("int4_matmul", COMPILER, flags)))) is None
+
+
 def test_no_compiler_or_a_failing_one_keeps_pytorchs_ops(monkeypatch, tmp_path, caplog) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
@@ -137,12 +184,14 @@ def test_a_build_is_cached_and_a_damaged_one_rebuilt(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_switched_off_the_model_takes_pytorchs_ops() -> None:
-    """KVPREFIX_NATIVE_KERNELS=0: no kernel, and a model's norms and decode attention go through PyTorch's ops."""
-    code = ("from kvprefix.model import native_attention, native_kernels, native_norm\n"
-            "print(native_kernels.load('decode_attention'), native_attention.kernel(), native_norm.kernel())")
+    """KVPREFIX_NATIVE_KERNELS=0: no kernel, and a model's norms, decode attention and int4 layers go through
+    PyTorch's ops."""
+    code = ("from kvprefix.model import native_attention, native_int4, native_kernels, native_norm\n"
+            "print(native_kernels.load('decode_attention'), native_attention.kernel(), native_norm.kernel(),"
+            " native_int4.kernel())")
     env = {**os.environ, "KVPREFIX_NATIVE_KERNELS": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["None", "None", "None"]
+    assert out.split() == ["None", "None", "None", "None"]
 
 
 def test_a_cache_folder_that_cannot_be_made_falls_back_to_the_temp_directory(monkeypatch, tmp_path) -> None:

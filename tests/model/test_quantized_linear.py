@@ -10,7 +10,7 @@ import torch
 from support.paged import Chunk, greedy_generate, run_batch
 
 from kvprefix.engine import LLM, SamplingParams
-from kvprefix.model import allocate_kv_cache, load_model
+from kvprefix.model import allocate_kv_cache, load_model, native_int4
 from kvprefix.model.quantized_linear import (
     INT8_ACTIVATIONS,
     Int4Linear,
@@ -39,13 +39,24 @@ def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
 ACTIVATIONS = [False, pytest.param(True, marks=pytest.mark.skipif(not INT8_ACTIVATIONS, reason="no exact u8s8"))]
 
 
-def test_int4_convention_is_q_minus_8_times_scale_plus_zero() -> None:
+@pytest.fixture(params=["native", "pytorch"])
+def int4_path(request, monkeypatch) -> str:
+    """Int4 layers built on the native kernel (where this CPU has one) or on PyTorch's op."""
+    if request.param == "native" and native_int4.kernel() is None:
+        pytest.skip("no native int4 kernel here (no AVX512-BF16, or no C compiler)")
+    if request.param == "pytorch":
+        monkeypatch.setattr(native_int4, "kernel", lambda: None)
+    return request.param
+
+
+def test_int4_convention_is_q_minus_8_times_scale_plus_zero(int4_path) -> None:
     gen = torch.Generator().manual_seed(0)
     n, k = 40, 96  # n not a multiple of 16: exercises the padding rows
     q = torch.randint(0, 16, (n, k), generator=gen)
     scales = (torch.rand(n, k // 32, generator=gen) * 0.1 + 0.01).bfloat16().float()
     zeros = (torch.randn(n, k // 32, generator=gen) * 0.1).bfloat16().float()
     layer = Int4Linear(q, scales, zeros)
+    assert layer.native == (int4_path == "native")
     expected = (q - 8) * scales.repeat_interleave(32, 1) + zeros.repeat_interleave(32, 1)
     torch.testing.assert_close(effective_weight(layer), expected, rtol=BF16_EPS, atol=1e-6)
     x = torch.randn(3, k, generator=gen)
@@ -120,10 +131,13 @@ def test_requantization_error_is_bounded(cls) -> None:
 
 @pytest.mark.parametrize("dense", [torch.bfloat16, torch.float32])  # native bfloat16 CPUs, and the others
 @pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
-def test_prefill_sized_inputs_take_the_dequantized_path_with_the_same_weights(cls, dense, monkeypatch) -> None:
+def test_prefill_sized_inputs_take_the_dequantized_path_with_the_same_weights(cls, dense, monkeypatch,
+                                                                              int4_path) -> None:
     """The weight-only kernels (int8 layers take them on CPUs without an exact u8s8 kernel)."""
     from kvprefix.model import quantized_linear
 
+    if cls is Int8Linear and int4_path == "native":
+        pytest.skip("int8 layers have one weight-only path")
     monkeypatch.setattr(quantized_linear, "_DENSE", dense)
     gen = torch.Generator().manual_seed(5)
     kw = {"int8_activations": False} if cls is Int8Linear else {}
@@ -244,7 +258,8 @@ def test_requantized_model_stays_close_to_dense(tiny_llama_path: str, method: st
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_gguf_blocks_model_matches_its_dequantized_weights(tiny_llama_path: str, tmp_path, arch: str) -> None:
+def test_gguf_blocks_model_matches_its_dequantized_weights(tiny_llama_path: str, tmp_path, arch: str,
+                                                           int4_path) -> None:
     """Every projection in Q4_1 (q/k rows permuted as llama.cpp writes them in "llama" files only), lm_head in
     Q8_0: the packed model against a dense model holding the dequantized weights."""
     dense = load_model(tiny_llama_path, torch.bfloat16)
@@ -282,7 +297,9 @@ def test_gguf_blocks_model_matches_its_dequantized_weights(tiny_llama_path: str,
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
-def test_engine_outputs_identical_with_caching_on_and_off(tiny_llama_path: str, method: str) -> None:
+def test_engine_outputs_identical_with_caching_on_and_off(tiny_llama_path: str, method: str, int4_path) -> None:
+    if method == "int8" and int4_path == "native":
+        pytest.skip("int8 layers have no int4 path")
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     outputs = {}
     for caching in (True, False):

@@ -1,7 +1,7 @@
-"""The project's C kernels (``model/kernels/*.c``: decode attention over the paged cache, RMSNorm), compiled on
-first use by the machine's C compiler for its own CPU (``-march=native``: the sources' AVX2 or plain C path) and
-cached under ``~/.cache/kvprefix/kernels`` by source, compiler and CPU, then loaded with ctypes
-(docs/model.md#native-kernels). Where no compiler builds one, or ``KVPREFIX_NATIVE_KERNELS=0``, ``load`` returns
+"""The project's C kernels (``model/kernels/*.c``: decode attention over the paged cache, RMSNorm, the int4
+matmul), compiled on first use by the machine's C compiler for its own CPU (``-march=native``: the sources'
+AVX512, AVX2 or plain C path) and cached under ``~/.cache/kvprefix/kernels`` by source, compiler and CPU, then
+loaded with ctypes (docs/model.md#native-kernels). Where no compiler builds one, or ``KVPREFIX_NATIVE_KERNELS=0``, ``load`` returns
 None and callers keep PyTorch's ops (logged once)."""
 
 from __future__ import annotations
@@ -60,12 +60,16 @@ def load(name: str) -> ctypes.CDLL | None:
 
 
 def probed(name: str, bind, agrees):
-    """The entry point of ``kernels/<name>.c`` (``bind(library)``), or None: not built, or not ``agrees(fn)`` with
-    its reference on a probe (logged: its callers keep PyTorch's path)."""
+    """The entry point of ``kernels/<name>.c`` (``bind(library)``), or None: not built, no path for this CPU
+    (``bind`` returns None), or not ``agrees(fn)`` with its reference on a probe (logged: its callers keep
+    PyTorch's path)."""
     lib = load(name)
     if lib is None:
         return None
     fn = bind(lib)
+    if fn is None:
+        log.info("native kernel %s has no path for this CPU: PyTorch's op instead", name)
+        return None
     if not agrees(fn):
         log.warning("native kernel %s disagrees with its reference on a probe: PyTorch's path instead", name)
         return None

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from kvprefix.cache.identity import NO_QUANTIZATION, QUANTIZATION_CHOICES, QUANTIZATION_METHODS
+from kvprefix.model import native_int4
 from kvprefix.model.gguf_loader import _LAYER_NAMES, unpermute_rows
 from kvprefix.model.loader import native_bfloat16_cpu
 from kvprefix.tokenizer.gguf_file import GGUFFile, open_gguf
@@ -144,10 +145,16 @@ class Int4Linear(nn.Module):
             raise ValueError(f"int4 weights need an input dimension divisible by {GROUP_SIZE}, got {self.in_features}")
         pad = -self.out_features % _N_ALIGN
         q, scales, zeros = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, scales, zeros))
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+        # The native kernel's packing where it runs on this CPU (docs/model.md#native-kernels), else the op's:
+        # [in // 32, out, 2] (scale, zero) per group and output channel.
+        self.native = native_int4.kernel() is not None
+        if self.native:
+            packed, scales_and_zeros = native_int4.pack(q, scales, zeros)
+        else:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+            scales_and_zeros = torch.stack([scales.t(), zeros.t()], -1).to(_COMPUTE).contiguous()
         self.register_buffer("qweight", packed)
-        # [in // 32, out, 2]: the op's layout of (scale, zero) per group and output channel.
-        self.register_buffer("scales_and_zeros", torch.stack([scales.t(), zeros.t()], -1).to(_COMPUTE).contiguous())
+        self.register_buffer("scales_and_zeros", scales_and_zeros)
         # The weight as the op computes it (scale and zero in bfloat16, the product in float32), in the dense
         # path's dtype: batches and prefill multiply by it. Kept, not rebuilt per call: dequantizing costs more
         # than a 32-row matmul.
@@ -172,6 +179,9 @@ class Int4Linear(nn.Module):
         flat = _rows(x, self.in_features)
         if flat.shape[0] > self.dense_above_rows:
             out = _as(flat, _DENSE) @ self.dense.t()
+        elif self.native:
+            out = native_int4.int4_matmul(_as(flat, _COMPUTE).contiguous(), self.qweight, self.scales_and_zeros,
+                                          self.dense.shape[0])
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(_as(flat, _COMPUTE), self.qweight, GROUP_SIZE,
                                                              self.scales_and_zeros)
