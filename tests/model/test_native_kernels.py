@@ -10,9 +10,22 @@ import sys
 
 import pytest
 import torch
+from support.paged import Chunk, run_batch
 
-from kvprefix.model import native_attention, native_int4, native_kernels, native_norm
+from kvprefix.model import (
+    AttentionMetadata,
+    allocate_kv_cache,
+    load_model,
+    native_attention,
+    native_decode,
+    native_int4,
+    native_kernels,
+    native_layer_ops,
+    native_norm,
+)
 from kvprefix.model.native_kernels import FLAGS
+from kvprefix.model.quantized_linear import quantize_model
+from kvprefix.model.rope import rotate_with_ops_
 
 COMPILER = shutil.which(os.environ.get("CC", "cc"))
 needs_compiler = pytest.mark.skipif(COMPILER is None, reason="no C compiler")
@@ -153,6 +166,84 @@ def test_int4_matmul_has_no_portable_path_so_layers_keep_pytorchs_op(flags) -> N
     assert native_int4.bind(ctypes.CDLL(str(native_kernels.build("int4_matmul", COMPILER, flags)))) is None
 
 
+@needs_compiler
+@pytest.mark.parametrize("flags", BUILDS)
+def test_rotary_and_silu_mul_compute_pytorchs_bits_and_each_row_is_its_own(flags) -> None:
+    """Rotary: the same roundings as PyTorch's three ops, on the q and k heads of a strided qkv view. SiLU and
+    multiply: another exp than PyTorch's, so a rounding's near-tie may land one bfloat16 step apart (rarely)."""
+    fns = bound("layer_ops", flags, native_layer_ops)
+    gen = torch.Generator().manual_seed(7)
+    qkv = torch.randn(40, 15, 64, generator=gen).bfloat16()
+    angles = torch.rand(40, 1, 32, generator=gen) * 500
+    cos = torch.cat([angles.cos()] * 2, -1).bfloat16()
+    sin = torch.cat([-angles.sin(), angles.sin()], -1).bfloat16()
+    got = native_layer_ops.rotary_(qkv.clone()[:, :12], cos, sin, fns=fns)
+    assert torch.equal(got, rotate_with_ops_(qkv.clone()[:, :12], cos, sin))
+    for inner in (1536, 19):  # vector lanes only; a remainder
+        gate_up = (torch.randn(33, 2 * inner, generator=gen) * 4).bfloat16()
+        out = native_layer_ops.silu_mul(gate_up, inner, fns=fns)
+        expected = native_layer_ops.reference_silu_mul(gate_up, inner)
+        assert (out != expected).float().mean() < 1e-3
+        torch.testing.assert_close(out.float(), expected.float(), rtol=2**-7, atol=1e-30)
+        alone = torch.cat([native_layer_ops.silu_mul(gate_up[r : r + 1], inner, fns=fns) for r in range(0, 33, 8)])
+        assert torch.equal(alone, out[::8])
+
+
+@pytest.fixture(scope="module")
+def int4_model(tiny_llama_path: str):
+    if native_decode.kernel() is None:
+        pytest.skip("no fused decode kernel here (no AVX512-BF16, or no C compiler)")
+    return quantize_model(load_model(tiny_llama_path, torch.bfloat16), "int4")
+
+
+def test_a_decode_step_in_one_call_computes_the_layers_bits(int4_model, monkeypatch) -> None:
+    """Three decodes of different lengths (partial last blocks) after their prefills: the fused call's logits and
+    every layer's cache equal the layers' own forwards bit for bit, and the fused call is what ran."""
+    block, tokens = 4, [list(range(5 + 7 * i, 5 + 7 * i + n)) for i, n in enumerate((9, 14, 3))]
+    tables = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
+
+    def decode(fused: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        caches = allocate_kv_cache(int4_model.config, 12, block, torch.bfloat16, "cpu")
+        for t, table in zip(tokens, tables, strict=True):
+            run_batch(int4_model, caches, block, [Chunk(t, 0, len(t) - 1, table)])
+        with monkeypatch.context() as patch:
+            if not fused:
+                patch.setattr(native_decode.DecodeStep, "of", lambda *args: None)
+            calls = []
+            run = native_decode.DecodeStep.run
+            patch.setattr(native_decode.DecodeStep, "run", lambda *a, **k: calls.append(1) or run(*a, **k))
+            steps = [Chunk(t, len(t) - 1, 1, b) for t, b in zip(tokens, tables, strict=True)]
+            logits = run_batch(int4_model, caches, block, steps)
+        assert len(calls) == fused
+        return logits, [c.kv.clone() for c in caches]
+
+    (fused_logits, fused_caches), (logits, caches) = decode(True), decode(False)
+    assert torch.equal(fused_logits, logits)
+    assert all(torch.equal(a, b) for a, b in zip(fused_caches, caches, strict=True))
+
+
+def test_steps_or_layers_the_kernel_does_not_compute_take_the_layers_forwards(int4_model, tiny_llama_path) -> None:
+    layer = int4_model.model.layers[0]
+    assert native_decode.fusable(layer)
+    handle = layer.mlp.down_proj.register_forward_hook(lambda *args: None)  # as a LoRA adapter's
+    assert not native_decode.fusable(layer)
+    handle.remove()
+    layer.self_attn.window = 8
+    assert not native_decode.fusable(layer)
+    layer.self_attn.window = None
+    assert not native_decode.fusable(load_model(tiny_llama_path, torch.bfloat16).model.layers[0])  # dense weights
+    caches = allocate_kv_cache(int4_model.config, 8, 4, torch.bfloat16, "cpu")
+    meta, _ = AttentionMetadata.for_chunks([(3, 1, [1]), (0, 5, [2, 3])], 4)  # a prefill beside
+    assert native_decode.DecodeStep.of(meta, int4_model.model.layers, caches, torch.zeros(6, 64).bfloat16()) is None
+
+
+@needs_compiler
+@pytest.mark.parametrize("flags", BUILDS[1:])
+def test_the_fused_decode_has_no_portable_path(flags) -> None:
+    """Its int4 projections need AVX512-BF16: elsewhere ``bind`` gives None and the layers run their forwards."""
+    assert native_decode.bind(ctypes.CDLL(str(native_kernels.build("decode_layer", COMPILER, flags)))) is None
+
+
 def test_no_compiler_or_a_failing_one_keeps_pytorchs_ops(monkeypatch, tmp_path, caplog) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
@@ -184,14 +275,15 @@ def test_a_build_is_cached_and_a_damaged_one_rebuilt(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_switched_off_the_model_takes_pytorchs_ops() -> None:
-    """KVPREFIX_NATIVE_KERNELS=0: no kernel, and a model's norms, decode attention and int4 layers go through
-    PyTorch's ops."""
-    code = ("from kvprefix.model import native_attention, native_int4, native_kernels, native_norm\n"
+    """KVPREFIX_NATIVE_KERNELS=0: no kernel, and a model's norms, decode attention, int4 layers, rotary and SiLU go
+    through PyTorch's ops, its decode steps through its layers' forwards."""
+    code = ("from kvprefix.model import native_attention, native_decode, native_int4, native_kernels,"
+            " native_layer_ops, native_norm\n"
             "print(native_kernels.load('decode_attention'), native_attention.kernel(), native_norm.kernel(),"
-            " native_int4.kernel())")
+            " native_int4.kernel(), native_layer_ops.kernels(), native_decode.kernel())")
     env = {**os.environ, "KVPREFIX_NATIVE_KERNELS": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["None", "None", "None", "None"]
+    assert out.split() == ["None"] * 6
 
 
 def test_a_cache_folder_that_cannot_be_made_falls_back_to_the_temp_directory(monkeypatch, tmp_path) -> None:

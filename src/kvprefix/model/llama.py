@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvprefix.model import native_norm
+from kvprefix.model import native_decode, native_layer_ops, native_norm
 from kvprefix.model.attention import AttentionMetadata, KVCache, LayerKV, paged_attention
 from kvprefix.model.config import ModelConfig
 from kvprefix.model.rope import RotaryEmbedding, apply_rotary_
@@ -90,8 +90,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        h = F.silu(gate_up[..., : self.inner])  # a fresh contiguous tensor: the product lands in it, in place
-        return self.down_proj(h.mul_(gate_up[..., self.inner :]))
+        if native_layer_ops.supports(gate_up) and gate_up.is_contiguous():
+            return self.down_proj(native_layer_ops.silu_mul(gate_up, self.inner))
+        return self.down_proj(native_layer_ops.reference_silu_mul(gate_up, self.inner))
 
 
 class DecoderLayer(nn.Module):
@@ -157,8 +158,12 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(positions, x.dtype)
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, meta, kv_cache)
+        fused = native_decode.DecodeStep.of(meta, self.model.layers, kv_caches, x)
+        if fused is not None:  # a decode-only step: every layer in one native call, the same bits
+            fused.run(self.model.layers, kv_caches, x, cos, sin)
+        else:
+            for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+                x = layer(x, cos, sin, meta, kv_cache)
         return self.model.norm(x)
 
     @torch.inference_mode()

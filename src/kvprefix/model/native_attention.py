@@ -51,11 +51,14 @@ def reference_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch
 
 
 def supports(q: torch.Tensor, cache: torch.Tensor) -> bool:
-    """Whether the kernel runs this call: built, on CPU, q and cache bfloat16 (``DTYPES``), head size and group
-    within its bounds (256; 16 query heads a KV head)."""
-    heads, dim, kv_heads = q.shape[1], q.shape[2], cache.shape[2] // 2
-    return (q.device.type == "cpu" and q.dtype in DTYPES and cache.dtype == q.dtype and dim <= 256
-            and heads % kv_heads == 0 and heads // kv_heads <= 16 and kernel() is not None)
+    """Whether the kernel runs this call: built, on CPU, q and cache bfloat16 (``DTYPES``), heads it takes."""
+    return (q.device.type == "cpu" and q.dtype in DTYPES and cache.dtype == q.dtype
+            and supports_heads(q.shape[1], cache.shape[2] // 2, q.shape[2]) and kernel() is not None)
+
+
+def supports_heads(heads: int, kv_heads: int, dim: int) -> bool:
+    """Whether the kernel takes these heads: head size up to 256, up to 16 query heads a KV head."""
+    return dim <= 256 and heads % kv_heads == 0 and heads // kv_heads <= 16
 
 
 def bind(lib: ctypes.CDLL):

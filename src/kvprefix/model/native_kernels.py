@@ -78,11 +78,11 @@ def probed(name: str, bind, agrees):
 
 def build(name: str, compiler: str, flags: tuple[str, ...] = FLAGS) -> Path:
     """The shared library of ``kernels/<name>.c`` in the cache (compiled there first when absent), keyed by the
-    source and the headers beside it, the compiler's version, the flags and the CPU. Written under a temporary name
+    source and the sources and headers beside it (which it may include), the compiler's version, the flags and the CPU. Written under a temporary name
     and renamed: concurrent builders never see half a file. OSError when the compiler fails."""
     source = SOURCES / f"{name}.c"
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    texts = [p.read_text() for p in (source, *sorted(SOURCES.glob("*.h")))]  # with the headers it may include
+    texts = [p.read_text() for p in (source, *sorted(SOURCES.glob("*.[ch]")))]  # with what it may include
     key = hashlib.sha256("\0".join([*texts, version, " ".join(flags), _cpu()]).encode()).hexdigest()
     target = cache_dir() / f"{name}-{key[:16]}.so"
     if target.exists():

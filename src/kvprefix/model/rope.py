@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from kvprefix.model import native_layer_ops
 from kvprefix.model.config import ModelConfig
 
 
@@ -55,8 +56,16 @@ class RotaryEmbedding(torch.nn.Module):
 
 def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Rotates x [T, heads, head_dim] (q and k heads, a view into the projection's output) in place, as the
-    reference's ``x * cos + rotate_half(x) * sin`` written ``x * cos + swap_halves(x) * signed_sin``: one copy and two
-    in-place ops, with the reference's rounding (negating sin is exact)."""
+    reference's ``x * cos + rotate_half(x) * sin`` written ``x * cos + swap_halves(x) * signed_sin``, with the
+    reference's rounding (negating sin is exact): on the native kernel for bfloat16 (one pass, the same steps),
+    else ``rotate_with_ops_``."""
+    if native_layer_ops.supports(x):
+        return native_layer_ops.rotary_(x, cos, signed_sin)
+    return rotate_with_ops_(x, cos, signed_sin)
+
+
+def rotate_with_ops_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rotary_`` in PyTorch's ops: one copy and two in-place ops."""
     tokens, heads, dim = x.shape
     swapped = x.view(tokens, heads, 2, dim // 2).flip(2).view(tokens, heads, dim)
     return x.mul_(cos).addcmul_(swapped, signed_sin)

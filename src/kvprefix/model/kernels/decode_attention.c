@@ -10,6 +10,8 @@
  * Each (decode, KV head) is one thread's, in one fixed order: a decode's result never depends on the batch or on
  * the thread count. Returns 0; -1 without scratch memory; -2 for a head size over MAX_DIM or more than MAX_GROUP
  * query heads a KV head. */
+#ifndef KVP_DECODE_ATTENTION_C
+#define KVP_DECODE_ATTENTION_C
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -190,3 +192,4 @@ int kvp_decode_attention(const void *q, const void *cache, const int64_t *block_
     }
     return failed ? -1 : 0;
 }
+#endif

@@ -13,6 +13,8 @@
  * Each tile is one thread's, each row summed in one fixed order: a row's result never depends on the other rows
  * or on the thread count. Only where the compiler targets AVX512-BF16 (kvp_int4_supported() says so); elsewhere
  * callers keep PyTorch's op. */
+#ifndef KVP_INT4_MATMUL_C
+#define KVP_INT4_MATMUL_C
 #include <stdint.h>
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -24,10 +26,10 @@
 
 int kvp_int4_supported(void) { return 1; }
 
-/* The 32 words of one chunk's nibble as bfloat16 (q - 8), from a 16-entry table (vpermw). */
+/* The 32 words of one chunk's nibble h as bfloat16 (q - 8), by a table lookup (vpermw) that reads each index's
+ * low 5 bits: the table repeats its 16 values, so the bit above the nibble needs no mask. */
 static inline __m512i nibble_values(__m512i words, int h, __m512i table) {
-    const __m512i q = _mm512_and_si512(_mm512_srli_epi16(words, 4 * h), _mm512_set1_epi16(0x0F));
-    return _mm512_permutexvar_epi16(q, table);
+    return _mm512_permutexvar_epi16(h ? _mm512_srli_epi16(words, 4 * h) : words, table);
 }
 
 /* rows (1..MAX_ROWS) rows of x against one tile: out[r][0..15]. Each row sums a group's chunks in four
@@ -117,4 +119,5 @@ int kvp_int4_matmul(const uint16_t *x, int64_t rows, int64_t k, const uint8_t *p
     (void)x, (void)rows, (void)k, (void)packed, (void)scales, (void)n, (void)out, (void)threads;
     return -1;
 }
+#endif
 #endif

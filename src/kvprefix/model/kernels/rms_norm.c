@@ -7,6 +7,8 @@
  * PyTorch's reduction: r may differ in its last bit). bfloat16: out = bf16(bf16(x * r) * w), as transformers'
  * LlamaRMSNorm (normalize in float32, round to the model's dtype, then scale); float32: out = (x * r) * w.
  * Each row is one thread's (OpenMP at PyTorch's thread count): a row's result never depends on the others. */
+#ifndef KVP_RMS_NORM_C
+#define KVP_RMS_NORM_C
 #include <math.h>
 #include <stdint.h>
 
@@ -62,3 +64,4 @@ void kvp_rms_norm(const void *x, const void *weight, int64_t rows, int64_t size,
         }
     }
 }
+#endif
