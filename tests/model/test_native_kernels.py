@@ -225,14 +225,16 @@ def test_a_decode_step_in_one_call_computes_the_layers_bits(int4_model, monkeypa
 def test_steps_or_layers_the_kernel_does_not_compute_take_the_layers_forwards(int4_model, tiny_llama_path) -> None:
     layer = int4_model.model.layers[0]
     assert native_decode.fusable(layer)
+    caches = allocate_kv_cache(int4_model.config, 8, 4, torch.bfloat16, "cpu")
+    layers = native_decode.stack(int4_model.model.layers, caches)
+    assert layers.fusable and not layers.hooked()
     handle = layer.mlp.down_proj.register_forward_hook(lambda *args: None)  # as a LoRA adapter's
-    assert not native_decode.fusable(layer)
+    assert layers.hooked()
     handle.remove()
     layer.self_attn.window = 8
     assert not native_decode.fusable(layer)
     layer.self_attn.window = None
     assert not native_decode.fusable(load_model(tiny_llama_path, torch.bfloat16).model.layers[0])  # dense weights
-    caches = allocate_kv_cache(int4_model.config, 8, 4, torch.bfloat16, "cpu")
     meta, _ = AttentionMetadata.for_chunks([(3, 1, [1]), (0, 5, [2, 3])], 4)  # a prefill beside
     assert native_decode.DecodeStep.of(meta, int4_model.model.layers, caches, torch.zeros(6, 64).bfloat16()) is None
 

@@ -4,13 +4,14 @@ so the same bits, without the ~20 Python-dispatched ops and calls a layer betwee
 (docs/model.md#native-kernels).
 
 ``DecodeStep.of`` says whether a step qualifies: decodes only, none sharing a cascade prefix, bfloat16 on CPU, the
-kernel built, and every layer ``fusable`` (compact int4 weights on the native kernel, no bias, window, q/k norm,
-hook or deterministic mode). Any other step runs the layers' forwards."""
+kernel built, every layer ``fusable`` (compact int4 weights on the native kernel, no bias, window, q/k norm or
+deterministic mode) and no forward hook on them. Any other step runs the layers' forwards."""
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import weakref
 
 import torch
 
@@ -26,22 +27,72 @@ def _projections(layer) -> tuple:
 
 
 def fusable(layer) -> bool:
-    """Whether the kernel computes ``layer`` (a ``llama.DecoderLayer``) as its forward would."""
+    """Whether the kernel computes ``layer`` (a ``llama.DecoderLayer``) as its forward would (hooks aside: see
+    ``LayerStack.hooked``)."""
     attn = layer.self_attn
-    projections = _projections(layer)
     return (attn.window is None and not attn.qk_norm and not attn.batch_invariant
             and native_attention.supports_heads(attn.num_heads, attn.num_kv_heads, attn.head_dim)
             and all(getattr(p, "native", False) and p.bias is None and p.dense.shape[0] == p.out_features
-                    and not p._forward_hooks and not p._forward_pre_hooks for p in projections)
-            and not layer._forward_hooks and not layer._forward_pre_hooks
+                    for p in _projections(layer))
             and layer.input_layernorm.weight.dtype == layer.post_attention_layernorm.weight.dtype == torch.bfloat16)
 
 
-class DecodeStep:
-    """One step's decodes as the kernel takes them: their block tables, lengths and new tokens' cache rows."""
+class LayerStack:
+    """A model's decoder layers as the kernel takes them, built once per model and set of caches (``stack``):
+    whether every layer is ``fusable``, and their pointers packed as ``struct kvp_layer`` (int64s). What may change
+    after loading, a hook on any of their modules (a LoRA adapter's), is checked every step (``hooked``); modules
+    swapped after the model's first decode step are not seen."""
 
-    def __init__(self, table: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor) -> None:
-        self.table, self.seq_lens, self.slots = table, seq_lens, slots
+    def __init__(self, layers, kv_caches) -> None:
+        self.key = _stack_key(layers, kv_caches)
+        self.modules = [module for layer in layers for module in layer.modules()]
+        self.fusable = bool(layers) and all(fusable(layer) for layer in layers)
+        self.count = len(layers)
+        if self.fusable:
+            pointers = []
+            for layer, kv_cache in zip(layers, kv_caches, strict=True):
+                pointers += [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr()]
+                for p in _projections(layer):
+                    pointers += [p.qweight.data_ptr(), p.scales_and_zeros.data_ptr()]
+                pointers.append(kv_cache.kv.data_ptr())
+            self.pointers = torch.tensor(pointers, dtype=torch.int64)
+            first = layers[0]
+            attn = first.self_attn
+            self.eps, self.scale, self.inner = first.input_layernorm.eps, attn.scale, first.mlp.inner
+            self.heads = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
+
+    def hooked(self) -> bool:
+        """Whether a forward hook (global, or on any of the layers' modules) would be bypassed."""
+        return bool(_global_hooks()) or any(m._forward_hooks or m._forward_pre_hooks for m in self.modules)
+
+
+def _stack_key(layers, kv_caches) -> tuple:
+    return id(layers), tuple(id(c.kv) for c in kv_caches)
+
+
+def _global_hooks() -> dict:
+    from torch.nn.modules import module
+
+    return module._global_forward_hooks or module._global_forward_pre_hooks
+
+
+_stacks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layers (nn.ModuleList) -> LayerStack
+
+
+def stack(layers, kv_caches) -> LayerStack:
+    """The ``LayerStack`` of ``layers`` (an ``nn.ModuleList``) and ``kv_caches``, built on first use."""
+    cached = _stacks.get(layers)
+    if cached is None or cached.key != _stack_key(layers, kv_caches):
+        cached = _stacks[layers] = LayerStack(layers, kv_caches)
+    return cached
+
+
+class DecodeStep:
+    """One step's decodes as the kernel takes them: the layers, and the decodes' block tables, lengths and new
+    tokens' cache rows."""
+
+    def __init__(self, layers: LayerStack, table: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor) -> None:
+        self.layers, self.table, self.seq_lens, self.slots = layers, table, seq_lens, slots
 
     @classmethod
     def of(cls, meta: AttentionMetadata, layers, kv_caches, x: torch.Tensor) -> DecodeStep | None:
@@ -49,36 +100,31 @@ class DecodeStep:
         if x.device.type != "cpu" or x.dtype != torch.bfloat16 or not kv_caches or kernel() is None:
             return None
         cache = kv_caches[0].kv
-        if cache.dtype != torch.bfloat16 or not all(fusable(layer) for layer in layers):
+        if cache.dtype != torch.bfloat16:
             return None
-        return cls.of_plan(meta, cache.shape[1])
+        layer_stack = stack(layers, kv_caches)
+        if not layer_stack.fusable or layer_stack.hooked():
+            return None
+        return cls.of_plan(meta, cache.shape[1], layer_stack)
 
     @classmethod
-    def of_plan(cls, meta: AttentionMetadata, block_size: int) -> DecodeStep | None:
+    def of_plan(cls, meta: AttentionMetadata, block_size: int, layers: LayerStack) -> DecodeStep | None:
         """The step's ``DecodeStep`` where its batch is decodes only, none in a cascade; else None."""
         plan = meta.plan(block_size)
         if plan.prefills or plan.decodes is None or plan.shared is not None:
             return None
         decodes = plan.decodes
         table = decodes.blocks.view(decodes.seq_lens.numel(), -1)
-        return cls(table, decodes.seq_lens.contiguous(), meta.slot_mapping.contiguous())
+        return cls(layers, table, decodes.seq_lens.contiguous(), meta.slot_mapping.contiguous())
 
-    def run(self, layers, kv_caches, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fn=None) -> None:
-        """The ``layers``' forwards on x [decodes, hidden] in place (x contiguous), on ``fn`` (a ``bind``-ing;
-        default ``kernel()``)."""
-        pointers = []  # struct kvp_layer of each layer, as int64s
-        for layer, kv_cache in zip(layers, kv_caches, strict=True):
-            pointers += [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr()]
-            for p in _projections(layer):
-                pointers += [p.qweight.data_ptr(), p.scales_and_zeros.data_ptr()]
-            pointers.append(kv_cache.kv.data_ptr())
-        packed = torch.tensor(pointers, dtype=torch.int64)
-        attn, first = layers[0].self_attn, layers[0]
-        failed = (fn or kernel())(x.data_ptr(), x.shape[0], x.shape[1], first.input_layernorm.eps, packed.data_ptr(),
-                                  len(layers), attn.num_heads, attn.num_kv_heads, attn.head_dim, first.mlp.inner,
-                                  cos.data_ptr(), sin.data_ptr(), self.slots.data_ptr(), kv_caches[0].kv.shape[1],
-                                  self.table.data_ptr(), self.table.shape[1], self.seq_lens.data_ptr(), attn.scale,
-                                  torch.get_num_threads())
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, block_size: int, fn=None) -> None:
+        """The layers' forwards on x [decodes, hidden] in place (x contiguous), on ``fn`` (a ``bind``-ing; default
+        ``kernel()``)."""
+        layers = self.layers
+        failed = (fn or kernel())(x.data_ptr(), x.shape[0], x.shape[1], layers.eps, layers.pointers.data_ptr(),
+                                  layers.count, *layers.heads, layers.inner, cos.data_ptr(), sin.data_ptr(),
+                                  self.slots.data_ptr(), block_size, self.table.data_ptr(), self.table.shape[1],
+                                  self.seq_lens.data_ptr(), layers.scale, torch.get_num_threads())
         if failed == -1:
             raise MemoryError("decode layers kernel: no scratch memory")
         if failed:
@@ -125,7 +171,7 @@ def agrees(fn) -> bool:
     x = torch.randn(2, 64, generator=generator).bfloat16()
     expected_cache, got_cache, got = cache.clone(), cache.clone(), x.clone()
     expected = layer(x, cos, sin, meta, LayerKV(expected_cache))
-    DecodeStep.of_plan(meta, 4).run([layer], [LayerKV(got_cache)], got, cos, sin, fn=fn)
+    DecodeStep.of_plan(meta, 4, LayerStack([layer], [LayerKV(got_cache)])).run(got, cos, sin, 4, fn=fn)
     return torch.equal(got, expected) and torch.equal(got_cache, expected_cache)
 
 
