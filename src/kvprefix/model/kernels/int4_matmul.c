@@ -23,6 +23,9 @@
 #define TILE 16
 #define GROUP 32
 #define MAX_ROWS 4 /* rows a pass over a tile carries (in registers); more rows pass over it again */
+/* Bytes ahead of the chunk being read that are prefetched: a decode step streams through ~120 small matrices, each
+ * a fresh start for the hardware prefetcher (docs/model.md#native-kernels). */
+#define PREFETCH 4096
 
 int kvp_int4_supported(void) { return 1; }
 
@@ -47,6 +50,7 @@ static inline __attribute__((always_inline)) void tile_rows(const uint16_t *x, i
         const uint8_t *chunks = tile + g * (TILE * GROUP / 2);
         for (int c = 0; c < 4; c++) {
             const __m512i words = _mm512_loadu_si512(chunks + c * 64);
+            _mm_prefetch((const char *)chunks + c * 64 + PREFETCH, _MM_HINT_T0);
             for (int h = 0; h < 4; h++) {
                 const __m512bh w = (__m512bh)nibble_values(words, h, table);
                 const int64_t pair = g * 16 + c * 4 + h;
