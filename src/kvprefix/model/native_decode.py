@@ -45,7 +45,8 @@ class LayerStack:
 
     def __init__(self, layers, kv_caches) -> None:
         self.key = _stack_key(layers, kv_caches)
-        self.modules = [module for layer in layers for module in layer.modules()]
+        # Each module's hook dicts: registering a hook adds to them in place, so checking them sees it.
+        self.hooks = [d for layer in layers for m in layer.modules() for d in (m._forward_hooks, m._forward_pre_hooks)]
         self.fusable = bool(layers) and all(fusable(layer) for layer in layers)
         self.count = len(layers)
         if self.fusable:
@@ -63,7 +64,7 @@ class LayerStack:
 
     def hooked(self) -> bool:
         """Whether a forward hook (global, or on any of the layers' modules) would be bypassed."""
-        return bool(_global_hooks()) or any(m._forward_hooks or m._forward_pre_hooks for m in self.modules)
+        return bool(_global_hooks()) or any(self.hooks)
 
 
 def _stack_key(layers, kv_caches) -> tuple:
