@@ -90,7 +90,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if native_layer_ops.supports(gate_up) and gate_up.is_contiguous():
+        if native_layer_ops.supports_silu_mul(gate_up):
             return self.down_proj(native_layer_ops.silu_mul(gate_up, self.inner))
         return self.down_proj(native_layer_ops.reference_silu_mul(gate_up, self.inner))
 

@@ -1,8 +1,8 @@
 """Rotary embedding and SiLU-and-multiply on the native kernel ``kernels/layer_ops.c``: one pass each where
-PyTorch dispatches three ops (flip, mul_, addcmul_) and two (silu, mul_), and the same functions the fused decode
-layer runs, so a decode computes the same bits on either path (docs/model.md#native-kernels). bfloat16 only (as
-``native_norm.DTYPES``); ``kernels()`` is None where they cannot be built or disagree with PyTorch's ops on a
-probe: callers then keep PyTorch's ops."""
+PyTorch dispatches three ops (flip, mul_, addcmul_) and two (silu, mul_). The fused decode (``native_decode``)
+runs the same functions, and the model's forward takes them for bfloat16 (SiLU up to ``SILU_MUL_ROWS`` rows), so a
+decode computes the same bits on either path (docs/model.md#native-kernels). ``kernels()`` is None where they
+cannot be built or disagree with PyTorch's ops on a probe: callers then keep PyTorch's ops."""
 
 from __future__ import annotations
 
@@ -46,9 +46,20 @@ def reference_silu_mul(gate_up: torch.Tensor, inner: int) -> torch.Tensor:
     return F.silu(gate_up[..., :inner]).mul_(gate_up[..., inner:])
 
 
+# Rows up to which the model's MLP takes ``silu_mul`` (the fused decode always does): beyond, PyTorch's vectorized
+# silu is faster (docs/model.md#native-kernels). Both round to the same bfloat16 but at rare near-ties.
+SILU_MUL_ROWS = 4
+
+
 def supports(x: torch.Tensor) -> bool:
     """Whether the kernels run on x: built, on CPU, bfloat16."""
     return x.device.type == "cpu" and x.dtype == torch.bfloat16 and kernels() is not None
+
+
+def supports_silu_mul(gate_up: torch.Tensor) -> bool:
+    """Whether the model's MLP runs ``silu_mul`` on gate_up: ``supports``, contiguous, up to ``SILU_MUL_ROWS``
+    rows."""
+    return supports(gate_up) and gate_up.is_contiguous() and gate_up.numel() <= SILU_MUL_ROWS * gate_up.shape[-1]
 
 
 def bind(lib: ctypes.CDLL) -> Kernels:

@@ -48,21 +48,21 @@ static inline float silu(float g) {
 }
 
 #ifdef KVP_SIMD
-/* Eight floats rounded to bfloat16 and stored, as float_to_bf16 rounds each (to nearest even, NaN kept NaN). */
-static inline void store8_bf16(uint16_t *out, __m256 f) {
+/* Eight floats rounded to bfloat16 as float_to_bf16 rounds each (to nearest even, NaN kept NaN): their top 16 bits. */
+static inline __m256i bf16_bits8(__m256 f) {
     const __m256i u = _mm256_castps_si256(f);
     const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i top = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd)), 16);
+    const __m256i top = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd)), 16);
     const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
-    top = _mm256_blendv_epi8(top, quiet, _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(top, top), 0x08);
-    _mm_storeu_si128((__m128i *)out, _mm256_castsi256_si128(packed));
+    return _mm256_blendv_epi8(top, quiet, _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
 }
 
-static inline __m256 bf16_round8(__m256 f) {
-    uint16_t rounded[8];
-    store8_bf16(rounded, f);
-    return load8(rounded, 1, 0);
+static inline __m256 bf16_round8(__m256 f) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(f), 16)); }
+
+static inline void store8_bf16(uint16_t *out, __m256 f) {
+    const __m256i bits = bf16_bits8(f);
+    _mm_storeu_si128((__m128i *)out, _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits),
+                                                                                       0x08)));
 }
 #endif
 
