@@ -6,6 +6,8 @@ run, medians reported:
   float64 attention at 1,000 positions, bfloat16 and float32;
 - RMSNorm (``kernels/rms_norm.c`` against PyTorch's ops, the model's ``RMSNorm`` module either way): time a call,
   bfloat16, 1 and 1,024 rows; and the share of elements whose bfloat16 result differs;
+- rotary and SiLU-and-multiply (``kernels/layer_ops.c`` against PyTorch's ops): time a call on the model's q and
+  k heads / gate_up rows, 1 to 1,024 rows; and the share of bfloat16 results that differ;
 - the int4 matmul (``kernels/int4_matmul.c`` against PyTorch's int4 op, ``Int4Linear`` either way): time a pass
   through one model's worth of projections (30 layers' qkv, o, gate_up and down, random int4 weights: streamed
   from memory, as in a decode step), 1, 4 and 16 rows; and the error of both against float64.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import statistics
 import time
 
@@ -25,10 +28,11 @@ import torch
 from harness import cpu_name, table, write_results
 
 from kvprefix.cache.default_model import default_model_path
-from kvprefix.model import AttentionMetadata, attention, native_attention, native_int4, native_norm
+from kvprefix.model import AttentionMetadata, attention, native_attention, native_int4, native_layer_ops, native_norm
 from kvprefix.model.config import ModelConfig
 from kvprefix.model.llama import RMSNorm
 from kvprefix.model.quantized_linear import Int4Linear
+from kvprefix.model.rope import rotate_with_ops_
 
 
 def seconds(fn, calls: int) -> float:
@@ -122,6 +126,43 @@ def norm_rows(config: ModelConfig, rounds: int) -> list[dict]:
     return rows
 
 
+def _rotary(fn, qkv: torch.Tensor, qk: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return fn(qkv.clone()[:, :qk], cos, sin)  # a fresh copy each call: rotary works in place
+
+
+def layer_ops_rows(config: ModelConfig, rounds: int) -> list[dict]:
+    """Rotary on the q and k heads of a qkv output, and SiLU-and-multiply on gate_up rows: kernel against PyTorch's
+    ops, time a call and how many bfloat16 results differ."""
+    gen = torch.Generator().manual_seed(4)
+    heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    inner = config.intermediate_size
+    rows = []
+    for tokens in (1, 4, 16, 1024):
+        qkv = torch.randn(tokens, heads + 2 * kv_heads, dim, generator=gen).bfloat16()
+        angles = torch.rand(tokens, 1, dim // 2, generator=gen) * 1000
+        cos = torch.cat([angles.cos()] * 2, -1).bfloat16()
+        sin = torch.cat([-angles.sin(), angles.sin()], -1).bfloat16()
+        gate_up = (torch.randn(tokens, 2 * inner, generator=gen) * 3).bfloat16()
+        qk = heads + kv_heads
+        cases = {
+            "rotary": (functools.partial(_rotary, native_layer_ops.rotary_, qkv, qk, cos, sin),
+                       functools.partial(_rotary, rotate_with_ops_, qkv, qk, cos, sin)),
+            "silu_mul": (functools.partial(native_layer_ops.silu_mul, gate_up, inner),
+                         functools.partial(native_layer_ops.reference_silu_mul, gate_up, inner)),
+        }
+        calls = 200 if tokens <= 16 else 10
+        for op, (native, pytorch) in cases.items():
+            times: dict[str, list[float]] = {"native": [], "pytorch": []}
+            for _ in range(rounds):
+                times["native"].append(seconds(native, calls))
+                times["pytorch"].append(seconds(pytorch, calls))
+            n, p = (statistics.median(times[side]) for side in ("native", "pytorch"))
+            got, expected = native(), pytorch()
+            rows.append({"op": op, "rows": tokens, "native us": n * 1e6, "pytorch us": p * 1e6, "ratio": n / p,
+                         "elements differing": f"{int((got != expected).sum())} of {got.numel()}"})
+    return rows
+
+
 def int4_layers(config: ModelConfig, seed: int = 2) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(q, scales, zeros) of every projection of the model, random, as the decoder stacks them."""
     hidden, inter, dim = config.hidden_size, config.intermediate_size, config.head_dim
@@ -202,6 +243,9 @@ def main() -> None:
         print(f"[{i + 1}/{len(cases)}] {case['positions']} positions x {case['decodes']}: {rows[-1]['ratio']:.2f}x",
               flush=True)
     errors, norms = attention_errors(config), norm_rows(config, args.rounds)
+    layer_ops = layer_ops_rows(config, args.rounds) if native_layer_ops.kernels() is not None else []
+    print("rotary and SiLU-and-multiply, microseconds a call (a rotary call includes copying qkv, both sides):")
+    print(table(layer_ops, formats={"native us": ".1f", "pytorch us": ".1f", "ratio": ".2f"}) + "\n")
     int4_times, int4_errors = [], []
     if native_int4.kernel() is not None:
         int4_times, int4_errors = int4_rows(config, args.rounds, [int(r) for r in args.int4_rows.split(",")])
@@ -217,7 +261,7 @@ def main() -> None:
     print("\ndecode attention: microseconds a layer; ratio = native / PyTorch time (below 1: the kernel faster); "
           "GB/s: the K and V read")
     write_results(args.out, {"cpu": cpu_name(), "threads": args.threads, "rounds": args.rounds, "attention": rows,
-                             "attention_errors": errors, "rms_norm": norms, "int4": int4_times,
+                             "attention_errors": errors, "rms_norm": norms, "layer_ops": layer_ops, "int4": int4_times,
                              "int4_errors": int4_errors}, rows,
                   formats={"native us": ".1f", "pytorch us": ".1f", "ratio": ".2f", "native GB/s": ".1f"})
     print(f"CPU: {cpu_name()}, {args.threads} thread(s)")
