@@ -131,7 +131,8 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """y = x @ W.T + bias with W[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g], g = k // 32, q in 0..15."""
+    """y = x @ W.T + bias with W[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g], g = k // 32, q in 0..15: on the
+    native kernel where this CPU has it (``native``: packed in its layout), else on PyTorch's int4 op."""
 
     # Above this many rows the dense copy's matmul is faster than the int4 op, whose cost grows with every row;
     # below, reading the copy's 4x the bytes costs more (docs/model.md#compact-weights---quantization-cpu).

@@ -4,12 +4,12 @@
  * them: ~20 ops and calls a layer, each costing microseconds, and the gaps they leave in reading the weights
  * (docs/model.md#native-kernels).
  *
- * x: [decodes][hidden] bfloat16, the residual stream, updated in place; layers: count struct kvp_layer. The
- * projections: int4_matmul.c's packing,
- * qkv [(heads + 2 kv_heads) dim], o [hidden], gate_up [2 inner] (gate rows, then up), down [hidden], none padded.
- * cos, sin: [decodes][dim] (apply_rotary_'s factors); slots: [decodes] cache rows of the new K and V; cache, table,
- * seq_lens: as decode_attention.c takes them (seq_lens counting the new token). Returns 0; -1 without scratch
- * memory; -2 for shapes the kernels do not take. Only where int4_matmul.c has its AVX512-BF16 path. */
+ * x: [decodes][hidden] bfloat16, the residual stream, updated in place; layers: count struct kvp_layer, whose
+ * projections are int4_matmul.c's packing: qkv [(heads + 2 kv_heads) dim], o [hidden], gate_up [2 inner] (gate
+ * rows, then up), down [hidden], none padded. cos, sin: [decodes][dim] (apply_rotary_'s factors); slots:
+ * [decodes] cache rows of the new K and V; table, seq_lens: as decode_attention.c takes them (seq_lens counting the
+ * new token). Returns 0; -1 without scratch memory; -2 for shapes the kernels do not take. Only where
+ * int4_matmul.c has its AVX512-BF16 path (kvp_decode_layer_supported). */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
