@@ -44,7 +44,7 @@ class LayerStack:
     swapped after the model's first decode step are not seen."""
 
     def __init__(self, layers, kv_caches) -> None:
-        self.key = _stack_key(layers, kv_caches)
+        self.key = _stack_key(kv_caches)
         # Each module's hook dicts: registering a hook adds to them in place, so checking them sees it.
         self.hooks = [d for layer in layers for m in layer.modules() for d in (m._forward_hooks, m._forward_pre_hooks)]
         self.fusable = bool(layers) and all(fusable(layer) for layer in layers)
@@ -67,8 +67,10 @@ class LayerStack:
         return bool(_global_hooks()) or any(self.hooks)
 
 
-def _stack_key(layers, kv_caches) -> tuple:
-    return id(layers), tuple(id(c.kv) for c in kv_caches)
+def _stack_key(kv_caches) -> tuple:
+    """What the packed pointers were built for: the caches by address (a cache freed and another made at its address
+    is the same pointer, so still right); the layers are the dict's own key (weakly held, never a stale id)."""
+    return tuple(c.kv.data_ptr() for c in kv_caches)
 
 
 def _global_hooks() -> dict:
@@ -83,7 +85,7 @@ _stacks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layers (nn.M
 def stack(layers, kv_caches) -> LayerStack:
     """The ``LayerStack`` of ``layers`` (an ``nn.ModuleList``) and ``kv_caches``, built on first use."""
     cached = _stacks.get(layers)
-    if cached is None or cached.key != _stack_key(layers, kv_caches):
+    if cached is None or cached.key != _stack_key(kv_caches):
         cached = _stacks[layers] = LayerStack(layers, kv_caches)
     return cached
 
