@@ -196,16 +196,21 @@ def int4_model(tiny_llama_path: str):
     return quantize_model(load_model(tiny_llama_path, torch.bfloat16), "int4")
 
 
-def test_a_decode_step_in_one_call_computes_the_layers_bits(int4_model, monkeypatch) -> None:
-    """Three decodes of different lengths (partial last blocks) after their prefills: the fused call's logits and
-    every layer's cache equal the layers' own forwards bit for bit, and the fused call is what ran."""
-    block, tokens = 4, [list(range(5 + 7 * i, 5 + 7 * i + n)) for i, n in enumerate((9, 14, 3))]
-    tables = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
+@pytest.mark.parametrize("lengths", [(9, 14, 3), (9, 14, 3, 17, 6, 11)])  # within and beyond a 4-row pass
+def test_a_decode_step_in_one_call_computes_the_layers_bits(int4_model, monkeypatch, lengths) -> None:
+    """Decodes of different lengths (partial last blocks) after their prefills: the fused call's logits and every
+    layer's cache equal the layers' own forwards bit for bit, on one thread or two, and the fused call is what
+    ran."""
+    block = 4
+    tokens = [list(range(5 + 7 * i, 5 + 7 * i + n)) for i, n in enumerate(lengths)]
+    firsts = [1 + sum(-(-n // block) for n in lengths[:i]) for i in range(len(lengths))]
+    tables = [list(range(first, first + -(-n // block))) for first, n in zip(firsts, lengths, strict=True)]
 
-    def decode(fused: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        caches = allocate_kv_cache(int4_model.config, 12, block, torch.bfloat16, "cpu")
+    def decode(fused: bool, threads: int = 1) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        caches = allocate_kv_cache(int4_model.config, 40, block, torch.bfloat16, "cpu")
         for t, table in zip(tokens, tables, strict=True):
             run_batch(int4_model, caches, block, [Chunk(t, 0, len(t) - 1, table)])
+        saved = torch.get_num_threads()
         with monkeypatch.context() as patch:
             if not fused:
                 patch.setattr(native_decode.DecodeStep, "of", lambda *args: None)
@@ -213,13 +218,19 @@ def test_a_decode_step_in_one_call_computes_the_layers_bits(int4_model, monkeypa
             run = native_decode.DecodeStep.run
             patch.setattr(native_decode.DecodeStep, "run", lambda *a, **k: calls.append(1) or run(*a, **k))
             steps = [Chunk(t, len(t) - 1, 1, b) for t, b in zip(tokens, tables, strict=True)]
-            logits = run_batch(int4_model, caches, block, steps)
+            try:
+                torch.set_num_threads(threads)
+                logits = run_batch(int4_model, caches, block, steps)
+            finally:
+                torch.set_num_threads(saved)
         assert len(calls) == fused
         return logits, [c.kv.clone() for c in caches]
 
     (fused_logits, fused_caches), (logits, caches) = decode(True), decode(False)
-    assert torch.equal(fused_logits, logits)
-    assert all(torch.equal(a, b) for a, b in zip(fused_caches, caches, strict=True))
+    two_threads_logits, two_threads_caches = decode(True, threads=2)
+    assert torch.equal(fused_logits, logits) and torch.equal(two_threads_logits, logits)
+    assert all(torch.equal(a, b) and torch.equal(c, b)
+               for a, b, c in zip(fused_caches, caches, two_threads_caches, strict=True))
 
 
 def test_steps_or_layers_the_kernel_does_not_compute_take_the_layers_forwards(int4_model, tiny_llama_path) -> None:
