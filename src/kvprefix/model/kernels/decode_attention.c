@@ -84,6 +84,32 @@ static inline float hsum(__m256 v) {
 }
 #endif
 
+#if defined(__AVX512BF16__)
+/* The scores of bfloat16 queries and keys with dim a multiple of 32, on AVX512-BF16's pair dot products: exact
+ * products summed in float32 (16 lanes, then across), then scaled; each head's max. About half the time of the
+ * float32 path below, which converts each key once per query head. */
+static inline void scores_bf16(const uint16_t *q, const void *cache, const int64_t *table, int64_t seq_len,
+                               int64_t group, int64_t h, int64_t dim, int64_t block_size, int64_t row, float scale,
+                               float *scores, float *top) {
+    __m512bh query[MAX_GROUP][MAX_DIM / 32];
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t c = 0; c < dim / 32; c++)
+            query[g][c] = (__m512bh)_mm512_loadu_si512(q + (h * group + g) * dim + 32 * c);
+    for (int64_t t = 0; t < seq_len; t++) {
+        const uint16_t *key = (const uint16_t *)cache + (table[t / block_size] * block_size + t % block_size) * row
+                              + h * dim;
+        __m512bh keys[MAX_DIM / 32];
+        for (int64_t c = 0; c < dim / 32; c++) keys[c] = (__m512bh)_mm512_loadu_si512(key + 32 * c);
+        for (int64_t g = 0; g < group; g++) {
+            __m512 sum = _mm512_setzero_ps();
+            for (int64_t c = 0; c < dim / 32; c++) sum = _mm512_dpbf16_ps(sum, query[g][c], keys[c]);
+            scores[g * seq_len + t] = _mm512_reduce_add_ps(sum) * scale;
+            top[g] = fmaxf(top[g], scores[g * seq_len + t]);
+        }
+    }
+}
+#endif
+
 /* One decode's query heads [h * group, (h + 1) * group) against KV head h over its seq_len positions. */
 static inline void attend(const void *q, const void *cache, const int64_t *table, int64_t seq_len, int64_t heads,
                           int64_t kv_heads, int64_t dim, int64_t block_size, int64_t h, float scale, int bf16,
@@ -96,6 +122,11 @@ static inline void attend(const void *q, const void *cache, const int64_t *table
         total[g] = 0.0f;
         memset(acc[g], 0, sizeof(float) * (size_t)dim);
     }
+#if defined(__AVX512BF16__)
+    if (bf16 && dim % 32 == 0)
+        scores_bf16(q, cache, table, seq_len, group, h, dim, block_size, row, scale, scores, top);
+    else
+#endif
     for (int64_t t = 0; t < seq_len; t++) {  /* scores, and each head's max */
         const char *key = (const char *)cache + ((table[t / block_size] * block_size + t % block_size) * row
                                                  + h * dim) * size;
