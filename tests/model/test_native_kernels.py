@@ -248,6 +248,11 @@ def test_steps_or_layers_the_kernel_does_not_compute_take_the_layers_forwards(in
     assert not native_decode.fusable(load_model(tiny_llama_path, torch.bfloat16).model.layers[0])  # dense weights
     meta, _ = AttentionMetadata.for_chunks([(3, 1, [1]), (0, 5, [2, 3])], 4)  # a prefill beside
     assert native_decode.DecodeStep.of(meta, int4_model.model.layers, caches, torch.zeros(6, 64).bfloat16()) is None
+    for decodes in (16, 17):  # beyond 16 rows the int4 layers take their dense matmuls: so do these steps
+        meta, _ = AttentionMetadata.for_chunks([(2, 1, [i % 8]) for i in range(decodes)], 4)
+        x = torch.zeros(decodes, 64).bfloat16()
+        step = native_decode.DecodeStep.of(meta, int4_model.model.layers, caches, x)
+        assert (step is None) == (decodes > layer.mlp.down_proj.dense_above_rows)
 
 
 @needs_compiler

@@ -3,8 +3,8 @@ kernels as each layer's own forward (int4 projections, RMSNorm, rotary, decode a
 so the same bits, without the ~20 Python-dispatched ops and calls a layer between them
 (docs/model.md#native-kernels).
 
-``DecodeStep.of`` says whether a step qualifies: decodes only, none sharing a cascade prefix, bfloat16 on CPU, the
-kernel built, every layer ``fusable`` (compact int4 weights on the native kernel, no bias, window, q/k norm or
+``DecodeStep.of`` says whether a step qualifies: decodes only (as many as the int4 layers run their kernel for),
+none sharing a cascade prefix, bfloat16 on CPU, the kernel built, every layer ``fusable`` (compact int4 weights on the native kernel, no bias, window, q/k norm or
 deterministic mode) and no forward hook on them. Any other step runs the layers' forwards."""
 
 from __future__ import annotations
@@ -59,6 +59,8 @@ class LayerStack:
             self.pointers = torch.tensor(pointers, dtype=torch.int64)
             first = layers[0]
             attn = first.self_attn
+            # Decodes beyond what every projection runs its int4 kernel for take the layers' dense matmuls.
+            self.max_decodes = min(p.dense_above_rows for layer in layers for p in _projections(layer))
             self.eps, self.scale, self.inner = first.input_layernorm.eps, attn.scale, first.mlp.inner
             self.heads = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
 
@@ -106,7 +108,7 @@ class DecodeStep:
         if cache.dtype != torch.bfloat16:
             return None
         layer_stack = stack(layers, kv_caches)
-        if not layer_stack.fusable or layer_stack.hooked():
+        if not layer_stack.fusable or layer_stack.hooked() or meta.slot_mapping.numel() > layer_stack.max_decodes:
             return None
         return cls.of_plan(meta, cache.shape[1], layer_stack)
 

@@ -46,9 +46,10 @@ def reference_silu_mul(gate_up: torch.Tensor, inner: int) -> torch.Tensor:
     return F.silu(gate_up[..., :inner]).mul_(gate_up[..., inner:])
 
 
-# Rows up to which the model's MLP takes ``silu_mul`` (the fused decode always does): beyond, PyTorch's vectorized
-# silu is faster (docs/model.md#native-kernels). Both round to the same bfloat16 but at rare near-ties.
-SILU_MUL_ROWS = 4
+# Rows up to which the model's MLP takes ``silu_mul``: decode-sized batches, those the fused decode takes (as many as
+# an int4 layer runs its kernel for), so both compute the same bits. Beyond, PyTorch's vectorized silu is faster
+# (docs/model.md#native-kernels); the two round to the same bfloat16 but at rare near-ties.
+SILU_MUL_ROWS = 16
 
 
 def supports(x: torch.Tensor) -> bool:
