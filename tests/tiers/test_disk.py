@@ -209,6 +209,7 @@ for seed in range(10**6):
 """
 
 
+@pytest.mark.slow  # a writer process killed mid-stream: 2 s of the fast lane's 90
 def test_kill_9_during_heavy_writes_leaves_only_whole_objects_within_budget(tmp_path) -> None:
     import subprocess
     import sys
