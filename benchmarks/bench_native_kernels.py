@@ -42,6 +42,16 @@ def seconds(fn, calls: int) -> float:
     return (time.perf_counter() - start) / calls
 
 
+def medians(timers, rounds: int) -> list[float]:
+    """Each timer's (a callable returning seconds) median over ``rounds`` rounds, the timers taking turns in each
+    round: what they compare is measured interleaved."""
+    times: list[list[float]] = [[] for _ in timers]
+    for _ in range(rounds):
+        for timed, timer in zip(times, timers, strict=True):
+            timed.append(timer())
+    return [statistics.median(timed) for timed in times]
+
+
 @contextlib.contextmanager
 def without(module):
     """``module``'s kernel absent meanwhile (its ``kernel()`` gives None): PyTorch's path."""
@@ -113,12 +123,12 @@ def norm_rows(config: ModelConfig, rounds: int) -> list[dict]:
     for tokens in (1, 1024):
         x = (torch.randn(tokens, config.hidden_size, generator=gen) * 3).bfloat16()
         calls = 2000 if tokens == 1 else 50
-        times: dict[str, list[float]] = {"native": [], "pytorch": []}
-        for _ in range(rounds):
-            times["native"].append(seconds(lambda x=x: norm(x), calls))
+
+        def pytorch_seconds(x=x, calls=calls) -> float:
             with without(native_norm):
-                times["pytorch"].append(seconds(lambda x=x: norm(x), calls))
-        native, pytorch = (statistics.median(times[s]) for s in ("native", "pytorch"))
+                return seconds(lambda: norm(x), calls)
+
+        native, pytorch = medians([lambda x=x, calls=calls: seconds(lambda: norm(x), calls), pytorch_seconds], rounds)
         with without(native_norm):
             expected = norm(x)
         rows.append({"rows": tokens, "native us": native * 1e6, "pytorch us": pytorch * 1e6, "ratio": native / pytorch,
@@ -152,11 +162,8 @@ def layer_ops_rows(config: ModelConfig, rounds: int) -> list[dict]:
         }
         calls = 200 if tokens <= 16 else 10
         for op, (native, pytorch) in cases.items():
-            times: dict[str, list[float]] = {"native": [], "pytorch": []}
-            for _ in range(rounds):
-                times["native"].append(seconds(native, calls))
-                times["pytorch"].append(seconds(pytorch, calls))
-            n, p = (statistics.median(times[side]) for side in ("native", "pytorch"))
+            n, p = medians([functools.partial(seconds, native, calls), functools.partial(seconds, pytorch, calls)],
+                           rounds)
             got, expected = native(), pytorch()
             rows.append({"op": op, "rows": tokens, "native us": n * 1e6, "pytorch us": p * 1e6, "ratio": n / p,
                          "elements differing": f"{int((got != expected).sum())} of {got.numel()}"})
@@ -196,11 +203,8 @@ def int4_rows(config: ModelConfig, rounds: int, rows_options: list[int]) -> tupl
 
         for layers in sides.values():
             step(layers)  # warm
-        times: dict[str, list[float]] = {"native": [], "pytorch": []}
-        for _ in range(rounds):
-            for side, layers in sides.items():
-                times[side].append(seconds(lambda layers=layers: step(layers), 3))
-        n, p = (statistics.median(times[s]) for s in ("native", "pytorch"))
+        n, p = medians([functools.partial(seconds, functools.partial(step, layers), 3) for layers in sides.values()],
+                       rounds)
         times_rows.append({"rows": rows, "native ms": n * 1e3, "pytorch ms": p * 1e3, "ratio": n / p,
                            "native GB/s": packed_bytes / n / 1e9, "pytorch GB/s": packed_bytes / p / 1e9})
     q, scales, zeros = parts[2]
@@ -230,13 +234,11 @@ def main() -> None:
                             [int(d) for d in args.decodes.split(",")])
     rows = []
     for i, case in enumerate(cases):
-        times: dict[str, list[float]] = {"native": [], "pytorch": []}
         for side in ("native", "pytorch"):
             case[side]()  # warm
-        for _ in range(args.rounds):
-            for side in ("native", "pytorch"):
-                times[side].append(seconds(case[side], 3) / config.num_hidden_layers)
-        native, pytorch = (statistics.median(times[s]) for s in ("native", "pytorch"))
+        native, pytorch = (m / config.num_hidden_layers for m in
+                           medians([functools.partial(seconds, case[side], 3) for side in ("native", "pytorch")],
+                                   args.rounds))
         rows.append({"positions": case["positions"], "decodes": case["decodes"], "native us": native * 1e6,
                      "pytorch us": pytorch * 1e6, "ratio": native / pytorch,
                      "native GB/s": case["bytes"] / native / 1e9})
