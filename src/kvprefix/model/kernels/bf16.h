@@ -15,6 +15,9 @@ static inline uint16_t float_to_bf16(float f) {
     return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
 }
 
+/* f rounded to bfloat16, as float32 (what a tensor of the model's dtype holds after the step that made f). */
+static inline float bf16_round(float f) { return bf16_to_float(float_to_bf16(f)); }
+
 /* Element i of a bfloat16 (bf16) or float32 array, as float32. */
 static inline float load_element(const void *p, int bf16, int64_t i) {
     return bf16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];

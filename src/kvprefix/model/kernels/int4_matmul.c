@@ -29,6 +29,11 @@
 
 int kvp_int4_supported(void) { return 1; }
 
+/* Sixteen bfloat16 values from p on, as float32. */
+static inline __m512 bf16x16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
 /* The 32 words of one chunk's nibble h as bfloat16 (q - 8), by a table lookup (vpermw) that reads each index's
  * low 5 bits: the table repeats its 16 values, so the bit above the nibble needs no mask. */
 static inline __m512i nibble_values(__m512i words, int h, __m512i table) {
@@ -60,10 +65,7 @@ static inline __attribute__((always_inline)) void tile_rows(const uint16_t *x, i
                 }
             }
         }
-        const __m512 scale = _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(scales + g * 32))), 16));
-        const __m512 zero = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(scales + g * 32 + 16))), 16));
+        const __m512 scale = bf16x16(scales + g * 32), zero = bf16x16(scales + g * 32 + 16);
         for (int r = 0; r < rows; r++) {
             const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3]));
             total[r] = _mm512_fmadd_ps(sum, scale, total[r]);
@@ -84,11 +86,8 @@ static inline __attribute__((always_inline)) void tile_rows(const uint16_t *x, i
 static void group_sums(const uint16_t *x, int64_t rows, int64_t k, float *sums) {
     for (int64_t r = 0; r < rows; r++)
         for (int64_t g = 0; g < k / GROUP; g++) {
-            const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + r * k + g * GROUP))), 16));
-            const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + r * k + g * GROUP + 16))), 16));
-            sums[r * (k / GROUP) + g] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+            const uint16_t *group = x + r * k + g * GROUP;
+            sums[r * (k / GROUP) + g] = _mm512_reduce_add_ps(_mm512_add_ps(bf16x16(group), bf16x16(group + 16)));
         }
 }
 

@@ -15,8 +15,6 @@
 #include "bf16.h"
 #include "decode_attention.c" /* exp_neg and exp_neg8 */
 
-static inline float bf16_round(float f) { return bf16_to_float(float_to_bf16(f)); }
-
 static void rotary_row(uint16_t *x, int64_t heads, int64_t dim, const uint16_t *cos, const uint16_t *sin) {
     const int64_t half = dim / 2;
     float before[MAX_DIM];

@@ -57,8 +57,7 @@ void kvp_rms_norm(const void *x, const void *weight, int64_t rows, int64_t size,
         for (int64_t i = 0; i < size; i++) {
             const float normed = load_element(row, bf16, i) * scale;
             if (bf16)
-                ((uint16_t *)out)[r * size + i] =
-                    float_to_bf16(bf16_to_float(float_to_bf16(normed)) * load_element(weight, 1, i));
+                ((uint16_t *)out)[r * size + i] = float_to_bf16(bf16_round(normed) * load_element(weight, 1, i));
             else
                 ((float *)out)[r * size + i] = normed * load_element(weight, 0, i);
         }
