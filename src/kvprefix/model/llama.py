@@ -160,7 +160,7 @@ class CausalLM(nn.Module):
         cos, sin = self.model.rotary_emb(positions, x.dtype)
         fused = native_decode.DecodeStep.of(meta, self.model.layers, kv_caches, x)
         if fused is not None:  # a decode-only step: every layer in one native call, the same bits
-            fused.run(x, cos, sin, kv_caches[0].kv.shape[1])
+            fused.run(x, cos, sin)
         else:
             for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
                 x = layer(x, cos, sin, meta, kv_cache)

@@ -4,8 +4,9 @@ so the same bits, without the ~20 Python-dispatched ops and calls a layer betwee
 (docs/model.md#native-kernels).
 
 ``DecodeStep.of`` says whether a step qualifies: decodes only (as many as the int4 layers run their kernel for),
-none sharing a cascade prefix, bfloat16 on CPU, the kernel built, every layer ``fusable`` (compact int4 weights on the native kernel, no bias, window, q/k norm or
-deterministic mode) and no forward hook on them. Any other step runs the layers' forwards."""
+none sharing a cascade prefix, bfloat16 on CPU, the kernel built, every layer ``fusable`` (compact int4 weights on
+the native kernel, no bias, window, q/k norm or deterministic mode) and no forward hook on them. Any other step
+runs the layers' forwards."""
 
 from __future__ import annotations
 
@@ -96,8 +97,9 @@ class DecodeStep:
     """One step's decodes as the kernel takes them: the layers, and the decodes' block tables, lengths and new
     tokens' cache rows."""
 
-    def __init__(self, layers: LayerStack, table: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor) -> None:
-        self.layers, self.table, self.seq_lens, self.slots = layers, table, seq_lens, slots
+    def __init__(self, layers: LayerStack, block_size: int, table: torch.Tensor, seq_lens: torch.Tensor,
+                 slots: torch.Tensor) -> None:
+        self.layers, self.block_size, self.table, self.seq_lens, self.slots = layers, block_size, table, seq_lens, slots
 
     @classmethod
     def of(cls, meta: AttentionMetadata, layers, kv_caches, x: torch.Tensor) -> DecodeStep | None:
@@ -120,15 +122,15 @@ class DecodeStep:
             return None
         decodes = plan.decodes
         table = decodes.blocks.view(decodes.seq_lens.numel(), -1)
-        return cls(layers, table, decodes.seq_lens.contiguous(), meta.slot_mapping.contiguous())
+        return cls(layers, block_size, table, decodes.seq_lens.contiguous(), meta.slot_mapping.contiguous())
 
-    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, block_size: int, fn=None) -> None:
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fn=None) -> None:
         """The layers' forwards on x [decodes, hidden] in place (x contiguous), on ``fn`` (a ``bind``-ing; default
         ``kernel()``)."""
         layers = self.layers
         failed = (fn or kernel())(x.data_ptr(), x.shape[0], x.shape[1], layers.eps, layers.pointers.data_ptr(),
                                   layers.count, *layers.heads, layers.inner, cos.data_ptr(), sin.data_ptr(),
-                                  self.slots.data_ptr(), block_size, self.table.data_ptr(), self.table.shape[1],
+                                  self.slots.data_ptr(), self.block_size, self.table.data_ptr(), self.table.shape[1],
                                   self.seq_lens.data_ptr(), layers.scale, torch.get_num_threads())
         if failed == -1:
             raise MemoryError("decode layers kernel: no scratch memory")
@@ -176,7 +178,7 @@ def agrees(fn) -> bool:
     x = torch.randn(2, 64, generator=generator).bfloat16()
     expected_cache, got_cache, got = cache.clone(), cache.clone(), x.clone()
     expected = layer(x, cos, sin, meta, LayerKV(expected_cache))
-    DecodeStep.of_plan(meta, 4, LayerStack([layer], [LayerKV(got_cache)])).run(got, cos, sin, 4, fn=fn)
+    DecodeStep.of_plan(meta, 4, LayerStack([layer], [LayerKV(got_cache)])).run(got, cos, sin, fn=fn)
     return torch.equal(got, expected) and torch.equal(got_cache, expected_cache)
 
 
