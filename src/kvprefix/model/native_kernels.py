@@ -1,8 +1,9 @@
 """The project's C kernels (``model/kernels/*.c``: decode attention over the paged cache, RMSNorm, the int4
-matmul), compiled on first use by the machine's C compiler for its own CPU (``-march=native``: the sources'
-AVX512, AVX2 or plain C path) and cached under ``~/.cache/kvprefix/kernels`` by source, compiler and CPU, then
-loaded with ctypes (docs/model.md#native-kernels). Where no compiler builds one, or ``KVPREFIX_NATIVE_KERNELS=0``, ``load`` returns
-None and callers keep PyTorch's ops (logged once)."""
+matmul, rotary and SiLU, a decode step's layers in one call), compiled on first use by the machine's C compiler for
+its own CPU (``-march=native``: the sources' AVX512, AVX2 or plain C path) and cached under
+``~/.cache/kvprefix/kernels`` by source, compiler and CPU, then loaded with ctypes (docs/model.md#native-kernels).
+Where no compiler builds one, or ``KVPREFIX_NATIVE_KERNELS=0``, ``load`` returns None and callers keep PyTorch's
+ops (logged once)."""
 
 from __future__ import annotations
 
@@ -78,8 +79,9 @@ def probed(name: str, bind, agrees):
 
 def build(name: str, compiler: str, flags: tuple[str, ...] = FLAGS) -> Path:
     """The shared library of ``kernels/<name>.c`` in the cache (compiled there first when absent), keyed by the
-    source and the sources and headers beside it (which it may include), the compiler's version, the flags and the CPU. Written under a temporary name
-    and renamed: concurrent builders never see half a file. OSError when the compiler fails."""
+    source and the sources and headers beside it (which it may include), the compiler's version, the flags and the
+    CPU. Written under a temporary name and renamed: concurrent builders never see half a file. OSError when the
+    compiler fails."""
     source = SOURCES / f"{name}.c"
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     texts = [p.read_text() for p in (source, *sorted(SOURCES.glob("*.[ch]")))]  # with what it may include
