@@ -163,7 +163,7 @@ def test_int4_matmul_refuses_shapes_it_does_not_take() -> None:
 @pytest.mark.parametrize("flags", BUILDS[1:])
 def test_int4_matmul_has_no_portable_path_so_layers_keep_pytorchs_op(flags) -> None:
     """Without AVX512-BF16 the build says so and ``bind`` gives None (``probed``: PyTorch's op, logged)."""
-    assert native_int4.bind(ctypes.CDLL(str(native_kernels.build("int4_matmul", COMPILER, flags)))) is None
+    assert bound("int4_matmul", flags, native_int4) is None
 
 
 @needs_compiler
@@ -259,7 +259,7 @@ def test_steps_or_layers_the_kernel_does_not_compute_take_the_layers_forwards(in
 @pytest.mark.parametrize("flags", BUILDS[1:])
 def test_the_fused_decode_has_no_portable_path(flags) -> None:
     """Its int4 projections need AVX512-BF16: elsewhere ``bind`` gives None and the layers run their forwards."""
-    assert native_decode.bind(ctypes.CDLL(str(native_kernels.build("decode_layer", COMPILER, flags)))) is None
+    assert bound("decode_layer", flags, native_decode) is None
 
 
 def test_no_compiler_or_a_failing_one_keeps_pytorchs_ops(monkeypatch, tmp_path, caplog) -> None:
