@@ -22,6 +22,7 @@ from kvprefix.model import (
     native_kernels,
     native_layer_ops,
     native_norm,
+    native_prefill,
 )
 from kvprefix.model.native_kernels import FLAGS
 from kvprefix.model.quantized_linear import quantize_model
@@ -96,6 +97,82 @@ def test_decode_attention_is_free_of_the_thread_count_and_of_extreme_scores() ->
         assert torch.equal(native_attention.decode_attention(q, cache, table, lens, 0.125), out)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def prefill_fn():
+    """The prefill kernel of this CPU's build, bound without the probe (so a wrong kernel fails here, not just
+    there); skipped without AVX512-BF16 or a compiler."""
+    fn = bound("prefill_attention", FLAGS, native_prefill) if COMPILER else None
+    if fn is None:
+        pytest.skip("no native prefill attention here (it needs AVX512-BF16 and a C compiler)")
+    return fn
+
+
+def prefill_case(heads: int, kv_heads: int, dim: int, context: int, new: int, seed: int, spread: float = 2.0):
+    """A chunk's queries (a strided view, as the step's q is) and the keys and values of all its positions."""
+    gen = torch.Generator().manual_seed(seed)
+    kv = (torch.randn(context + new, 2 * kv_heads, dim, generator=gen) * spread).bfloat16()
+    q = (torch.randn(new, heads + 1, dim, generator=gen) * spread).bfloat16()[:, 1:]
+    return q, kv[:, :kv_heads], kv[:, kv_heads:]
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "context", "new"), [
+    (9, 3, 64, 0, 150), (9, 3, 64, 200, 70), (4, 4, 128, 65, 3), (8, 1, 64, 0, 1), (6, 2, 256, 127, 129)])
+def test_prefill_attention_matches_its_reference_and_each_row_is_its_own(prefill_fn, heads, kv_heads, dim, context,
+                                                                         new) -> None:
+    """Against float64 attention within bfloat16's rounding; and a row's bits are its own: the chunk split in two
+    calls (the second after the first's positions) or run on 2 threads gives the same bits."""
+    q, keys, values = prefill_case(heads, kv_heads, dim, context, new, seed=new)
+    out = native_prefill.prefill_attention(q, keys, values, dim**-0.5, fn=prefill_fn)
+    exact = native_prefill.reference_attention(q, keys, values, dim**-0.5)
+    assert (out.double() - exact).norm() / exact.norm() <= 2**-8
+    split = new // 3
+    head = native_prefill.prefill_attention(q[:split], keys[: context + split], values[: context + split], dim**-0.5,
+                                            fn=prefill_fn)
+    tail = native_prefill.prefill_attention(q[split:], keys, values, dim**-0.5, fn=prefill_fn)
+    assert torch.equal(torch.cat([head, tail]), out)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(native_prefill.prefill_attention(q, keys, values, dim**-0.5, fn=prefill_fn), out)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_prefill_attention_takes_scores_far_beyond_exps_range(prefill_fn) -> None:
+    """Scores of thousands, the largest late in a row: the running max rescales what came before, nothing
+    overflows."""
+    q, keys, values = prefill_case(9, 3, 64, 300, 40, seed=3, spread=12.0)
+    keys[-45:] *= 4  # the largest scores come in the last blocks
+    out = native_prefill.prefill_attention(q, keys, values, 0.125, fn=prefill_fn)
+    assert torch.isfinite(out).all()
+    exact = native_prefill.reference_attention(q, keys, values, 0.125)
+    assert (out.double() - exact).norm() / exact.norm() <= 2**-8
+
+
+def test_prefill_attention_refuses_what_it_does_not_take(prefill_fn) -> None:
+    q, keys, values = prefill_case(4, 2, 96, 0, 8, seed=0)
+    with pytest.raises(ValueError, match="head size 96"):
+        native_prefill.prefill_attention(q, keys, values, 0.1, fn=prefill_fn)
+    q, keys, values = prefill_case(4, 2, 64, 0, 8, seed=0)
+    with pytest.raises(ValueError, match="scratch"):
+        native_prefill.prefill_attention(q, keys, values, 0.1, scratch=torch.empty(8, dtype=torch.bfloat16),
+                                         fn=prefill_fn)
+    assert not native_prefill.supports(q.float()) and not native_prefill.supports(q[..., :32])
+
+
+def test_the_prefill_kernel_is_on_where_the_cpu_has_it(prefill_fn) -> None:
+    """Where this CPU's build has the kernel, its probe passes and bfloat16 prefill takes it (the model tests'
+    ``native`` cases would otherwise skip)."""
+    assert native_prefill.kernel() is not None and native_prefill.supports(torch.zeros(1, 2, 64, dtype=torch.bfloat16))
+
+
+@needs_compiler
+@pytest.mark.parametrize("flags", BUILDS[1:])
+def test_prefill_attention_has_no_portable_path(flags) -> None:
+    """Without AVX512-BF16 the build says so and ``bind`` gives None: attention keeps PyTorch's ways."""
+    assert bound("prefill_attention", flags, native_prefill) is None
 
 
 @needs_compiler

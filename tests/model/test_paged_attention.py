@@ -4,7 +4,14 @@ import pytest
 import torch
 from support.paged import Chunk, run_batch
 
-from kvprefix.model import AttentionMetadata, allocate_kv_cache, attention, load_model, native_attention
+from kvprefix.model import (
+    AttentionMetadata,
+    allocate_kv_cache,
+    attention,
+    load_model,
+    native_attention,
+    native_prefill,
+)
 from kvprefix.model.attention import (
     CASCADE_MIN_TOKENS,
     SPLIT_MIN_NEW,
@@ -64,10 +71,29 @@ def test_long_chunks_after_context_equal_one_pass(model, chunks: list[int]) -> N
     assert (logits - full_pass(model, tokens)).abs().max().item() <= TOL
 
 
+@pytest.fixture(params=["native", "tiled"])
+def bfloat16_prefill(request, monkeypatch) -> str:
+    """bfloat16 CPU prefill on the native kernel (where this CPU has it) or, with it off, in PyTorch's query tiles
+    (chunks over TILED_MIN_KEYS positions)."""
+    if request.param == "native" and native_prefill.kernel() is None:
+        pytest.skip("no native prefill attention here (it needs AVX512-BF16 and a C compiler)")
+    if request.param == "tiled":
+        monkeypatch.setattr(native_prefill, "supports", lambda query: False)
+    return request.param
+
+
+def flash_only(monkeypatch) -> None:
+    """From here on, bfloat16 prefill takes PyTorch's flash kernel (neither the native kernel nor the tiles)."""
+    monkeypatch.setattr(native_prefill, "supports", lambda query: False)
+    monkeypatch.setattr(attention, "TILED_MIN_NEW", 1 << 30)
+
+
 @pytest.mark.parametrize("chunks", [[TILED_MIN_KEYS + 37], [150, TILED_MIN_KEYS + TILE_TOKENS + 9]])
-def test_tiled_chunks_give_the_logits_of_the_flash_kernel(tiny_llama_path: str, monkeypatch, chunks: list[int]) -> None:
-    """A bfloat16 chunk over TILED_MIN_KEYS positions or more (cold, or after earlier context) attends in query
-    tiles of plain matmuls, the last tile partial: the logits of the flash kernel's path, to bfloat16's rounding."""
+def test_bfloat16_chunks_give_the_logits_of_the_flash_kernel(tiny_llama_path: str, monkeypatch, bfloat16_prefill,
+                                                            chunks: list[int]) -> None:
+    """A bfloat16 chunk over TILED_MIN_KEYS positions or more (cold, or after earlier context) on the native kernel
+    or in query tiles of plain matmuls (the last one partial): the logits of the flash kernel's path, to bfloat16's
+    rounding."""
     model = load_model(tiny_llama_path, dtype=torch.bfloat16)
     tokens = prompt(14, sum(chunks))
     blocks = list(range(1, 1 + -(-len(tokens) // BLOCK)))
@@ -79,18 +105,18 @@ def test_tiled_chunks_give_the_logits_of_the_flash_kernel(tiny_llama_path: str, 
             done += n
         return out
 
-    tiled = logits()
-    monkeypatch.setattr(attention, "TILED_MIN_NEW", 1 << 30)
+    got = logits()
+    flash_only(monkeypatch)
     flash = logits()
-    assert (tiled - flash).abs().max().item() <= TOL_BF16, (tiled - flash).abs().max().item()
+    assert (got - flash).abs().max().item() <= TOL_BF16, (got - flash).abs().max().item()
 
 
 @pytest.mark.parametrize(("context", "new"), [(0, TILED_MIN_KEYS + 50), (TILED_MIN_KEYS, 2 * TILE_TOKENS + 7)])
-def test_tiled_attention_in_bfloat16_is_as_close_to_exact_as_the_flash_kernel(monkeypatch, context: int,
-                                                                               new: int) -> None:
-    """bfloat16 queries and cache on the built-in model's heads (9 query heads on 3 KV heads, dim 64): the tiled
-    path's output against float64 attention, within bfloat16's rounding and no further off than the flash
-    kernel's."""
+def test_bfloat16_prefill_is_as_close_to_exact_as_the_flash_kernel(monkeypatch, bfloat16_prefill, context: int,
+                                                                   new: int) -> None:
+    """bfloat16 queries and cache on the built-in model's heads (9 query heads on 3 KV heads, dim 64): the native
+    kernel's or the tiles' output against float64 attention, within bfloat16's rounding and no further off than
+    the flash kernel's."""
     gen = torch.Generator().manual_seed(15)
     heads, kv_heads, dim, block = 9, 3, 64, 16
     blocks = list(range(-(-(context + new) // block)))
@@ -111,10 +137,10 @@ def test_tiled_attention_in_bfloat16_is_as_close_to_exact_as_the_flash_kernel(mo
     scores.masked_fill_(torch.arange(context + new)[None, :] > torch.arange(context, context + new)[:, None],
                         -torch.inf)
     exact = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
-    tiled = (attend() - exact).norm() / exact.norm()
-    monkeypatch.setattr(attention, "TILED_MIN_NEW", 1 << 30)
+    got = (attend() - exact).norm() / exact.norm()
+    flash_only(monkeypatch)
     flash = (attend() - exact).norm() / exact.norm()
-    assert tiled <= 2**-8 and tiled <= 1.5 * flash, (tiled, flash)
+    assert got <= 2**-8 and got <= 1.5 * flash, (got, flash)
 
 
 @pytest.fixture(params=["native", "pytorch"])
