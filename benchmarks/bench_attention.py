@@ -1,13 +1,14 @@
-"""Prefill attention on CPU, three ways through ``paged_attention`` on the built-in model's head shapes,
-interleaved: query tiles of plain matmuls (``tiled``), PyTorch's flash kernel (``flash``: after earlier context
-two unmasked calls merged by log-sum-exp, a cold chunk one causal call), and one flash call with an explicit mask
-(``masked``; a cold chunk takes the causal call here too).
+"""Prefill attention on CPU, four ways through ``paged_attention`` on the built-in model's head shapes,
+interleaved: the native kernel (``native``, ``kernels/prefill_attention.c``; where this CPU has AVX512-BF16),
+query tiles of plain matmuls (``tiled``), PyTorch's flash kernel (``flash``: after earlier context two unmasked
+calls merged by log-sum-exp, a cold chunk one causal call), and one flash call with an explicit mask (``masked``;
+a cold chunk takes the causal call here too).
 
 Each case is a chunk of ``new`` tokens after ``context`` tokens already in a paged cache (one layer, the model's
 heads); a round times each way once, in alternating order, each way forced on whatever the size thresholds
-(``TILED_MIN_NEW``, ``TILED_MIN_KEYS``, ``SPLIT_MIN_NEW``) would pick, to show where they belong. The tiled way
-is bfloat16's only (in float32 ``tiled`` times the flash kernel). Reports medians, their ratios and the largest
-difference between the tiled and flash outputs.
+(``TILED_MIN_NEW``, ``TILED_MIN_KEYS``, ``SPLIT_MIN_NEW``) would pick, to show where they belong. The native and
+tiled ways are bfloat16's only (in float32 both time the flash kernel). Reports medians, their ratios and the
+largest differences between the native, tiled and flash outputs.
 
     python benchmarks/bench_attention.py [--rounds 7] [--threads 1] [--dtypes bfloat16]
         [--cases 2048+2048,4064+1024,...] [--out results/bench_attention.json]
@@ -24,7 +25,7 @@ import torch
 from harness import cpu_name, write_results
 
 from kvprefix.cache.default_model import default_model_path
-from kvprefix.model import attention
+from kvprefix.model import attention, native_prefill
 from kvprefix.model.attention import AttentionMetadata, allocate_kv_cache, paged_attention
 from kvprefix.model.config import ModelConfig
 
@@ -48,7 +49,8 @@ def _case(config: ModelConfig, context: int, new: int, dtype: torch.dtype, seed:
 
 
 NEVER = 1 << 30
-WAYS = {  # the thresholds that force each way on
+WAYS = {  # the thresholds that force each way on (all but ``native`` with the native kernel off)
+    "native": {},
     "tiled": {"TILED_MIN_NEW": 1, "TILED_MIN_KEYS": 1},
     "flash": {"TILED_MIN_NEW": NEVER, "SPLIT_MIN_NEW": 1},
     "masked": {"TILED_MIN_NEW": NEVER, "SPLIT_MIN_NEW": NEVER},
@@ -62,11 +64,15 @@ def _run(case, way: str, scale: float) -> tuple[float, torch.Tensor]:
     defaults = {name: getattr(attention, name) for name in WAYS[way]}
     for name, value in WAYS[way].items():
         setattr(attention, name, value)
+    native = native_prefill.supports
+    if way != "native":
+        native_prefill.supports = lambda query: False
     try:
         start = time.perf_counter()
         out = paged_attention(q, kv, cache, meta, scale)
         return time.perf_counter() - start, out
     finally:
+        native_prefill.supports = native
         for name, value in defaults.items():
             setattr(attention, name, value)
 
@@ -84,33 +90,37 @@ def main() -> None:
     scale = config.head_dim ** -0.5
     print(f"CPU: {cpu_name()}, {args.threads} thread(s); heads {config.num_attention_heads}, KV heads "
           f"{config.num_key_value_heads}, head dim {config.head_dim}; load average {os.getloadavg()[0]:.1f}")
+    ways = [way for way in WAYS if way != "native" or native_prefill.kernel() is not None]
+    if "native" not in ways:
+        print("no native prefill kernel here (it needs AVX512-BF16): its way is left out")
     rows = []
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
         for i, spec in enumerate(args.cases.split(",")):
             context, new = (int(x) for x in spec.split("+"))
             case = _case(config, context, new, dtype, seed=i)
-            times = {way: [] for way in WAYS}
+            times = {way: [] for way in ways}
             for r in range(args.rounds + 1):  # the first round warms up and is dropped
-                for way in (list(WAYS) if r % 2 else list(WAYS)[::-1]):
+                for way in (ways if r % 2 else ways[::-1]):
                     seconds, _ = _run(case, way, scale)
                     if r:
                         times[way].append(seconds)
-            diff = (_run(case, "tiled", scale)[1].float() - _run(case, "flash", scale)[1].float()).abs().max().item()
-            ms = {way: statistics.median(times[way]) * 1e3 for way in WAYS}
+            flash = _run(case, "flash", scale)[1].float()
+            ms = {way: statistics.median(times[way]) * 1e3 for way in ways}
             flops = 4 * config.head_dim * config.num_attention_heads * (new * context + new * (new + 1) // 2)
-            rows.append({"dtype": dtype_name, "context": context, "new": new,
-                         **{f"{way} ms": ms[way] for way in WAYS}, "tiled / flash": ms["tiled"] / ms["flash"],
-                         "flash / masked": ms["flash"] / ms["masked"],
-                         "tiled GFLOP/s": flops / ms["tiled"] / 1e6, "flash GFLOP/s": flops / ms["flash"] / 1e6,
-                         "max abs diff": diff})
-            print(f"  {dtype_name} {context}+{new}: " + ", ".join(f"{w} {ms[w]:.2f} ms" for w in WAYS), flush=True)
+            row = {"dtype": dtype_name, "context": context, "new": new, **{f"{way} ms": ms[way] for way in ways}}
+            for way in ways[: ways.index("flash")]:  # the ways of ours, against the flash kernel
+                row[f"{way} / flash"] = ms[way] / ms["flash"]
+                row[f"{way} max abs diff"] = (_run(case, way, scale)[1].float() - flash).abs().max().item()
+            row["flash / masked"] = ms["flash"] / ms["masked"]
+            row.update({f"{way} GFLOP/s": flops / ms[way] / 1e6 for way in ways[:-1]})
+            rows.append(row)
+            print(f"  {dtype_name} {context}+{new}: " + ", ".join(f"{w} {ms[w]:.2f} ms" for w in ways), flush=True)
+    formats = {f"{way} ms": ".2f" for way in ways} | {"flash / masked": ".2f"}
+    for way in ways:
+        formats |= {f"{way} / flash": ".2f", f"{way} GFLOP/s": ".0f", f"{way} max abs diff": ".1e"}
     write_results(args.out, {"cpu": cpu_name(), "threads": args.threads, "rounds": args.rounds,
-                             "load_average": os.getloadavg()[0], "rows": rows},
-                  rows, formats={**{f"{way} ms": ".2f" for way in WAYS}, "tiled / flash": ".2f",
-                                 "flash / masked": ".2f", "tiled GFLOP/s": ".0f", "flash GFLOP/s": ".0f",
-                                 "max abs diff": ".1e"})
-
+                             "load_average": os.getloadavg()[0], "rows": rows}, rows, formats=formats)
 
 if __name__ == "__main__":
     main()

@@ -33,8 +33,8 @@ int64_t kvp_prefill_scratch(int64_t seq, int64_t kv_heads, int64_t dim) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
-#define ROWS 4         /* query rows a register block carries */
-#define TILE_ROWS 64   /* query rows that take each key block in turn while it stays in L1 */
+#define ROWS 6         /* query rows a register block carries */
+#define TILE_ROWS 60   /* query rows that take each key block in turn while it stays in L1 */
 #define MAX_DIM 256
 
 int kvp_prefill_supported(void) { return 1; }
@@ -101,41 +101,45 @@ static inline __attribute__((always_inline)) void block_rows(const uint16_t *con
         }
     }
     uint16_t weights[ROWS][BLOCK_KEYS] __attribute__((aligned(64)));
-    float alpha[ROWS];
+    float gaps[16] __attribute__((aligned(64))) = {0}, sums[ROWS];
     int64_t seen = 0; /* keys of this block the register block's last row sees */
+    int rescale = 0;  /* whether a row's max rose: its sums so far are scaled to the new one */
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int i = 0; i < rows; i++) {
         const int64_t visible = pos[i] - first + 1; /* >= 1: a register block skips the blocks it does not reach */
-        __m512 top = _mm512_set1_ps(-INFINITY);
-        for (int c = 0; c < 4; c++) {
-            s[i][c] = _mm512_mul_ps(s[i][c], _mm512_set1_ps(scale));
-            if (visible < BLOCK_KEYS) {
+        if (visible < BLOCK_KEYS)
+            for (int c = 0; c < 4; c++) {
                 const __mmask16 later = _mm512_cmp_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16 * c)),
                                                               _mm512_set1_epi32((int)visible), _MM_CMPINT_GE);
                 s[i][c] = _mm512_mask_mov_ps(s[i][c], later, _mm512_set1_ps(-INFINITY));
             }
-            top = _mm512_max_ps(top, s[i][c]);
-        }
-        const float peak = fmaxf(m[i], _mm512_reduce_max_ps(top));
-        alpha[i] = _mm512_cvtss_f32(exp_neg16(_mm512_set1_ps(m[i] - peak)));
+        const __m512 top = _mm512_max_ps(_mm512_max_ps(s[i][0], s[i][1]), _mm512_max_ps(s[i][2], s[i][3]));
+        /* the max in the scaled scores' units (scale > 0), then each weight exp(score * scale - max), one fma */
+        const float peak = fmaxf(m[i], _mm512_reduce_max_ps(top) * scale);
+        gaps[i] = m[i] - peak;
+        rescale |= peak != m[i];
         m[i] = peak;
-        __m512 e[4], sum = _mm512_setzero_ps();
-        for (int c = 0; c < 4; c++) {
-            e[c] = exp_neg16(_mm512_sub_ps(s[i][c], _mm512_set1_ps(peak)));
-            sum = _mm512_add_ps(sum, e[c]);
-        }
-        l[i] = l[i] * alpha[i] + _mm512_reduce_add_ps(sum);
+        __m512 e[4];
+        for (int c = 0; c < 4; c++)
+            e[c] = exp_neg16(_mm512_fmadd_ps(s[i][c], _mm512_set1_ps(scale), _mm512_set1_ps(-peak)));
+        sums[i] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(e[0], e[1]), _mm512_add_ps(e[2], e[3])));
         _mm512_store_si512(weights[i], (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
         _mm512_store_si512(weights[i] + 32, (__m512i)_mm512_cvtne2ps_pbh(e[3], e[2]));
         seen = visible > seen ? visible : seen;
     }
+    float alpha[16] __attribute__((aligned(64)));
+    if (rescale) /* every row's factor exp(old max - new max) at once; 1 where the max stayed */
+        _mm512_store_ps(alpha, exp_neg16(_mm512_load_ps(gaps)));
+    for (int i = 0; i < rows; i++) l[i] = (rescale ? l[i] * alpha[i] : l[i]) + sums[i];
     const int64_t key_pairs = seen >= BLOCK_KEYS ? BLOCK_KEYS / 2 : (seen + 1) / 2; /* the rest weigh 0 */
     const uint32_t *value_pairs = vp + (first / 2) * dim;
     for (int64_t d = 0; d < dim; d += 64) {
         __m512 acc[ROWS][4];
         for (int i = 0; i < rows; i++)
-            for (int c = 0; c < 4; c++)
-                acc[i][c] = _mm512_mul_ps(_mm512_loadu_ps(o + i * dim + d + 16 * c), _mm512_set1_ps(alpha[i]));
+            for (int c = 0; c < 4; c++) {
+                acc[i][c] = _mm512_loadu_ps(o + i * dim + d + 16 * c);
+                if (rescale) acc[i][c] = _mm512_mul_ps(acc[i][c], _mm512_set1_ps(alpha[i]));
+            }
         for (int64_t j = 0; j < key_pairs; j++) {
             __m512bh v[4];
             for (int c = 0; c < 4; c++) v[c] = (__m512bh)_mm512_loadu_si512(value_pairs + j * dim + d + 16 * c);
@@ -169,6 +173,8 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *q, int64_
             const int n = count - i < ROWS ? (int)(count - i) : ROWS;
             if (pos[i + n - 1] < b * BLOCK_KEYS) continue; /* none of these rows reaches the block */
             switch (n) { /* constant row counts: each specialized */
+            case 6: block_rows(rows + i, pos + i, 6, b, kp, vp, dim, scale, m + i, l + i, o + i * dim); break;
+            case 5: block_rows(rows + i, pos + i, 5, b, kp, vp, dim, scale, m + i, l + i, o + i * dim); break;
             case 4: block_rows(rows + i, pos + i, 4, b, kp, vp, dim, scale, m + i, l + i, o + i * dim); break;
             case 3: block_rows(rows + i, pos + i, 3, b, kp, vp, dim, scale, m + i, l + i, o + i * dim); break;
             case 2: block_rows(rows + i, pos + i, 2, b, kp, vp, dim, scale, m + i, l + i, o + i * dim); break;
