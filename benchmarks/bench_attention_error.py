@@ -1,5 +1,6 @@
-"""How far prefill attention's ways are from exact on the built-in model's own activations: every layer's tiled and
-flash-kernel outputs (``bench_attention``'s ways) against float64 attention over the same bfloat16 inputs.
+"""How far prefill attention's ways are from exact on the built-in model's own activations: every layer's native,
+tiled and flash-kernel outputs (``bench_attention``'s ways; native where this CPU has it) against float64 attention
+over the same bfloat16 inputs.
 
 The model (bfloat16) prefills ``context`` tokens of this repository's docs, then a chunk of ``new`` more; each
 layer's queries and cache for that chunk are captured and attended each way. Reports the relative error (norm of
@@ -20,7 +21,7 @@ from harness import cpu_name, write_results
 
 import kvprefix.model.llama as llama
 from kvprefix.cache.default_model import default_model_path
-from kvprefix.model import AttentionMetadata, allocate_kv_cache, load_model
+from kvprefix.model import AttentionMetadata, allocate_kv_cache, load_model, native_prefill
 from kvprefix.sim.openai_bodies import load_tokenizer
 
 BLOCK_SIZE = 16
@@ -65,7 +66,7 @@ def main() -> None:
         llama.paged_attention = capture if start else inner
         model(torch.tensor(ids[start : start + n]), positions, meta, cache)
     llama.paged_attention = inner
-    errors = {"tiled": [], "flash": []}
+    errors = {way: [] for way in ("native", "tiled", "flash") if way != "native" or native_prefill.kernel()}
     with torch.inference_mode():
         for q, kv, layer_kv, scale in captured:
             context = layer_kv.flatten(0, 1).clone()
