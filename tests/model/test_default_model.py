@@ -57,8 +57,9 @@ def test_default_model_answers_with_compact_weights(quantization: str) -> None:
 @pytest.mark.slow
 def test_a_long_prompt_gives_the_same_tokens_with_caching_on_and_off() -> None:
     # Counting to 320 (~1,500 tokens: digits are tokens of their own) is past TILED_MIN_KEYS, so in bfloat16 the
-    # chunks attend in tiles (model/attention.py); the cached prefix (1,040 tokens) is not a multiple of
-    # TILE_TOKENS, so the hit's tiles start elsewhere than the cold run's. The model carries on counting.
+    # chunks attend on the native prefill kernel or, without it, in tiles (model/attention.py); the cached prefix
+    # (1,040 tokens) is not a multiple of TILE_TOKENS, so the hit's tiles start elsewhere than the cold run's. The
+    # model carries on counting.
     from kvprefix.model.attention import TILE_TOKENS, TILED_MIN_KEYS
 
     greedy = SamplingParams(temperature=0, max_tokens=12)
