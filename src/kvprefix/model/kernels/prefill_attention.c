@@ -106,7 +106,7 @@ static inline __attribute__((always_inline)) void block_rows(const uint16_t *con
     int rescale = 0;  /* whether a row's max rose: its sums so far are scaled to the new one */
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int i = 0; i < rows; i++) {
-        const int64_t visible = pos[i] - first + 1; /* >= 1: a register block skips the blocks it does not reach */
+        const int64_t visible = pos[i] - first + 1; /* <= 0 for a row before the block: all its weights 0 */
         if (visible < BLOCK_KEYS)
             for (int c = 0; c < 4; c++) {
                 const __mmask16 later = _mm512_cmp_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16 * c)),
