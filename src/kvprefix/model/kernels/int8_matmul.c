@@ -3,9 +3,9 @@
  * s = x / max|x| * 127 and rounded, a1 = round(s), then what that leaves, a2 = round((s - a1) * 254)), on
  * AVX512-VNNI's u8 x s8 dot products (vpdpbusd), whose int32 sums are exact. Per output and row the two sums are
  * combined and scaled in float32, y = fl(fl(fl(254 S1 + S2) * scale) * fl(max|x| / 32258)): four roundings after
- * exact integer sums. Each weight is read once for both passes and up to MAX_ROWS rows, so a decode's lm_head runs at
- * the memory's read bandwidth, where fbgemm's linear (the two passes as rows of one call, then PyTorch's ops to
- * combine them) took 1.3-1.5x as long (docs/model.md#native-kernels).
+ * exact integer sums. Each weight is read once for both passes and up to MAX_ROWS rows, so a decode's lm_head
+ * runs at the memory's read bandwidth, where fbgemm's linear (the two passes as rows of one call, then PyTorch's
+ * ops to combine them) took 1.5x as long (docs/model.md#native-kernels).
  *
  * x: [rows][k] bfloat16 (bf16 = 1) or float32; out: [rows][n] float32; k a multiple of 16, any n.
  * packed: per tile of 16 outputs (n rounded up, zero weights beyond it), k / 4 chunks of 64 bytes; byte 4i + j of
