@@ -10,10 +10,15 @@ run, medians reported:
   k heads / gate_up rows, 1 to 1,024 rows; and the share of bfloat16 results that differ;
 - the int4 matmul (``kernels/int4_matmul.c`` against PyTorch's int4 op, ``Int4Linear`` either way): time a pass
   through one model's worth of projections (30 layers' qkv, o, gate_up and down, random int4 weights: streamed
-  from memory, as in a decode step), 1, 4 and 16 rows; and the error of both against float64.
+  from memory, as in a decode step), 1, 4 and 16 rows; and the error of both against float64;
+- the int8 matmul (``kernels/int8_matmul.c`` against fbgemm's two-pass path, ``Int8Linear`` either way): time the
+  model's lm_head (random int8 weights, three copies taken in turn: streamed from memory, as in a decode step), 1
+  to 256 rows, and one layer's four projections in int8 (``--quantization int8``), 2 to 2,048 rows; and the error
+  of both against float64.
 
     python benchmarks/bench_native_kernels.py [--rounds 5] [--threads 1] [--contexts 64,256,1000,4000]
-        [--decodes 1,8] [--int4-rows 1,4,16] [--out results/bench_native_kernels.json]
+        [--decodes 1,8] [--int4-rows 1,4,16] [--int8-rows 1,4,16,64,256] [--int8-projection-rows 2,64,2048]
+        [--sections attention,norm,layer_ops,int4,int8] [--out results/bench_native_kernels.json]
 """
 
 from __future__ import annotations
@@ -25,13 +30,22 @@ import statistics
 import time
 
 import torch
+from bench_decode import memory_read_bandwidth
 from harness import cpu_name, table, write_results
 
 from kvprefix.cache.default_model import default_model_path
-from kvprefix.model import AttentionMetadata, attention, native_attention, native_int4, native_layer_ops, native_norm
+from kvprefix.model import (
+    AttentionMetadata,
+    attention,
+    native_attention,
+    native_int4,
+    native_int8,
+    native_layer_ops,
+    native_norm,
+)
 from kvprefix.model.config import ModelConfig
 from kvprefix.model.llama import RMSNorm
-from kvprefix.model.quantized_linear import Int4Linear
+from kvprefix.model.quantized_linear import Int4Linear, Int8Linear
 from kvprefix.model.rope import rotate_with_ops_
 
 
@@ -215,6 +229,63 @@ def int4_rows(config: ModelConfig, rounds: int, rows_options: list[int]) -> tupl
     return times_rows, errors
 
 
+def int8_pair(q: torch.Tensor, scales: torch.Tensor, head: bool) -> tuple[Int8Linear, Int8Linear]:
+    """(on the kernel, on fbgemm's path) for int8 weights q and scales; ``head``: as ``quantize_model`` sets the
+    lm_head (int8 activations from one row, float32 logits)."""
+    native = Int8Linear(q, scales)
+    with without(native_int8):
+        fbgemm = Int8Linear(q, scales)
+    for layer in (native, fbgemm):
+        if head:
+            layer.int8_activations_above_rows, layer.keeps_float32 = 0, True
+    return native, fbgemm
+
+
+def int8_rows(config: ModelConfig, rounds: int, head_rows: list[int],
+              projection_rows: list[int]) -> tuple[list[dict], list[dict]]:
+    """(times, errors): the lm_head (three random copies, taken in turn) and one layer's four projections, on the
+    kernel and on fbgemm's path, and each side's relative error (norm) against float64 on the lm_head."""
+    gen = torch.Generator().manual_seed(5)
+    hidden, inter, dim = config.hidden_size, config.intermediate_size, config.head_dim
+    qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * dim
+
+    def weights(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8), torch.rand(n, generator=gen) / 500
+
+    heads = [int8_pair(*weights(config.vocab_size, hidden), head=True) for _ in range(3)]
+    projections = [int8_pair(*weights(n, k), head=False)
+                   for n, k in ((qkv, hidden), (hidden, config.num_attention_heads * dim), (2 * inter, hidden),
+                                (hidden, inter))]
+    times_rows = []
+    for name, pairs, rows_options in (("lm_head", heads, head_rows), ("projections", projections, projection_rows)):
+        read = sum(native.nbytes() for native, _ in pairs)
+        for rows in rows_options:
+            inputs = {k: torch.randn(rows, k, generator=gen).bfloat16() for k in {n.in_features for n, _ in pairs}}
+
+            def step(side: int, pairs=pairs, inputs=inputs) -> None:
+                for pair in pairs:
+                    pair[side](inputs[pair[side].in_features])
+
+            for side in (0, 1):
+                step(side)  # warm
+            calls = max(1, (64 if name == "projections" else 16) // rows)
+            n, f = (t / len(pairs) if name == "lm_head" else t for t in
+                    medians([functools.partial(seconds, functools.partial(step, side), calls) for side in (0, 1)],
+                            rounds))
+            times_rows.append({"matrix": name, "rows": rows, "native ms": n * 1e3, "fbgemm ms": f * 1e3,
+                               "ratio": n / f})
+            if name == "lm_head":  # the projections' 3.6 MB stay in cache between calls: no bandwidth to speak of
+                per_call = read / len(pairs)
+                times_rows[-1].update({"native GB/s": per_call / n / 1e9, "fbgemm GB/s": per_call / f / 1e9})
+            print(f"int8 {name}, {rows} rows: {times_rows[-1]['ratio']:.2f}x", flush=True)
+    native, fbgemm = heads[0]
+    x = torch.randn(4, hidden, generator=gen).bfloat16()
+    exact = x.double() @ (native.qweight.double() * native.scales.double()[:, None]).t()
+    errors = [{"rows": 4, **{f"{side} error": float((layer(x).double() - exact).norm() / exact.norm())
+                             for side, layer in (("native", native), ("fbgemm", fbgemm))}}]
+    return times_rows, errors
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5, help="alternations of the two sides; medians reported")
@@ -222,16 +293,22 @@ def main() -> None:
     parser.add_argument("--contexts", default="64,256,1000,4000", help="positions per decode")
     parser.add_argument("--decodes", default="1,8", help="decodes per call")
     parser.add_argument("--int4-rows", default="1,4,16", help="rows per int4 matmul")
+    parser.add_argument("--int8-rows", default="1,4,16,64,256", help="rows per int8 lm_head")
+    parser.add_argument("--int8-projection-rows", default="2,64,2048", help="rows per int8 projection")
+    parser.add_argument("--sections", default="attention,norm,layer_ops,int4,int8", help="which comparisons run")
     parser.add_argument("--out", default="results/bench_native_kernels.json")
     args = parser.parse_args()
+    sections = set(args.sections.split(","))
     torch.set_num_threads(args.threads)
     if native_attention.kernel() is None or native_norm.kernel() is None:
         raise SystemExit("the native kernels are not built here (a C compiler?): nothing to compare")
     if native_int4.kernel() is None:
         print("no native int4 kernel here (it needs AVX512-BF16): its comparison is left out")
+    if native_int8.kernel() is None:
+        print("no native int8 kernel here (it needs AVX512-VNNI): its comparison is left out")
     config = ModelConfig.from_path(default_model_path())
     cases = attention_cases(config, [int(c) for c in args.contexts.split(",")],
-                            [int(d) for d in args.decodes.split(",")])
+                            [int(d) for d in args.decodes.split(",")]) if "attention" in sections else []
     rows = []
     for i, case in enumerate(cases):
         for side in ("native", "pytorch"):
@@ -244,27 +321,47 @@ def main() -> None:
                      "native GB/s": case["bytes"] / native / 1e9})
         print(f"[{i + 1}/{len(cases)}] {case['positions']} positions x {case['decodes']}: {rows[-1]['ratio']:.2f}x",
               flush=True)
-    errors, norms = attention_errors(config), norm_rows(config, args.rounds)
-    layer_ops = layer_ops_rows(config, args.rounds) if native_layer_ops.kernels() is not None else []
-    print("rotary and SiLU-and-multiply, microseconds a call (a rotary call includes copying qkv, both sides):")
-    print(table(layer_ops, formats={"native us": ".1f", "pytorch us": ".1f", "ratio": ".2f"}) + "\n")
+    errors = attention_errors(config) if "attention" in sections else []
+    norms = norm_rows(config, args.rounds) if "norm" in sections else []
+    layer_ops = (layer_ops_rows(config, args.rounds)
+                 if "layer_ops" in sections and native_layer_ops.kernels() is not None else [])
+    if layer_ops:
+        print("rotary and SiLU-and-multiply, microseconds a call (a rotary call includes copying qkv, both sides):")
+        print(table(layer_ops, formats={"native us": ".1f", "pytorch us": ".1f", "ratio": ".2f"}) + "\n")
     int4_times, int4_errors = [], []
-    if native_int4.kernel() is not None:
+    if "int4" in sections and native_int4.kernel() is not None:
         int4_times, int4_errors = int4_rows(config, args.rounds, [int(r) for r in args.int4_rows.split(",")])
         print("int4 matmul: a pass through every projection (ms); GB/s: the packed weights read")
         print(table(int4_times, formats={"native ms": ".2f", "pytorch ms": ".2f", "ratio": ".2f",
                                          "native GB/s": ".1f", "pytorch GB/s": ".1f"}))
         print("int4 matmul against float64, relative error (norm):")
         print(table(int4_errors, formats={"native error": ".2e", "pytorch error": ".2e"}) + "\n")
-    print("decode attention against float64, relative error (norm):")
-    print(table(errors, formats={"native error": ".2e", "pytorch error": ".2e"}))
-    print("\nRMSNorm, microseconds a call (the model's module):")
-    print(table(norms, formats={"native us": ".1f", "pytorch us": ".1f", "ratio": ".2f"}))
-    print("\ndecode attention: microseconds a layer; ratio = native / PyTorch time (below 1: the kernel faster); "
-          "GB/s: the K and V read")
+    int8_times, int8_errors, read = [], [], []
+    if "int8" in sections and native_int8.kernel() is not None:
+        read = [memory_read_bandwidth(args.threads) / 1e9]
+        int8_times, int8_errors = int8_rows(config, args.rounds, [int(r) for r in args.int8_rows.split(",")],
+                                            [int(r) for r in args.int8_projection_rows.split(",")])
+        read.append(memory_read_bandwidth(args.threads) / 1e9)
+        print("int8 matmul: the lm_head (ms a call) and one layer's four projections (ms for the four); GB/s: the "
+              f"int8 weights read, beside {min(read):.1f}-{max(read):.1f} GB/s read by bench_decode's sum over "
+              "512 MiB (before and after)")
+        print(table(int8_times, formats={"native ms": ".3f", "fbgemm ms": ".3f", "ratio": ".2f",
+                                         "native GB/s": ".1f", "fbgemm GB/s": ".1f"}))
+        print("int8 lm_head against float64, relative error (norm):")
+        print(table(int8_errors, formats={"native error": ".2e", "fbgemm error": ".2e"}) + "\n")
+    if errors:
+        print("decode attention against float64, relative error (norm):")
+        print(table(errors, formats={"native error": ".2e", "pytorch error": ".2e"}))
+    if norms:
+        print("\nRMSNorm, microseconds a call (the model's module):")
+        print(table(norms, formats={"native us": ".1f", "pytorch us": ".1f", "ratio": ".2f"}))
+    if rows:
+        print("\ndecode attention: microseconds a layer; ratio = native / PyTorch time (below 1: the kernel faster); "
+              "GB/s: the K and V read")
     write_results(args.out, {"cpu": cpu_name(), "threads": args.threads, "rounds": args.rounds, "attention": rows,
                              "attention_errors": errors, "rms_norm": norms, "layer_ops": layer_ops, "int4": int4_times,
-                             "int4_errors": int4_errors}, rows,
+                             "int4_errors": int4_errors, "int8": int8_times, "int8_errors": int8_errors,
+                             "int8_read_GB_per_s": read}, rows,
                   formats={"native us": ".1f", "pytorch us": ".1f", "ratio": ".2f", "native GB/s": ".1f"})
     print(f"CPU: {cpu_name()}, {args.threads} thread(s)")
 

@@ -2,8 +2,8 @@
 projections (qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536), one thread, through
 
 - the int4 op (`aten._weight_int4pack_mm_for_cpu`, bfloat16 activations),
-- int8 activations on fbgemm's u8s8 kernel, two passes a row (`quantized_linear.int8_rows_matmul`; where
-  `INT8_ACTIVATIONS`),
+- int8 activations, two passes a row, on the native kernel where it builds (`native_int8`), else on fbgemm's u8s8
+  kernel (`quantized_linear.int8_rows_matmul`; where `INT8_ACTIVATIONS`),
 - the int8 weight-only op (`aten._weight_int8pack_mm`, bfloat16 activations),
 - a dense matmul with the int4 layer's dense copy of its weight, in bfloat16 and in float32.
 

@@ -19,6 +19,7 @@ from kvprefix.model import (
     native_attention,
     native_decode,
     native_int4,
+    native_int8,
     native_kernels,
     native_layer_ops,
     native_norm,
@@ -243,6 +244,73 @@ def test_int4_matmul_has_no_portable_path_so_layers_keep_pytorchs_op(flags) -> N
     assert bound("int4_matmul", flags, native_int4) is None
 
 
+def int8_case(n: int, k: int, rows: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    scales = torch.rand(n, generator=gen) / 64 + 1e-4
+    x = torch.randn(rows, k, generator=gen) * torch.logspace(-2, 2, k)[torch.randperm(k, generator=gen)]
+    return x, q, scales
+
+
+@needs_compiler
+@pytest.mark.skipif(native_int8.kernel() is None, reason="no AVX512-VNNI (the int8 kernel's only path)")
+def test_int8_matmul_matches_its_reference_and_each_row_is_its_own() -> None:
+    """Each output within float32's last four roundings of the float64 reference (the int32 sums are exact, so
+    element by element, not relative to the largest), bfloat16 and float32 rows with outlier columns, for one and
+    several tiles, a partial last tile, rows within and beyond one pass over a tile (4); the two passes within
+    1e-4 of x's own product; a row alone equals itself in a batch, on one thread or two."""
+    for i, (n, k) in enumerate([(16, 16), (27, 48), (1000, 576)]):
+        for dtype in (torch.bfloat16, torch.float32):
+            x, q, scales = int8_case(n, k, 9, seed=i)
+            x = x.to(dtype)
+            packed, packed_scales = native_int8.pack(q, scales)
+            out = native_int8.int8_matmul(x, packed, packed_scales, n)
+            expected = native_int8.reference_matmul(x, q, scales)
+            torch.testing.assert_close(out.double(), expected, rtol=5e-7, atol=0)
+            exact = x.double() @ (q.double() * scales.bfloat16().double()[:, None]).t()
+            assert (out.double() - exact).norm() / exact.norm() < 1e-4
+            for r in range(9):
+                assert torch.equal(native_int8.int8_matmul(x[r : r + 1], packed, packed_scales, n)[0], out[r])
+            threads = torch.get_num_threads()
+            try:
+                torch.set_num_threads(2)
+                assert torch.equal(native_int8.int8_matmul(x, packed, packed_scales, n), out)
+            finally:
+                torch.set_num_threads(threads)
+
+
+@needs_compiler
+@pytest.mark.skipif(native_int8.kernel() is None, reason="no AVX512-VNNI (the int8 kernel's only path)")
+def test_int8_matmul_at_full_range_and_on_rows_without_a_scale() -> None:
+    """Weights of +-127 against rows at their max (every product at full range, the sums at their largest) come
+    out exact; a zero row gives zeros, a row with a NaN or an infinity NaNs, and the rows beside them their own."""
+    q = torch.full((32, 1024), 127, dtype=torch.int8)
+    q[1::2] = -127
+    scales = torch.ones(32)
+    packed, packed_scales = native_int8.pack(q, scales)
+    x = torch.ones(5, 1024) * torch.tensor([[1.0], [-3.0], [0.0], [1.0], [2.0]])
+    x[3, 7], x[4, 9] = float("nan"), float("inf")
+    out = native_int8.int8_matmul(x.bfloat16(), packed, packed_scales, 32)
+    assert torch.equal(out[:2], (x[:2] @ q.float().t()))  # 127 * 1024 * 3: exact in float32
+    assert torch.equal(out[2], torch.zeros(32)) and out[3:].isnan().all()
+
+
+@needs_compiler
+@pytest.mark.skipif(native_int8.kernel() is None, reason="no AVX512-VNNI (the int8 kernel's only path)")
+def test_int8_matmul_refuses_shapes_it_does_not_take() -> None:
+    x, q, scales = int8_case(32, 24, 1, seed=0)
+    packed, packed_scales = native_int8.pack(q, scales)
+    with pytest.raises(ValueError, match="a multiple of 16"):
+        native_int8.int8_matmul(x, packed, packed_scales, 32)
+
+
+@needs_compiler
+@pytest.mark.parametrize("flags", BUILDS[1:])
+def test_int8_matmul_has_no_portable_path_so_layers_keep_fbgemm(flags) -> None:
+    """Without AVX512-VNNI the build says so and ``bind`` gives None (``probed``: fbgemm's path, logged)."""
+    assert bound("int8_matmul", flags, native_int8) is None
+
+
 @needs_compiler
 @pytest.mark.parametrize("flags", BUILDS)
 def test_rotary_and_silu_mul_compute_pytorchs_bits_and_each_row_is_its_own(flags) -> None:
@@ -371,14 +439,14 @@ def test_a_build_is_cached_and_a_damaged_one_rebuilt(tmp_path) -> None:
 @pytest.mark.slow
 def test_switched_off_the_model_takes_pytorchs_ops() -> None:
     """KVPREFIX_NATIVE_KERNELS=0: no kernel, and a model's norms, decode attention, int4 layers, rotary and SiLU go
-    through PyTorch's ops, its decode steps through its layers' forwards."""
-    code = ("from kvprefix.model import native_attention, native_decode, native_int4, native_kernels,"
+    through PyTorch's ops, its decode steps through its layers' forwards, its int8 layers through fbgemm."""
+    code = ("from kvprefix.model import native_attention, native_decode, native_int4, native_int8, native_kernels,"
             " native_layer_ops, native_norm\n"
             "print(native_kernels.load('decode_attention'), native_attention.kernel(), native_norm.kernel(),"
-            " native_int4.kernel(), native_layer_ops.kernels(), native_decode.kernel())")
+            " native_int4.kernel(), native_layer_ops.kernels(), native_decode.kernel(), native_int8.kernel())")
     env = {**os.environ, "KVPREFIX_NATIVE_KERNELS": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["None"] * 6
+    assert out.split() == ["None"] * 7
 
 
 def test_a_cache_folder_that_cannot_be_made_falls_back_to_the_temp_directory(monkeypatch, tmp_path) -> None:

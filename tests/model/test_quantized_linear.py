@@ -10,7 +10,7 @@ import torch
 from support.paged import Chunk, greedy_generate, run_batch
 
 from kvprefix.engine import LLM, SamplingParams
-from kvprefix.model import allocate_kv_cache, load_model, native_int4
+from kvprefix.model import allocate_kv_cache, load_model, native_int4, native_int8
 from kvprefix.model.quantized_linear import (
     INT8_ACTIVATIONS,
     Int4Linear,
@@ -18,6 +18,7 @@ from kvprefix.model.quantized_linear import (
     gguf_rows_from_permuted,
     linear_weight_bytes,
     pack_gguf_tensors,
+    pack_int8_weight,
     quantize_model,
 )
 
@@ -35,8 +36,27 @@ def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-# Where fbgemm's exact u8s8 kernel is missing (x86 without VNNI), only the weight-only kernel runs.
-ACTIVATIONS = [False, pytest.param(True, marks=pytest.mark.skipif(not INT8_ACTIVATIONS, reason="no exact u8s8"))]
+def _int8_path(request, monkeypatch) -> str:
+    if request.param == "native" and native_int8.kernel() is None:
+        pytest.skip("no native int8 kernel here (no AVX512-VNNI, or no C compiler)")
+    if request.param == "fbgemm":
+        if not INT8_ACTIVATIONS:  # fbgemm's u8s8 kernel is exact only with VNNI (x86)
+            pytest.skip("no exact u8s8 kernel on this CPU")
+        monkeypatch.setattr(native_int8, "kernel", lambda: None)
+    return request.param
+
+
+@pytest.fixture(params=["weight-only", "fbgemm", "native"])
+def int8_path(request, monkeypatch) -> str:
+    """Int8 layers built weight-only, or on int8 activations on fbgemm or on the native kernel (each where this
+    CPU has it)."""
+    return _int8_path(request, monkeypatch)
+
+
+@pytest.fixture(params=["fbgemm", "native"])
+def activations_path(request, monkeypatch) -> str:
+    """Int8 layers on int8 activations, on fbgemm or on the native kernel (each where this CPU has it)."""
+    return _int8_path(request, monkeypatch)
 
 
 @pytest.fixture(params=["native", "pytorch"])
@@ -64,13 +84,15 @@ def test_int4_convention_is_q_minus_8_times_scale_plus_zero(int4_path) -> None:
     torch.testing.assert_close(layer(x), x.bfloat16().float() @ expected.t(), rtol=0.02, atol=0.02)
 
 
-@pytest.mark.parametrize("activations", ACTIVATIONS)
-def test_int8_convention_is_q_times_channel_scale(activations: bool) -> None:
+def test_int8_convention_is_q_times_channel_scale(int8_path: str) -> None:
+    activations = int8_path != "weight-only"
     gen = torch.Generator().manual_seed(1)
     q = torch.randint(-127, 128, (24, 64), generator=gen, dtype=torch.int8)
     scales = (torch.rand(24, generator=gen) * 0.01).bfloat16().float()
     bias = torch.randn(24, generator=gen)
     layer = Int8Linear(q, scales, bias, int8_activations=activations)
+    assert (layer.native_qweight is not None) == (int8_path == "native")
+    assert (layer.packed is not None) == (int8_path == "fbgemm")
     # One-hot rows quantize exactly: the weight itself comes out.
     torch.testing.assert_close(effective_weight(Int8Linear(q, scales, int8_activations=activations)),
                                q.float() * scales[:, None], rtol=BF16_EPS, atol=1e-6)
@@ -81,12 +103,12 @@ def test_int8_convention_is_q_times_channel_scale(activations: bool) -> None:
     torch.testing.assert_close(layer(x), expected, rtol=tolerance, atol=tolerance)
 
 
-@pytest.mark.skipif(not INT8_ACTIVATIONS, reason="no exact u8s8 kernel on this CPU")
-def test_int8_activations_in_two_passes_are_as_exact_as_bfloat16_ones() -> None:
+def test_int8_activations_in_two_passes_are_as_exact_as_bfloat16_ones(activations_path: str) -> None:
     """One int8 pass a row (255 levels of its max) is far coarser where a row has outlier columns; the second
     pass, on the first one's rounding error, brings the product within bfloat16's error of the exact one."""
     gen = torch.Generator().manual_seed(7)
     layer = Int8Linear.from_float(torch.randn(256, 576, generator=gen) * 0.05)
+    assert (layer.native_qweight is not None) == (activations_path == "native")
     x = torch.randn(8, 576, generator=gen) * torch.logspace(-2, 2, 576)[torch.randperm(576, generator=gen)]
     weight = layer.qweight.double() * layer.scales.double()[:, None]
     exact = x.double() @ weight.t()
@@ -96,14 +118,15 @@ def test_int8_activations_in_two_passes_are_as_exact_as_bfloat16_ones() -> None:
 
     bf16 = x.bfloat16().double() @ weight.t()
     assert error(layer(x)) < error(bf16) / 10  # float32 in and out: only the second pass's rounding is left
-    one_pass = torch.ops.quantized.linear_dynamic(x, layer.packed, False)  # fbgemm's own single pass
+    # fbgemm's own single pass
+    one_pass = torch.ops.quantized.linear_dynamic(x, pack_int8_weight(layer.qweight, layer.scales.float()), False)
     assert error(one_pass) > 5 * error(bf16)
 
 
-@pytest.mark.skipif(not INT8_ACTIVATIONS, reason="no exact u8s8 kernel on this CPU")
-def test_int8_activations_make_each_row_independent_of_the_batch() -> None:
+def test_int8_activations_make_each_row_independent_of_the_batch(activations_path: str) -> None:
     gen = torch.Generator().manual_seed(4)
     layer = Int8Linear.from_float(torch.randn(200, 96, generator=gen), torch.randn(200, generator=gen))
+    assert (layer.native_qweight is not None) == (activations_path == "native")
     layer.int8_activations_above_rows = 0  # as the lm_head: one row on the same kernel too
     x = torch.randn(Int8Linear.dense_above_rows, 96, generator=gen) * torch.logspace(-3, 3, 96)  # outlier columns
     alone = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
@@ -112,6 +135,29 @@ def test_int8_activations_make_each_row_independent_of_the_batch() -> None:
     layer.int8_activations_above_rows = 1  # a projection: a lone row takes the weight-only op (close, not equal)
     scale = float(alone[:1].abs().max())  # bfloat16 activations: an error relative to the row's largest output
     torch.testing.assert_close(layer(x[:1]), alone[:1], rtol=0, atol=4 * BF16_EPS * scale)
+
+
+@pytest.mark.skipif(native_int8.kernel() is None or not INT8_ACTIVATIONS, reason="needs the kernel and fbgemm's")
+def test_the_native_int8_layer_computes_fbgemms_numbers_in_place_of_its_copy(monkeypatch) -> None:
+    """The same two int8 passes a row on either: the same outputs but for float32's last roundings, for bfloat16,
+    float32 and float16 inputs, a batch of 3-d rows, a bias and outputs beyond a tile of 16. The native layer holds
+    the kernel's packing (as many bytes as q, padded to a tile) instead of fbgemm's."""
+    gen = torch.Generator().manual_seed(8)
+    w, bias = torch.randn(200, 576, generator=gen) * 0.05, torch.randn(200, generator=gen)
+    native = Int8Linear.from_float(w, bias)
+    with monkeypatch.context() as patch:
+        patch.setattr(native_int8, "kernel", lambda: None)
+        fbgemm = Int8Linear.from_float(w, bias)
+    assert native.packed is None and fbgemm.native_qweight is None and fbgemm.packed is not None
+    assert native.native_qweight.dtype == torch.uint8 and native.native_qweight.numel() == 208 * 576
+    for layer in (native, fbgemm):
+        layer.int8_activations_above_rows, layer.keeps_float32 = 0, True  # as the lm_head
+    for dtype in (torch.bfloat16, torch.float32, torch.float16):
+        x = (torch.randn(2, 3, 576, generator=gen) * torch.logspace(-2, 1, 576)).to(dtype)
+        got, expected = native(x), fbgemm(x)
+        assert got.shape == (2, 3, 200) and got.dtype == torch.float32
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-6 * float(expected.abs().max()))
+        torch.testing.assert_close(native(x[1, 1:2]), got[1, 1:2], rtol=0, atol=0)  # a row alone
 
 
 @pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])

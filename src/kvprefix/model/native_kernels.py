@@ -1,9 +1,9 @@
-"""The project's C kernels (``model/kernels/*.c``: decode attention over the paged cache, RMSNorm, the int4
-matmul, rotary and SiLU, a decode step's layers in one call), compiled on first use by the machine's C compiler for
-its own CPU (``-march=native``: the sources' AVX512, AVX2 or plain C path) and cached under
-``~/.cache/kvprefix/kernels`` by source, compiler and CPU, then loaded with ctypes (docs/model.md#native-kernels).
-Where no compiler builds one, or ``KVPREFIX_NATIVE_KERNELS=0``, ``load`` returns None and callers keep PyTorch's
-ops (logged once)."""
+"""The project's C kernels (``model/kernels/*.c``: decode attention over the paged cache, prefill attention,
+RMSNorm, the int4 matmul, the int8 matmul on int8 activations, rotary and SiLU, a decode step's layers in one call),
+compiled on first use by the machine's C compiler for its own CPU (``-march=native``: the sources' AVX512, AVX2 or
+plain C path) and cached under ``~/.cache/kvprefix/kernels`` by source, compiler and CPU, then loaded with ctypes
+(docs/model.md#native-kernels). Where no compiler builds one, or ``KVPREFIX_NATIVE_KERNELS=0``, ``load`` returns
+None and callers keep PyTorch's ops (logged once)."""
 
 from __future__ import annotations
 

@@ -6,9 +6,10 @@ reads).
 fast only with bfloat16 activations, so those layers compute in bfloat16 and return the caller's dtype, and above
 ``dense_above_rows`` rows take a dense matmul (an int4 layer keeps its dense copy for it: the int4 op's cost grows
 with every row). Where PyTorch's fbgemm u8s8 kernel sums exactly (probed at
-import: ``INT8_ACTIVATIONS``; x86 with VNNI) an int8 layer runs on it instead, its input in two int8 passes per
-row (``int8_rows_matmul``: the row, then its rounding error), which is as exact as bfloat16 activations, faster on
-a wide matrix such as the lm_head, and batch invariant (docs/model.md).
+import: ``INT8_ACTIVATIONS``; x86 with VNNI) an int8 layer runs on int8 activations instead, its input in two int8
+passes per row (``int8_rows_matmul``: the row, then its rounding error), which is as exact as bfloat16 activations,
+faster on a wide matrix such as the lm_head, and batch invariant (docs/model.md): on the native kernel
+(``native_int8``) where it builds, on fbgemm elsewhere.
 ``quantize_model`` swaps a loaded model's projections and lm_head; ``pack_gguf_tensors`` builds one from GGUF blocks.
 """
 
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 
 from kvprefix.cache.identity import NO_QUANTIZATION, QUANTIZATION_CHOICES, QUANTIZATION_METHODS
-from kvprefix.model import native_int4
+from kvprefix.model import native_int4, native_int8
 from kvprefix.model.gguf_loader import _LAYER_NAMES, unpermute_rows
 from kvprefix.model.loader import native_bfloat16_cpu
 from kvprefix.tokenizer.gguf_file import GGUFFile, open_gguf
@@ -83,13 +84,15 @@ def kv_method(method: str | None) -> str | None:
 
 
 class Int8Linear(nn.Module):
-    """y = x @ (q * scale[:, None]).T + bias, with q int8 [out, in] and scale bfloat16 [out]: on fbgemm's kernel
-    (``int8_rows_matmul``) above ``int8_activations_above_rows`` rows where ``int8_activations`` (default
-    ``INT8_ACTIVATIONS``), else the weight-only op."""
+    """y = x @ (q * scale[:, None]).T + bias, with q int8 [out, in] and scale bfloat16 [out]: on int8 activations
+    above ``int8_activations_above_rows`` rows where ``int8_activations`` (default ``INT8_ACTIVATIONS``), on the
+    native kernel where this CPU has it (``native_qweight``: packed in its layout) else on fbgemm's
+    (``int8_rows_matmul``: ``packed``);
+    else the weight-only op."""
 
     dense_above_rows = 32  # weight-only: above this many rows, dequantize then matmul (docs/model.md)
-    # One row of a projection is faster on the weight-only op (two passes' small ops cost more than they save);
-    # ``quantize_model`` sets 0 for the lm_head, where fbgemm is faster from one row (docs/benchmarks.md).
+    # One row of a projection takes the weight-only op (on fbgemm, two passes' small ops cost more than they save);
+    # ``quantize_model`` sets 0 for the lm_head, where int8 activations are faster from one row (docs/benchmarks.md).
     int8_activations_above_rows = 1
     # The lm_head keeps the float32 sums of int8 activations as its logits (``quantize_model``): rounded to the
     # model's bfloat16, this model's near-ties became exact ties (docs/model.md#compact-weights---quantization-cpu).
@@ -104,8 +107,16 @@ class Int8Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         if int8_activations is None:
             int8_activations = INT8_ACTIVATIONS
+        # The native kernel's packing where it runs on this CPU, in place of fbgemm's: it is faster at every row
+        # count measured, 1 to 2,048 (docs/model.md#native-kernels), so fbgemm's copy would only take memory.
+        native = (int8_activations and self.in_features % native_int8.K_MULTIPLE == 0
+                  and native_int8.kernel() is not None)
+        native_qweight, native_scales = native_int8.pack(self.qweight, self.scales) if native else (None, None)
+        self.register_buffer("native_qweight", native_qweight)
+        self.register_buffer("native_scales", native_scales)
         # The scales as the op sees them (bfloat16 values, exact in float64): one product, rounded once.
-        self.packed = pack_int8_weight(self.qweight, self.scales.float()) if int8_activations else None
+        use_fbgemm = int8_activations and not native
+        self.packed = pack_int8_weight(self.qweight, self.scales.float()) if use_fbgemm else None
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -114,7 +125,11 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = _rows(x, self.in_features)
-        if self.packed is not None and flat.shape[0] > self.int8_activations_above_rows:
+        if self.native_qweight is not None and flat.shape[0] > self.int8_activations_above_rows:
+            rows = flat if flat.dtype in (torch.bfloat16, torch.float32) else flat.float()
+            out = native_int8.int8_matmul(rows.contiguous(), self.native_qweight, self.native_scales,
+                                          self.out_features)
+        elif self.packed is not None and flat.shape[0] > self.int8_activations_above_rows:
             out = int8_rows_matmul(_as(flat, torch.float32), self.packed)
         elif flat.shape[0] > self.dense_above_rows:
             out = _as(flat, _DENSE) @ self.dequantize().t()
