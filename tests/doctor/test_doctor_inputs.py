@@ -180,6 +180,7 @@ def test_request_log_with_prompts_parting_outside_a_message(capsys, tmp_path, de
     assert code == 0 and report["requests"] == len(rows) and report["hit_rate"] < 1
 
 
+@pytest.mark.slow
 def test_the_doctor_on_the_default_model_never_imports_torch(tmp_path):
     """`kvprefix doctor LOG` with no --model renders with the built-in model's tokenizer: loading torch (seconds) for
     it would be waste. In a fresh interpreter, since this one has torch loaded."""

@@ -206,6 +206,7 @@ def test_cut_utf8_character_shows_as_replacement(server: Server) -> None:
     assert "".join(texts) == r["text"]
 
 
+@pytest.mark.slow
 def test_max_logprobs_and_tokens_as_ids_options(app_registry: AppRegistry) -> None:
     """--max-logprobs -1 (or the vocabulary's size) lifts the cap and allows prompt_logprobs and top_logprobs -1
     (every token of the vocabulary);

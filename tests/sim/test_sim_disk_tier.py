@@ -52,6 +52,7 @@ def test_the_simulated_tier_evicts_what_the_disk_store_evicts(tmp_path) -> None:
     assert [b.block_hash in sim.index for b in blocks] == [store.contains(b.block_hash) for b in blocks]
 
 
+@pytest.mark.slow
 def test_the_cli_reports_each_tier_in_text_json_and_a_plot(traces_dir, tmp_path) -> None:
     out, png = tmp_path / "runs.json", tmp_path / "hit.png"
     r = subprocess.run([sys.executable, "-m", "kvprefix.cli", "simulate", str(traces_dir / LMCACHE), "--mode", "order",

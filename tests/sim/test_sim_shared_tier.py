@@ -62,6 +62,7 @@ def test_kv_events_spreads_a_hot_prefix_in_the_shared_tier_without_computing_it_
     assert early.prefill_tokens_with_cache > tiered.prefill_tokens_with_cache
 
 
+@pytest.mark.slow
 def test_the_cli_shows_the_shared_tier_and_refuses_bad_values(traces_dir, tmp_path) -> None:
     out = tmp_path / "runs.json"
     cmd = [sys.executable, "-m", "kvprefix.cli", "simulate", str(traces_dir / LMCACHE), "--mode", "order",

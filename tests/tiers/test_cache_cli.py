@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from support.tier_blocks import SPEC, chain
 
 from kvprefix.tiers import DiskStore
@@ -39,6 +40,7 @@ def test_stats_counts_bytes_blocks_and_namespaces(tmp_path) -> None:
     assert out["namespaces"] == {blocks[0].namespace: 5, "f" * 16: 3}
 
 
+@pytest.mark.slow
 def test_verify_finds_and_deletes_what_does_not_verify(tmp_path) -> None:
     root, blocks = filled(tmp_path)
     assert cache("verify", root).returncode == 0
