@@ -6,10 +6,11 @@
  * peak here: separate passes over the scores, copies of transposed operands (docs/model.md#native-kernels).
  *
  * q: [new][heads][dim] with a token stride of q_stride elements; out: [new][heads][dim]; keys, values:
- * [seq][kv_heads][dim] with token strides k_stride, v_stride (views of the step's K/V or of a gathered context); the chunk is positions seq - new .. seq - 1.
- * Query heads h * group .. (h + 1) * group - 1 attend to KV head h (GQA). packed: scratch of
- * kvp_prefill_scratch(seq, kv_heads, dim) elements, where each KV head's keys are laid out as [key block][dim pair]
- * [64 keys][2] and its values as [key pair][dim][2] (what the pair dot products read).
+ * [seq][kv_heads][dim] with token strides k_stride, v_stride (views of the step's K/V or of a gathered context);
+ * the chunk is positions seq - new .. seq - 1. Query heads h * group .. (h + 1) * group - 1 attend to KV head h
+ * (GQA). packed: scratch of 2 * kv_heads * padded * dim bfloat16 elements (padded: seq rounded up to 64;
+ * native_prefill.scratch_size), where each KV head's keys are laid out as [key block][dim pair][64 keys][2] and its
+ * values as [key pair][dim][2] (what the pair dot products read).
  * A row's result depends only on its query, its position and the keys and values: blocks are aligned to absolute
  * positions, rows never share a sum, and what a row does not see it skips or weighs by an exact 0. So it does not
  * depend on the chunk it came in, the other rows or the thread count. Only where the compiler targets AVX512-BF16
@@ -23,16 +24,10 @@
 
 #include "bf16.h"
 
-#define BLOCK_KEYS 64 /* keys a block: four rows' scores of one block fill 16 registers */
-
-int64_t kvp_prefill_scratch(int64_t seq, int64_t kv_heads, int64_t dim) {
-    const int64_t padded = (seq + BLOCK_KEYS - 1) / BLOCK_KEYS * BLOCK_KEYS;
-    return 2 * kv_heads * padded * dim;
-}
-
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
+#define BLOCK_KEYS 64  /* keys a block: a register block's scores of it (6 rows x 4 vectors) fill 24 registers */
 #define ROWS 6         /* query rows a register block carries */
 #define TILE_ROWS 60   /* query rows that take each key block in turn while it stays in L1 */
 #define MAX_DIM 256
@@ -154,8 +149,10 @@ static inline __attribute__((always_inline)) void block_rows(const uint16_t *con
 }
 
 /* Query rows r0 .. r0 + count - 1 of KV head h (row r: token r / group, query head h * group + r % group). */
-static inline __attribute__((always_inline)) void tile(const uint16_t *q, int64_t q_stride, int64_t heads, int64_t group, int64_t h, int64_t context, int64_t r0,
-                 int64_t count, const uint32_t *kp, const uint32_t *vp, int64_t dim, float scale, uint16_t *out) {
+static inline __attribute__((always_inline)) void tile(const uint16_t *q, int64_t q_stride, int64_t heads,
+                                                       int64_t group, int64_t h, int64_t context, int64_t r0,
+                                                       int64_t count, const uint32_t *kp, const uint32_t *vp,
+                                                       int64_t dim, float scale, uint16_t *out) {
     float o[TILE_ROWS * MAX_DIM], m[TILE_ROWS], l[TILE_ROWS];
     const uint16_t *rows[TILE_ROWS];
     int64_t pos[TILE_ROWS];
@@ -192,9 +189,9 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *q, int64_
     }
 }
 
-int kvp_prefill_attention(const void *q, int64_t q_stride, const void *keys, int64_t k_stride, const void *values, int64_t v_stride,
-                          int64_t new, int64_t seq, int64_t heads, int64_t kv_heads, int64_t dim, float scale,
-                          void *packed, void *out, int threads) {
+int kvp_prefill_attention(const void *q, int64_t q_stride, const void *keys, int64_t k_stride, const void *values,
+                          int64_t v_stride, int64_t new, int64_t seq, int64_t heads, int64_t kv_heads, int64_t dim,
+                          float scale, void *packed, void *out, int threads) {
     if (dim % 64 || dim > MAX_DIM) return -1;
     const int64_t group = heads / kv_heads, context = seq - new, rows = new * group;
     const int64_t padded = (seq + BLOCK_KEYS - 1) / BLOCK_KEYS * BLOCK_KEYS, head_words = padded * dim / 2;
@@ -209,10 +206,11 @@ int kvp_prefill_attention(const void *q, int64_t q_stride, const void *keys, int
     for (int64_t task = 0; task < kv_heads * tiles; task++) {
         const int64_t h = task % kv_heads, r0 = (task / kv_heads) * TILE_ROWS;
         const int64_t count = rows - r0 < TILE_ROWS ? rows - r0 : TILE_ROWS;
+        const uint32_t *keys_packed = kp + h * head_words, *values_packed = vp + h * head_words;
         if (dim == 64) /* the common head size: specialized */
-            tile(q, q_stride, heads, group, h, context, r0, count, kp + h * head_words, vp + h * head_words, 64, scale, out);
+            tile(q, q_stride, heads, group, h, context, r0, count, keys_packed, values_packed, 64, scale, out);
         else
-            tile(q, q_stride, heads, group, h, context, r0, count, kp + h * head_words, vp + h * head_words, dim, scale, out);
+            tile(q, q_stride, heads, group, h, context, r0, count, keys_packed, values_packed, dim, scale, out);
     }
     return 0;
 }
