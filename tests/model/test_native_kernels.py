@@ -2,6 +2,7 @@
 build for this CPU and the portable builds (AVX2 where the CPU has it; plain C anywhere), each row or decode
 independent of the batch and of the thread count, and PyTorch's ops kept where none builds."""
 
+import contextlib
 import ctypes
 import os
 import shutil
@@ -52,6 +53,17 @@ BUILDS = [
 ]
 
 
+@contextlib.contextmanager
+def thread_count(n: int):
+    """PyTorch's thread count, which the kernels take as theirs, set to ``n`` inside the block."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
 def bound(name: str, flags: tuple[str, ...], module):
     """``name``'s kernel built with ``flags``, bound by ``module`` (not the build this process uses)."""
     return module.bind(ctypes.CDLL(str(native_kernels.build(name, COMPILER, flags))))
@@ -92,12 +104,8 @@ def test_decode_attention_is_free_of_the_thread_count_and_of_extreme_scores() ->
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), native_attention.reference_attention(q, cache, table, lens, 0.125),
                                rtol=1e-5, atol=1e-5)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
+    with thread_count(2):
         assert torch.equal(native_attention.decode_attention(q, cache, table, lens, 0.125), out)
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -133,12 +141,8 @@ def test_prefill_attention_matches_its_reference_and_each_row_is_its_own(prefill
                                             fn=prefill_fn)
     tail = native_prefill.prefill_attention(q[split:], keys, values, dim**-0.5, fn=prefill_fn)
     assert torch.equal(torch.cat([head, tail]), out)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
+    with thread_count(2):
         assert torch.equal(native_prefill.prefill_attention(q, keys, values, dim**-0.5, fn=prefill_fn), out)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_prefill_attention_takes_scores_far_beyond_exps_range(prefill_fn) -> None:
@@ -220,12 +224,8 @@ def test_int4_matmul_matches_its_reference_and_each_row_is_its_own() -> None:
         torch.testing.assert_close(out.double(), expected, rtol=2**-8, atol=1e-5 * float(expected.abs().max()))
         for r in range(9):
             assert torch.equal(native_int4.int4_matmul(x[r : r + 1], packed, scales_and_zeros, n)[0], out[r])
-        threads = torch.get_num_threads()
-        try:
-            torch.set_num_threads(2)
+        with thread_count(2):
             assert torch.equal(native_int4.int4_matmul(x, packed, scales_and_zeros, n), out)
-        finally:
-            torch.set_num_threads(threads)
 
 
 @needs_compiler
@@ -271,12 +271,8 @@ def test_int8_matmul_matches_its_reference_and_each_row_is_its_own() -> None:
             assert (out.double() - exact).norm() / exact.norm() < 1e-4
             for r in range(9):
                 assert torch.equal(native_int8.int8_matmul(x[r : r + 1], packed, packed_scales, n)[0], out[r])
-            threads = torch.get_num_threads()
-            try:
-                torch.set_num_threads(2)
+            with thread_count(2):
                 assert torch.equal(native_int8.int8_matmul(x, packed, packed_scales, n), out)
-            finally:
-                torch.set_num_threads(threads)
 
 
 @needs_compiler
@@ -355,19 +351,14 @@ def test_a_decode_step_in_one_call_computes_the_layers_bits(int4_model, monkeypa
         caches = allocate_kv_cache(int4_model.config, 40, block, torch.bfloat16, "cpu")
         for t, table in zip(tokens, tables, strict=True):
             run_batch(int4_model, caches, block, [Chunk(t, 0, len(t) - 1, table)])
-        saved = torch.get_num_threads()
-        with monkeypatch.context() as patch:
+        with monkeypatch.context() as patch, thread_count(threads):
             if not fused:
                 patch.setattr(native_decode.DecodeStep, "of", lambda *args: None)
             calls = []
             run = native_decode.DecodeStep.run
             patch.setattr(native_decode.DecodeStep, "run", lambda *a, **k: calls.append(1) or run(*a, **k))
             steps = [Chunk(t, len(t) - 1, 1, b) for t, b in zip(tokens, tables, strict=True)]
-            try:
-                torch.set_num_threads(threads)
-                logits = run_batch(int4_model, caches, block, steps)
-            finally:
-                torch.set_num_threads(saved)
+            logits = run_batch(int4_model, caches, block, steps)
         assert len(calls) == fused
         return logits, [c.kv.clone() for c in caches]
 
