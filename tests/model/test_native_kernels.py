@@ -64,6 +64,15 @@ def thread_count(n: int):
         torch.set_num_threads(saved)
 
 
+def assert_rows_are_their_own(matmul, x: torch.Tensor, out: torch.Tensor, *weights) -> None:
+    """``matmul(rows, *weights)`` of each row of x alone gives its row of ``out`` (x's result), and so do all rows
+    on two threads: a row's result depends neither on the other rows nor on the thread count."""
+    for r in range(x.shape[0]):
+        assert torch.equal(matmul(x[r : r + 1], *weights)[0], out[r])
+    with thread_count(2):
+        assert torch.equal(matmul(x, *weights), out)
+
+
 def bound(name: str, flags: tuple[str, ...], module):
     """``name``'s kernel built with ``flags``, bound by ``module`` (not the build this process uses)."""
     return module.bind(ctypes.CDLL(str(native_kernels.build(name, COMPILER, flags))))
@@ -222,10 +231,7 @@ def test_int4_matmul_matches_its_reference_and_each_row_is_its_own() -> None:
         out = native_int4.int4_matmul(x, packed, scales_and_zeros, n)
         expected = native_int4.reference_matmul(x, q, scales, zeros)
         torch.testing.assert_close(out.double(), expected, rtol=2**-8, atol=1e-5 * float(expected.abs().max()))
-        for r in range(9):
-            assert torch.equal(native_int4.int4_matmul(x[r : r + 1], packed, scales_and_zeros, n)[0], out[r])
-        with thread_count(2):
-            assert torch.equal(native_int4.int4_matmul(x, packed, scales_and_zeros, n), out)
+        assert_rows_are_their_own(native_int4.int4_matmul, x, out, packed, scales_and_zeros, n)
 
 
 @needs_compiler
@@ -269,10 +275,7 @@ def test_int8_matmul_matches_its_reference_and_each_row_is_its_own() -> None:
             torch.testing.assert_close(out.double(), expected, rtol=5e-7, atol=0)
             exact = x.double() @ (q.double() * scales.bfloat16().double()[:, None]).t()
             assert (out.double() - exact).norm() / exact.norm() < 1e-4
-            for r in range(9):
-                assert torch.equal(native_int8.int8_matmul(x[r : r + 1], packed, packed_scales, n)[0], out[r])
-            with thread_count(2):
-                assert torch.equal(native_int8.int8_matmul(x, packed, packed_scales, n), out)
+            assert_rows_are_their_own(native_int8.int8_matmul, x, out, packed, packed_scales, n)
 
 
 @needs_compiler
