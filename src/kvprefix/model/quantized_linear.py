@@ -87,8 +87,7 @@ class Int8Linear(nn.Module):
     """y = x @ (q * scale[:, None]).T + bias, with q int8 [out, in] and scale bfloat16 [out]: on int8 activations
     above ``int8_activations_above_rows`` rows where ``int8_activations`` (default ``INT8_ACTIVATIONS``), on the
     native kernel where this CPU has it (``native_qweight``: packed in its layout) else on fbgemm's
-    (``int8_rows_matmul``: ``packed``);
-    else the weight-only op."""
+    (``int8_rows_matmul``: ``packed``); else the weight-only op."""
 
     dense_above_rows = 32  # weight-only: above this many rows, dequantize then matmul (docs/model.md)
     # One row of a projection takes the weight-only op (on fbgemm, two passes' small ops cost more than they save);
